@@ -1,0 +1,20 @@
+"""Layerwise offloading for diffusion transformers and their text encoders.
+
+Each transformer block's weights live in host memory; one block at a time is on the device,
+the next prefetched on a copy stream while the current one computes.
+"""
+
+from .apply import OffloadHandle, apply_offload
+from .config import LayerOptions, OffloadConfig, OffloadConfigError
+from .plan import OffloadPlan
+
+__all__ = [
+    "LayerOptions",
+    "OffloadConfig",
+    "OffloadConfigError",
+    "OffloadHandle",
+    "OffloadPlan",
+    "apply_offload",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,228 @@
+"""``apply_offload``: put a pipeline's blocks in host memory and stream them; the handle undoes it.
+
+Setup runs in two phases. The first reads only: config, discovery, layouts, ownership checks.
+The second consolidates block by block (each block's tensors move into one host buffer and the
+original storage is dropped), allocates the device slots, moves everything else to the device
+and installs the hooks. If anything in the second phase fails, what was done is undone and the
+target is as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig, OffloadConfigError
+from .hostmem import HostBuffer
+from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
+from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
+from .ring import BlockRing
+from .transfer import RankLocalTransfer
+
+__all__ = ["OffloadHandle", "apply_offload"]
+
+logger = logging.getLogger("omni_dist_offload")
+
+#: Attribute set on every module of an offloaded target, pointing at its handle.
+_STATE_ATTR = "_omni_offload_handle"
+
+
+class OffloadHandle:
+    """What :func:`apply_offload` did, and how to undo it."""
+
+    def __init__(self, target: Any, modules: Mapping[str, nn.Module], device: torch.device,
+                 config: OffloadConfig) -> None:
+        self.target = target
+        self.device = device
+        self.config = config
+        self.rings: list[BlockRing] = []
+        self._modules = dict(modules)
+        self._undo_moves: list[Callable[[], None]] = []
+        self._removed = False
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One dict per streamed ring (see the README for the keys)."""
+        rows = []
+        for ring in self.rings:
+            comp = ring.component
+            rows.append({
+                "component": comp.name,
+                "category": comp.category,
+                "module_class": type(comp.module).__name__,
+                "num_blocks": len(ring.layouts),
+                "weight_transfer": ring.transfer.name,
+                "fallback_reason": getattr(ring.transfer, "fallback_reason", None),
+                "block_bytes": sum(layout.tensor_bytes for layout in ring.layouts),
+                "host_bytes": ring.transfer.host_bytes(),
+                "device_slot_bytes": sum(s.numel() for s in ring.slots),
+            })
+        return rows
+
+    def remove(self) -> None:
+        """Restore every streamed tensor as an ordinary tensor on the device, bitwise equal,
+        remove the hooks and free the slots and pinned host memory. Calling it again does nothing."""
+        if self._removed:
+            return
+        self._synchronize()
+        for ring in self.rings:
+            ring.remove_hooks()
+            ring.restore(self.device)
+            ring.release()
+        self.rings = []
+        self._undo_moves = []
+        self._unmark()
+        self._removed = True
+
+    # -- setup helpers -----------------------------------------------------------------
+    def _rollback(self) -> None:
+        """Undo a partial setup: blocks and resident tensors go back where they were."""
+        self._synchronize()
+        for undo in reversed(self._undo_moves):
+            undo()
+        self._undo_moves = []
+        for ring in self.rings:
+            ring.remove_hooks()
+            ring.restore(None)
+            ring.release()
+        self.rings = []
+        self._unmark()
+        self._removed = True
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _move_resident(self, streamed: set[int]) -> None:
+        """Everything that does not stream goes to the device and stays there."""
+        done: dict[int, torch.Tensor] = {}
+        for root in self._modules.values():
+            for mod in root.modules():
+                for registry in (mod._parameters, mod._buffers):
+                    for t in registry.values():
+                        if t is None or id(t) in streamed or t.device == self.device:
+                            continue
+                        if id(t) not in done:  # a tied tensor moves once
+                            done[id(t)] = t
+                            self._undo_moves.append(functools.partial(_set_data, t, t.data))
+                            t.data = t.data.to(self.device)
+
+    def _mark(self) -> None:
+        for mod in self._modules.values():
+            setattr(mod, _STATE_ATTR, self)
+
+    def _unmark(self) -> None:
+        for mod in self._modules.values():
+            if getattr(mod, _STATE_ATTR, None) is self:
+                delattr(mod, _STATE_ATTR)
+
+
+def _set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    tensor.data = data
+
+
+def apply_offload(
+    target: Any,
+    config: OffloadConfig | Mapping[str, Any] | str,
+    *,
+    device: torch.device | str | None = None,
+    plan: OffloadPlan | None = None,
+) -> OffloadHandle:
+    """Stream the blocks of ``target``'s selected components from host memory.
+
+    ``target`` is a pipeline (any object holding its components as attributes) or a bare
+    ``nn.Module`` (streamed as the ``dit`` component). ``device`` defaults to the current CUDA
+    device when there is one, else the CPU. Returns a handle with ``summary()`` and ``remove()``.
+    """
+    cfg = OffloadConfig.parse(config)
+    dev = _resolve_device(device)
+    bare = is_bare_module(target)
+    modules = {"transformer": target} if bare else pipeline_modules(target)
+    for name, mod in modules.items():
+        if getattr(mod, _STATE_ATTR, None) is not None:
+            raise OffloadConfigError(
+                f"{name} ({type(mod).__name__}) is already offloaded: call remove() on the handle "
+                "that apply_offload returned before applying again."
+            )
+    components = discover(target, cfg, plan)
+    for comp in components:
+        if cfg.options_for(comp.category).weight_transfer == "allgather":
+            raise NotImplementedError(
+                f"{comp.name}: weight_transfer 'allgather' is not available in this build; use "
+                "'rank-local'."
+            )
+    layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
+    check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+
+    handle = OffloadHandle(target, modules, dev, cfg)
+    pin = cfg.pin_memory and dev.type == "cuda"
+    try:
+        # Why a copy stream: host-to-device copies run beside compute instead of behind it.
+        copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        for comp in components:
+            handle.rings.append(_build_ring(comp, layouts[comp.name], dev, pin, copy_stream))
+        streamed = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
+        handle._move_resident(streamed)
+        for ring in handle.rings:
+            ring.install_hooks()
+        handle._mark()
+    except BaseException:
+        handle._rollback()
+        raise
+    for row in handle.summary():
+        logger.info(
+            "%sstreaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
+            _rank_prefix(), row["component"], row["module_class"], row["category"],
+            row["num_blocks"], row["block_bytes"] / 2**20, row["weight_transfer"],
+            row["host_bytes"] / 2**20, row["device_slot_bytes"] / 2**20,
+        )
+    return handle
+
+
+def _build_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
+                pin: bool, copy_stream) -> BlockRing:
+    buffers: list[HostBuffer] = []
+    host_views: list[tuple[torch.Tensor, ...]] = []
+    try:
+        for layout in layouts:
+            buf = HostBuffer(layout.nbytes)
+            views = tuple(e.view_in(buf.tensor) for e in layout.entries)
+            for entry, view in zip(layout.entries, views):
+                view.copy_(entry.tensor.detach())
+            if pin:
+                buf.pin()
+            # From here the block's original storage is no longer referenced by the model.
+            bind(layout.entries, views)
+            buffers.append(buf)
+            host_views.append(views)
+        transfer = RankLocalTransfer(buffers, copy_stream)
+        return BlockRing(comp, layouts, transfer, device, host_views)
+    except BaseException:
+        restore_blocks(layouts[: len(host_views)], host_views, None)
+        for buf in buffers:
+            buf.release()
+        raise
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cuda", "cpu"):
+        raise OffloadConfigError(f"device {dev} is not supported: use a CUDA device or 'cpu'.")
+    return dev
+
+
+def _rank_prefix() -> str:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return f"[rank{torch.distributed.get_rank()}] "
+    rank = os.environ.get("RANK")
+    return f"[rank{rank}] " if rank is not None else ""

@@ -1,0 +1,190 @@
+"""The offload configuration: parsing and validation.
+
+A config arrives as a dict, a JSON string or an :class:`OffloadConfig`. Everything is checked
+before any model is touched, so a bad config changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+__all__ = [
+    "COMPONENTS",
+    "WEIGHT_TRANSFERS",
+    "LayerOptions",
+    "OffloadConfig",
+    "OffloadConfigError",
+]
+
+#: Component categories that can be streamed block by block.
+COMPONENTS: tuple[str, ...] = ("dit", "text_encoder")
+#: How a block's weights reach the device.
+WEIGHT_TRANSFERS: tuple[str, ...] = ("rank-local", "allgather")
+_MODES: tuple[str, ...] = ("layer",)
+
+WeightTransfer = Literal["rank-local", "allgather"]
+
+
+class OffloadConfigError(ValueError):
+    """A configuration, plan or model that cannot be offloaded as asked.
+
+    Raised before anything is changed; the message names what was found and how to fix it.
+    """
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerOptions:
+    """Per-component options of ``mode: "layer"``."""
+
+    weight_transfer: WeightTransfer = "rank-local"
+    """``"rank-local"``: every rank keeps the full block in host memory and copies it to its
+    device. ``"allgather"``: every rank keeps one shard; the device rebuilds the block by an
+    all-gather across the ranks of this host."""
+
+    def __post_init__(self) -> None:
+        _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """What to stream and how. See ``docs/integration.md`` for the full schema."""
+
+    mode: str = "layer"
+    """Only ``"layer"``: one block on the device at a time, the next prefetched."""
+
+    components: tuple[str, ...] = ("dit",)
+    """Which component categories stream their blocks: ``"dit"``, ``"text_encoder"`` or both."""
+
+    layer_options: Mapping[str, LayerOptions] = field(default_factory=dict)
+    """Options per listed component; a component without an entry uses the defaults."""
+
+    pin_memory: bool = True
+    """Page-lock the host copies when an accelerator is present (needed for asynchronous
+    copies). Ignored on a machine without one."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, _MODES)
+        components = self.components
+        if isinstance(components, str) or not isinstance(components, (list, tuple)):
+            raise OffloadConfigError(
+                f"config key 'components' must be a non-empty list of {list(COMPONENTS)}, "
+                f"found {components!r}."
+            )
+        if not components:
+            raise OffloadConfigError(
+                f"config key 'components' is empty: list at least one of {list(COMPONENTS)}."
+            )
+        for name in components:
+            _check_choice("components[]", name, COMPONENTS)
+        repeated = sorted({c for c in components if components.count(c) > 1})
+        if repeated:
+            raise OffloadConfigError(
+                f"config key 'components' repeats {repeated}: list each component once."
+            )
+        object.__setattr__(self, "components", tuple(components))
+        if not isinstance(self.layer_options, Mapping):
+            raise OffloadConfigError(
+                f"config key 'layer_options' must be a mapping from component to options, "
+                f"found {type(self.layer_options).__name__}."
+            )
+        for name, options in self.layer_options.items():
+            if name not in self.components:
+                raise OffloadConfigError(
+                    f"config key 'layer_options' has options for {name!r}, which is not in "
+                    f"'components' {list(self.components)}: add it to 'components' or drop its options."
+                )
+            if not isinstance(options, LayerOptions):
+                raise OffloadConfigError(
+                    f"config key 'layer_options.{name}' must be LayerOptions, found {type(options).__name__}."
+                )
+        if not isinstance(self.pin_memory, bool):
+            raise OffloadConfigError(
+                f"config key 'pin_memory' must be true or false, found {self.pin_memory!r}."
+            )
+
+    def options_for(self, category: str) -> LayerOptions:
+        """The layer options of one component category (defaults when none were given)."""
+        return self.layer_options.get(category, _DEFAULT_LAYER_OPTIONS)
+
+    @classmethod
+    def parse(cls, config: "OffloadConfig | Mapping[str, Any] | str") -> "OffloadConfig":
+        """Build a config from a dict, a JSON string or a config (returned as is)."""
+        if isinstance(config, OffloadConfig):
+            return config
+        if isinstance(config, (str, bytes)):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as exc:
+                raise OffloadConfigError(
+                    f"offload config is not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                    f"{exc.colno}): pass an object such as "
+                    '{"mode": "layer", "components": ["dit"]}.'
+                ) from None
+        if not isinstance(config, Mapping):
+            raise OffloadConfigError(
+                f"offload config must be a JSON object or dict, found {type(config).__name__}."
+            )
+        return cls._from_mapping(config)
+
+    @classmethod
+    def _from_mapping(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
+        _check_keys("config", raw, ("mode", "components", "layer_options", "pin_memory"))
+        if "mode" not in raw:
+            raise OffloadConfigError(
+                "config key 'mode' is missing: set \"mode\": \"layer\"."
+            )
+        kwargs: dict[str, Any] = {"mode": raw["mode"]}
+        if "components" in raw:
+            kwargs["components"] = raw["components"]
+        if "pin_memory" in raw:
+            kwargs["pin_memory"] = raw["pin_memory"]
+        raw_options = raw.get("layer_options", {})
+        if not isinstance(raw_options, Mapping):
+            raise OffloadConfigError(
+                f"config key 'layer_options' must be an object keyed by component, "
+                f"found {raw_options!r}."
+            )
+        options = {}
+        for name, value in raw_options.items():
+            if not isinstance(value, Mapping):
+                raise OffloadConfigError(
+                    f"config key 'layer_options.{name}' must be an object such as "
+                    f'{{"weight_transfer": "rank-local"}}, found {value!r}.'
+                )
+            _check_keys(f"layer_options.{name}", value, LayerOptions.__slots__)
+            options[name] = LayerOptions(**value)
+        kwargs["layer_options"] = options
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON-able data (the schema :meth:`parse` reads)."""
+        return {
+            "mode": self.mode,
+            "components": list(self.components),
+            "layer_options": {
+                name: {"weight_transfer": opts.weight_transfer}
+                for name, opts in self.layer_options.items()
+            },
+            "pin_memory": self.pin_memory,
+        }
+
+
+
+def _check_keys(where: str, raw: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = [k for k in raw if k not in allowed]
+    if unknown:
+        raise OffloadConfigError(
+            f"unknown key {unknown[0]!r} in {where}: allowed keys are {list(allowed)}."
+        )
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], where: str = "config") -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise OffloadConfigError(
+            f"{where} key {key!r} has value {value!r}: allowed values are {list(allowed)}."
+        )
+
+
+_DEFAULT_LAYER_OPTIONS = LayerOptions()

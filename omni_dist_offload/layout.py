@@ -1,0 +1,183 @@
+"""Host layout of a block: every parameter and buffer at an aligned offset in one byte buffer.
+
+A block's tensors, whatever their dtypes, are packed into one flat ``uint8`` buffer. Each
+tensor keeps its shape and strides: a dense tensor (contiguous or a permutation of contiguous,
+e.g. a transposed weight) is stored in its own memory order, so the views rebuilt on the device
+have the strides of the original and kernels see exactly what they saw before offloading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .config import OffloadConfigError
+
+__all__ = [
+    "ALIGNMENT", "BlockLayout", "TensorEntry", "bind", "check_ownership", "layout_block", "restore_blocks",
+]
+
+#: Offset alignment of every tensor in a block buffer, in bytes.
+ALIGNMENT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One distinct tensor of a block and where it lives in the block buffer."""
+
+    name: str
+    """Qualified name within the component (``blocks.3.attn1.to_q.weight``)."""
+    tensor: torch.Tensor
+    """The parameter or buffer object; it is kept, only its ``.data`` moves."""
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    storage_shape: tuple[int, ...]
+    """Shape of the tensor in its dense memory order."""
+    inverse_perm: tuple[int, ...] | None
+    """Permutation from ``storage_shape`` back to the tensor's shape (None: identity)."""
+    origin: torch.device
+    """Device the tensor was on before offloading (restored there if setup fails)."""
+
+    def view_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor as a view into a block buffer (host or device)."""
+        flat = buffer[self.offset : self.offset + self.nbytes].view(self.dtype)
+        view = flat.view(self.storage_shape)
+        return view.permute(self.inverse_perm) if self.inverse_perm is not None else view
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """The packed layout of one block."""
+
+    index: int
+    """Position in the ring."""
+    name: str
+    module: nn.Module
+    entries: tuple[TensorEntry, ...]
+    nbytes: int
+    """Buffer size, alignment padding included."""
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def layout_block(index: int, name: str, block: nn.Module) -> BlockLayout:
+    """Plan the buffer of one block. Reads the block, changes nothing."""
+    entries = []
+    offset = 0
+    seen: set[int] = set()
+    for mod_name, mod in block.named_modules(remove_duplicate=False):
+        for registry in (mod._parameters, mod._buffers):
+            for attr, t in registry.items():
+                if t is None or id(t) in seen:  # a tied tensor is stored once
+                    continue
+                seen.add(id(t))
+                qual = f"{name}.{mod_name}.{attr}" if mod_name else f"{name}.{attr}"
+                if t.is_meta:
+                    raise OffloadConfigError(
+                        f"{qual} is on the meta device: load real weights before offloading "
+                        "(e.g. call to_empty() and load a state dict, or build the model with "
+                        "from_pretrained without leaving weights on 'meta')."
+                    )
+                storage_shape, inverse_perm = _dense_order(t)
+                nbytes = t.numel() * t.element_size()
+                entries.append(TensorEntry(qual, t, offset, nbytes, t.dtype, storage_shape,
+                                           inverse_perm, t.device))
+                offset = _align(offset + nbytes)
+    return BlockLayout(index, name, block, tuple(entries), offset)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _dense_order(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The tensor's memory order, if it is a permutation of a contiguous tensor.
+
+    Non-dense tensors (views with gaps or overlaps) are stored contiguously: their values are
+    kept, their strides cannot be.
+    """
+    if t.is_contiguous() or t.dim() < 2:
+        return tuple(t.shape), None
+    perm = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    permuted = t.permute(perm)
+    if not permuted.is_contiguous():
+        return tuple(t.shape), None
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return tuple(permuted.shape), tuple(inverse)
+
+
+def bind(entries: Sequence[TensorEntry], tensors: Sequence[torch.Tensor]) -> None:
+    """Point every entry at new storage. Parameters and buffers stay the same Python objects
+    (``.data`` swaps the storage underneath), so tied tensors follow and identity is kept."""
+    for entry, tensor in zip(entries, tensors):
+        entry.tensor.data = tensor
+
+
+def restore_blocks(
+    layouts: Sequence[BlockLayout],
+    host_views: Sequence[Sequence[torch.Tensor]],
+    device: torch.device | None,
+) -> None:
+    """Give each block tensor ordinary storage again, bitwise equal to its host copy, on
+    ``device`` (None: the device it was on before offloading)."""
+    for layout, views in zip(layouts, host_views):
+        bind(layout.entries, [
+            torch.empty_strided(v.size(), v.stride(), dtype=v.dtype,
+                                device=device if device is not None else e.origin).copy_(v)
+            for e, v in zip(layout.entries, views)
+        ])
+
+
+def check_ownership(
+    layouts: Iterable[tuple[str, Sequence[BlockLayout]]],
+    modules: dict[str, nn.Module],
+) -> None:
+    """Reject tensors shared between blocks, or between a block and anything outside it.
+
+    A shared tensor cannot live in two places: streaming it with one block would leave the other
+    owner reading a host tensor or another block's weights.
+    """
+    block_of_module: dict[int, str] = {}
+    block_of_tensor: dict[int, tuple[str, str]] = {}
+    block_of_storage: dict[tuple[str, int], tuple[str, str]] = {}
+    for comp, blocks in layouts:
+        for layout in blocks:
+            where = f"{comp}.{layout.name}"
+            for mod in layout.module.modules():
+                other = block_of_module.setdefault(id(mod), where)
+                if other != where:
+                    raise OffloadConfigError(
+                        f"module {type(mod).__name__} is shared by {other} and {where}: a block "
+                        "must own its modules. Give each block its own copy, or keep the model resident."
+                    )
+            for e in layout.entries:
+                block_of_tensor[id(e.tensor)] = (where, f"{comp}.{e.name}")
+                if e.nbytes:
+                    key = (str(e.tensor.device), e.tensor.untyped_storage().data_ptr())
+                    block_of_storage.setdefault(key, (where, f"{comp}.{e.name}"))
+    for comp, root in modules.items():
+        for mod_name, mod in root.named_modules(remove_duplicate=False):
+            here = block_of_module.get(id(mod))
+            for registry in (mod._parameters, mod._buffers):
+                for attr, t in registry.items():
+                    if t is None:
+                        continue
+                    owner = block_of_tensor.get(id(t))
+                    if owner is None and t.numel() and not t.is_meta:
+                        owner = block_of_storage.get((str(t.device), t.untyped_storage().data_ptr()))
+                    if owner is not None and owner[0] != here:
+                        user = f"{comp}.{mod_name}.{attr}" if mod_name else f"{comp}.{attr}"
+                        raise OffloadConfigError(
+                            f"tensor {owner[1]} (streamed with block {owner[0]}) is shared with "
+                            f"{user} ({'block ' + here if here else 'a resident module'}): a "
+                            "streamed tensor must belong to one block. Untie the weights (clone "
+                            "one of them) or leave this component out of 'components'."
+                        )

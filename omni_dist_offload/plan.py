@@ -1,0 +1,326 @@
+"""Which modules of a target stream their blocks, and where the blocks are.
+
+Discovery never changes the target. Its result, a list of :class:`StreamedComponent`, says for
+each streamed component its attribute name, category and the ``nn.ModuleList``s that form its
+ring, in execution order.
+
+Where the block lists come from, first match wins:
+
+* DiT: the class attribute ``_layerwise_offload_blocks_attrs``; the built-in table
+  :data:`DIT_BLOCK_ATTRS` (by class name, subclasses included); a scan for one dominant
+  ``ModuleList``.
+* Text encoder: the pipeline's ``OffloadPlan.encoder_block_attrs``; the class attribute; the
+  built-in table :data:`ENCODER_BLOCK_ATTRS`; the scan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from torch import nn
+
+from .config import OffloadConfig, OffloadConfigError
+
+__all__ = [
+    "DIT_BLOCK_ATTRS",
+    "ENCODER_BLOCK_ATTRS",
+    "OffloadPlan",
+    "StreamedComponent",
+    "discover",
+    "pipeline_modules",
+]
+
+logger = logging.getLogger("omni_dist_offload")
+
+#: Block lists of unmodified diffusers DiT classes, in the order their forward runs them.
+DIT_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
+    # Wan 2.1 / 2.2 (A14B's transformer_2 is the same class) and derivatives.
+    "WanTransformer3DModel": ("blocks",),
+    "WanVACETransformer3DModel": ("vace_blocks", "blocks"),
+    "SkyReelsV2Transformer3DModel": ("blocks",),
+    "ChronoEditTransformer3DModel": ("blocks",),
+    # Flux family: dual-stream blocks, then single-stream blocks.
+    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "Flux2Transformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "ChromaTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "QwenImageTransformer2DModel": ("transformer_blocks",),
+    "HunyuanVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "HunyuanVideoFramepackTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
+    "HunyuanImageTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "LTXVideoTransformer3DModel": ("transformer_blocks",),
+    "LTX2VideoTransformer3DModel": ("transformer_blocks",),
+    "CogVideoXTransformer3DModel": ("transformer_blocks",),
+    "CogView4Transformer2DModel": ("transformer_blocks",),
+    "SD3Transformer2DModel": ("transformer_blocks",),
+    "MochiTransformer3DModel": ("transformer_blocks",),
+    "PixArtTransformer2DModel": ("transformer_blocks",),
+    "SanaTransformer2DModel": ("transformer_blocks",),
+    "SanaVideoTransformer3DModel": ("transformer_blocks",),
+    "AllegroTransformer3DModel": ("transformer_blocks",),
+    "CosmosTransformer3DModel": ("transformer_blocks",),
+}
+
+#: Block lists of common transformers text encoders. Each entry lists alternatives, tried in
+#: order, because attribute paths moved between transformers releases.
+ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "T5EncoderModel": (("encoder.block",),),
+    "UMT5EncoderModel": (("encoder.block",),),
+    "MT5EncoderModel": (("encoder.block",),),
+    "CLIPTextModel": (("text_model.encoder.layers",), ("encoder.layers",)),
+    "CLIPTextModelWithProjection": (("text_model.encoder.layers",), ("encoder.layers",)),
+    "Qwen2Model": (("layers",),),
+    "Qwen2ForCausalLM": (("model.layers",),),
+    "Qwen2_5_VLForConditionalGeneration": (("model.language_model.layers",), ("model.layers",)),
+    "Qwen2VLForConditionalGeneration": (("model.language_model.layers",), ("model.layers",)),
+    "Qwen2_5_VLModel": (("language_model.layers",), ("layers",)),
+    "Qwen3Model": (("layers",),),
+    "Qwen3ForCausalLM": (("model.layers",),),
+    "LlamaModel": (("layers",),),
+    "LlamaForCausalLM": (("model.layers",),),
+    "GemmaModel": (("layers",),),
+    "Gemma2Model": (("layers",),),
+    "GemmaForCausalLM": (("model.layers",),),
+    "Gemma2ForCausalLM": (("model.layers",),),
+    "Gemma3ForCausalLM": (("model.layers",),),
+    "Gemma3TextModel": (("layers",),),
+    "Gemma3ForConditionalGeneration": (("model.language_model.layers",), ("language_model.model.layers",)),
+}
+
+#: Name-based fallback for pipelines without an OffloadPlan entry for a component.
+_NAME_CATEGORIES: dict[str, str] = {
+    "transformer": "dit",
+    "transformer_2": "dit",
+    "text_encoder": "text_encoder",
+    "text_encoder_2": "text_encoder",
+    "text_encoder_3": "text_encoder",
+}
+
+#: A scanned ModuleList must hold at least this share of its component's tensor bytes.
+_SCAN_MIN_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadPlan:
+    """A pipeline's declaration of its encoders, for pipelines the name-based fallback misses.
+
+    Declare it as a class attribute ``_offload_plan`` or pass it as ``apply_offload(plan=...)``::
+
+        _offload_plan = OffloadPlan(
+            encoder_component_types={"prompt_model": "text_encoder"},
+            encoder_block_attrs={"prompt_model": ("encoder.layers",)},
+        )
+    """
+
+    encoder_component_types: Mapping[str, str] = field(default_factory=dict)
+    """Pipeline attribute -> category (``"text_encoder"`` streams with the ``text_encoder``
+    component; any other category, e.g. ``"image_encoder"``, stays resident)."""
+
+    encoder_block_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Pipeline attribute -> dotted paths of its block ``ModuleList``s, in execution order."""
+
+    dit_components: tuple[str, ...] = ()
+    """Pipeline attributes holding DiTs, beyond the conventional ``transformer``/``transformer_2``."""
+
+    def __post_init__(self) -> None:
+        for name, paths in self.encoder_block_attrs.items():
+            if isinstance(paths, str) or not all(isinstance(p, str) for p in paths) or not paths:
+                raise OffloadConfigError(
+                    f"OffloadPlan.encoder_block_attrs[{name!r}] must be a non-empty tuple of "
+                    f"dotted attribute paths such as ('encoder.layers',), found {paths!r}."
+                )
+        for name, category in self.encoder_component_types.items():
+            if not isinstance(category, str):
+                raise OffloadConfigError(
+                    f"OffloadPlan.encoder_component_types[{name!r}] must be a category name "
+                    f"such as 'text_encoder', found {category!r}."
+                )
+
+    def category_of(self, name: str) -> str | None:
+        if name in self.encoder_component_types:
+            return self.encoder_component_types[name]
+        if name in self.dit_components:
+            return "dit"
+        return _NAME_CATEGORIES.get(name)
+
+
+@dataclass(frozen=True)
+class StreamedComponent:
+    """One component whose blocks stream, and the ring they form."""
+
+    name: str
+    """Pipeline attribute name (``transformer``, ``transformer_2``, ``text_encoder``...)."""
+    category: str
+    """``"dit"`` or ``"text_encoder"``."""
+    module: nn.Module
+    block_attrs: tuple[str, ...]
+    """Dotted paths of the block lists, in execution order."""
+    blocks: tuple[tuple[str, nn.Module], ...]
+    """(qualified name within the component, block) in ring order."""
+    source: str
+    """Where the block lists came from (for logs)."""
+
+
+def pipeline_modules(target: Any) -> dict[str, nn.Module]:
+    """The ``nn.Module`` components of a pipeline-like object, by attribute name."""
+    components = getattr(target, "components", None)
+    if isinstance(components, Mapping):
+        items: Iterable[tuple[str, Any]] = components.items()
+    elif isinstance(target, nn.Module):
+        items = target.named_children()
+    else:
+        items = vars(target).items()
+    return {name: mod for name, mod in items if isinstance(mod, nn.Module)}
+
+
+def is_bare_module(target: Any) -> bool:
+    """A bare model (treated as the ``dit`` component) rather than a pipeline."""
+    if not isinstance(target, nn.Module):
+        return False
+    if hasattr(target, "_offload_plan"):
+        return False
+    if _declared_attrs(target) is not None or _table_attrs(target, DIT_BLOCK_ATTRS) is not None:
+        return True
+    # An nn.Module that holds conventional components is a pipeline written as a module.
+    return not any(name in _NAME_CATEGORIES for name, _ in target.named_children())
+
+
+def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None) -> list[StreamedComponent]:
+    """Resolve which components stream and their block lists. Changes nothing."""
+    if is_bare_module(target):
+        if "dit" not in config.components:
+            raise OffloadConfigError(
+                f"the target is a bare {type(target).__name__}, which streams as the 'dit' "
+                f"component, but 'components' is {list(config.components)}: list 'dit', or "
+                "pass the pipeline that holds the text encoder."
+            )
+        return [_resolve_component("transformer", "dit", target, plan)]
+    plan = plan if plan is not None else getattr(target, "_offload_plan", None) or OffloadPlan()
+    if not isinstance(plan, OffloadPlan):
+        raise OffloadConfigError(
+            f"plan must be an OffloadPlan, found {type(plan).__name__}."
+        )
+    modules = pipeline_modules(target)
+    missing = [n for n in plan.encoder_block_attrs if n not in plan.encoder_component_types and plan.category_of(n) is None]
+    if missing:
+        raise OffloadConfigError(
+            f"OffloadPlan.encoder_block_attrs names {missing}, which have no category: add them "
+            "to encoder_component_types, e.g. {'%s': 'text_encoder'}." % missing[0]
+        )
+    found: list[StreamedComponent] = []
+    for category in config.components:
+        names = [n for n, m in modules.items() if plan.category_of(n) == category]
+        if not names:
+            raise OffloadConfigError(
+                f"'components' lists {category!r}, but {type(target).__name__} has no module of "
+                f"that category (its modules: {sorted(modules)}). Remove {category!r} from "
+                "'components', or declare the module in an OffloadPlan "
+                "(encoder_component_types / dit_components)."
+            )
+        found.extend(_resolve_component(n, category, modules[n], plan) for n in names)
+    return found
+
+
+def _resolve_component(name: str, category: str, module: nn.Module, plan: OffloadPlan | None) -> StreamedComponent:
+    attempts: list[tuple[tuple[str, ...], str]] = []
+    if category == "text_encoder" and plan is not None and name in plan.encoder_block_attrs:
+        attempts.append((tuple(plan.encoder_block_attrs[name]), "OffloadPlan.encoder_block_attrs"))
+    declared = _declared_attrs(module)
+    if declared is not None:
+        attempts.append((declared, f"{type(module).__name__}._layerwise_offload_blocks_attrs"))
+    if attempts:
+        # Declarations are authoritative: a wrong one is an error, not a reason to guess.
+        attrs, source = attempts[0]
+        return _component(name, category, module, attrs, source, strict=True)
+    table = DIT_BLOCK_ATTRS if category == "dit" else ENCODER_BLOCK_ATTRS
+    entry = _table_attrs(module, table)
+    if entry is not None:
+        for attrs in entry if category == "text_encoder" else (entry,):
+            comp = _component(name, category, module, attrs, "built-in table", strict=False)
+            if comp is not None:
+                return comp
+    attrs = _scan(name, module)
+    logger.info("%s (%s): blocks found by scan at %s", name, type(module).__name__, list(attrs))
+    return _component(name, category, module, attrs, "scan", strict=True)
+
+
+def _component(name, category, module, attrs, source, *, strict) -> StreamedComponent | None:
+    blocks: list[tuple[str, nn.Module]] = []
+    for path in attrs:
+        lst = _get_path(module, path)
+        if not isinstance(lst, nn.ModuleList) or len(lst) == 0:
+            if not strict:
+                return None
+            what = "does not exist" if lst is None else (
+                "is empty" if isinstance(lst, nn.ModuleList) else f"is a {type(lst).__name__}, not an nn.ModuleList"
+            )
+            raise OffloadConfigError(
+                f"{name} ({type(module).__name__}): block list {path!r} from {source} {what}. "
+                f"ModuleLists seen: {_module_lists(module) or 'none'}. Fix the declaration to name "
+                "the ModuleList(s) that hold the transformer blocks."
+            )
+        blocks.extend((f"{path}.{i}", block) for i, block in enumerate(lst))
+    return StreamedComponent(name, category, module, tuple(attrs), tuple(blocks), source)
+
+
+def _declared_attrs(module: nn.Module) -> tuple[str, ...] | None:
+    attrs = getattr(type(module), "_layerwise_offload_blocks_attrs", None)
+    if attrs is None:
+        return None
+    if isinstance(attrs, str) or not attrs or not all(isinstance(a, str) for a in attrs):
+        raise OffloadConfigError(
+            f"{type(module).__name__}._layerwise_offload_blocks_attrs must be a non-empty list of "
+            f"dotted attribute paths such as ['blocks'], found {attrs!r}."
+        )
+    return tuple(attrs)
+
+
+def _table_attrs(module: nn.Module, table: Mapping[str, Any]) -> Any:
+    for cls in type(module).__mro__:
+        if cls.__name__ in table:
+            return table[cls.__name__]
+    return None
+
+
+def _get_path(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _module_lists(module: nn.Module) -> list[str]:
+    return [f"{n} ({len(m)})" for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and n]
+
+
+def _scan(name: str, module: nn.Module) -> tuple[str, ...]:
+    """The one ModuleList that holds most of the component's bytes, if there is one."""
+    total = sum(t.numel() * t.element_size() for t in _tensors(module))
+    best: tuple[int, str] | None = None
+    for path, lst in module.named_modules():
+        if not path or not isinstance(lst, nn.ModuleList) or len(lst) < 2:
+            continue
+        size = sum(t.numel() * t.element_size() for t in _tensors(lst))
+        if best is None or size > best[0]:
+            best = (size, path)
+    if best is None or total == 0 or best[0] < _SCAN_MIN_SHARE * total:
+        raise OffloadConfigError(
+            f"{name} ({type(module).__name__}): no transformer blocks found. ModuleLists seen: "
+            f"{_module_lists(module) or 'none'}. Declare them with "
+            f"{type(module).__name__}._layerwise_offload_blocks_attrs = ['<path>'] or, for an "
+            "encoder, OffloadPlan(encoder_block_attrs={...})."
+        )
+    return (best[1],)
+
+
+def _tensors(module: nn.Module):
+    seen: set[int] = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+

@@ -1,0 +1,158 @@
+"""The block ring: the per-component coordinator and its hooks.
+
+One :class:`BlockRing` per streamed component. It owns two device slots, the slot events and the
+block hooks. Before block ``i`` runs, the compute stream waits until ``i`` is in a slot and the
+ring prefetches block ``i + 1`` (block 0 after the last) into the other slot; after block ``i``
+runs, the slot is marked free on the compute stream and the block's parameters point back at
+their host copies. The timeline and its invariants are in ``docs/design.md``,
+[Note: block ring timeline].
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Sequence
+
+import torch
+
+from .layout import BlockLayout, bind, restore_blocks
+from .plan import StreamedComponent
+from .transfer import WeightTransfer
+
+__all__ = ["BlockRing"]
+
+_EMPTY = -1
+_NUM_SLOTS = 2
+
+
+class BlockRing:
+    """Streams the blocks of one component through two device slots."""
+
+    def __init__(
+        self,
+        component: StreamedComponent,
+        layouts: Sequence[BlockLayout],
+        transfer: WeightTransfer,
+        device: torch.device,
+        host_views: Sequence[Sequence[torch.Tensor]],
+    ) -> None:
+        self.component = component
+        self.layouts = tuple(layouts)
+        self.transfer = transfer
+        self.device = device
+        self._cuda = device.type == "cuda"
+        slot_bytes = max(layout.nbytes for layout in layouts)
+        # The slots are allocated once and reused for every block of every step: the per-block
+        # path allocates nothing and never returns memory to the allocator mid-forward.
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_NUM_SLOTS)]
+        self._host_views = [tuple(v) for v in host_views]
+        self._slot_views = [[tuple(e.view_in(slot) for e in layout.entries) for layout in layouts]
+                            for slot in self.slots]
+        self._fill_views = [[slot[: layout.nbytes] for layout in layouts] for slot in self.slots]
+        # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
+        # waits on it before the block runs. free[s]: recorded on the compute stream after the
+        # block in slot s ran; the transfer waits on it before overwriting slot s.
+        self._ready = [torch.cuda.Event() if self._cuda else None for _ in range(_NUM_SLOTS)]
+        self._free = [torch.cuda.Event() if self._cuda else None for _ in range(_NUM_SLOTS)]
+        self._slot_block = [_EMPTY] * _NUM_SLOTS
+        self._running_slot = [_EMPTY] * len(layouts)
+        self._next = [(i + 1) % len(layouts) for i in range(len(layouts))]
+        self._last_slot = _NUM_SLOTS - 1
+        self._warm = False
+        self._warned_miss = False
+        self._warned_grad = False
+        self._hooks: list = []
+
+    # -- hooks ---------------------------------------------------------------------------
+    def install_hooks(self) -> None:
+        for layout in self.layouts:
+            self._hooks.append(layout.module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, layout.index)))
+            # always_call: a block that raises (or is interrupted) still releases its slot.
+            self._hooks.append(layout.module.register_forward_hook(
+                functools.partial(self._post_forward, layout.index), always_call=True))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- per-block path: no host synchronisation, no allocation -------------------------
+    def _pre_forward(self, i: int, module, args) -> None:
+        slot = self._slot_of(i)
+        if slot == _EMPTY:
+            slot = self._fetch_missing(i)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
+        bind(self.layouts[i].entries, self._slot_views[slot][i])
+        self._running_slot[i] = slot
+        nxt = self._next[i]
+        if self._slot_of(nxt) == _EMPTY:
+            self._fill(nxt, 1 - slot)
+        if not self._warned_grad and torch.is_grad_enabled():
+            self._warn_grad()
+
+    def _post_forward(self, i: int, module, args, output) -> None:
+        slot = self._running_slot[i]
+        if slot == _EMPTY:  # the pre-forward did not complete (interrupted): nothing to release
+            return
+        if self._cuda:
+            self._free[slot].record(torch.cuda.current_stream(self.device))
+        bind(self.layouts[i].entries, self._host_views[i])
+        self._running_slot[i] = _EMPTY
+        self._last_slot = slot
+
+    def _slot_of(self, block: int) -> int:
+        for s in range(_NUM_SLOTS):
+            if self._slot_block[s] == block:
+                return s
+        return _EMPTY
+
+    def _fill(self, block: int, slot: int) -> None:
+        # Mark the slot empty first: if the enqueue is interrupted, the slot must not claim
+        # to hold its former block.
+        self._slot_block[slot] = _EMPTY
+        self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot])
+        self._slot_block[slot] = block
+
+    def _fetch_missing(self, i: int) -> int:
+        """Block ``i`` was not prefetched: the first block ever, or blocks ran out of order."""
+        if self._warm and not self._warned_miss:
+            self._warned_miss = True
+            warnings.warn(
+                f"{self.component.name}: block {self.layouts[i].name} ran but was not prefetched "
+                "(blocks ran in another order than declared, or some were skipped). Outputs stay "
+                "correct; the block is fetched on demand and its transfer is not hidden. If the "
+                "order is intended, declare the blocks in execution order.",
+                RuntimeWarning, stacklevel=4,
+            )
+        self._warm = True
+        nxt_slot = self._slot_of(self._next[i])
+        slot = 1 - nxt_slot if nxt_slot != _EMPTY else 1 - self._last_slot
+        self._fill(i, slot)
+        return slot
+
+    def _warn_grad(self) -> None:
+        self._warned_grad = True
+        warnings.warn(
+            f"{self.component.name}: streamed blocks ran with autograd enabled. Offloading is for "
+            "inference: the device slots are reused, so a backward pass would read other blocks' "
+            "weights. Run under torch.no_grad() or torch.inference_mode().",
+            RuntimeWarning, stacklevel=4,
+        )
+
+    # -- teardown ------------------------------------------------------------------------
+    def restore(self, device: torch.device | None) -> None:
+        """Give every block tensor ordinary storage again, on ``device`` (None: where it was
+        before offloading), bitwise equal to its host copy."""
+        restore_blocks(self.layouts, self._host_views, device)
+
+    def release(self) -> None:
+        """Free the slots and host buffers. The caller has synchronised the device."""
+        self.remove_hooks()
+        self.slots = []
+        self._slot_views = []
+        self._fill_views = []
+        self._host_views = []
+        self.transfer.release()

@@ -1,0 +1,153 @@
+"""Block discovery: declarations, built-in tables, plans, name fallback, scan, and its errors."""
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from omni_dist_offload import OffloadConfig, OffloadConfigError, OffloadPlan, apply_offload
+from omni_dist_offload.plan import DIT_BLOCK_ATTRS, discover
+from omni_dist_offload import tiny
+from toys import ToyBlock, ToyDiT, assert_same, snapshot
+
+BOTH = OffloadConfig.parse({"mode": "layer", "components": ["dit", "text_encoder"]})
+DIT = OffloadConfig.parse({"mode": "layer", "components": ["dit"]})
+TE = OffloadConfig.parse({"mode": "layer", "components": ["text_encoder"]})
+
+
+def _blocks(comp):
+    return [name for name, _ in comp.blocks]
+
+
+def test_unmodified_diffusers_classes_use_the_table():
+    (wan,) = discover(tiny.tiny_wan_transformer(num_layers=2), DIT)
+    assert wan.source == "built-in table" and _blocks(wan) == ["blocks.0", "blocks.1"]
+    (flux,) = discover(tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2), DIT)
+    assert _blocks(flux) == ["transformer_blocks.0", "single_transformer_blocks.0", "single_transformer_blocks.1"]
+
+
+def test_table_names_real_diffusers_classes():
+    import diffusers
+    missing = [name for name in DIT_BLOCK_ATTRS if not hasattr(diffusers, name)]
+    assert not missing, f"not diffusers classes: {missing}"
+
+
+@pytest.mark.parametrize("build, path", [
+    (tiny.tiny_umt5_encoder, "encoder.block"),
+    (tiny.tiny_t5_encoder, "encoder.block"),
+    (tiny.tiny_clip_text_model, "encoder.layers"),  # text_model.encoder.layers before transformers 5
+    (tiny.tiny_qwen2_model, "layers"),
+])
+def test_text_encoders_by_name_and_table(build, path):
+    pipe = types.SimpleNamespace(text_encoder=build(num_layers=2), vae=nn.Linear(2, 2))
+    (comp,) = discover(pipe, TE)
+    assert comp.category == "text_encoder" and comp.block_attrs[0].endswith(path)
+    assert comp.source == "built-in table" and len(comp.blocks) == 2
+
+
+def test_plan_declares_an_encoder():
+    class PromptModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.layers = nn.ModuleList(ToyBlock(4) for _ in range(3))
+            self.head = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    class MyPipeline:
+        _offload_plan = OffloadPlan(encoder_component_types={"prompt_model": "text_encoder",
+                                                             "image_model": "image_encoder"},
+                                    encoder_block_attrs={"prompt_model": ("encoder.layers",)})
+
+        def __init__(self):
+            self.prompt_model = PromptModel()
+            self.image_model = PromptModel()
+            self.transformer = ToyDiT(2)
+
+    comps = discover(MyPipeline(), BOTH)
+    assert [(c.name, c.category, c.source) for c in comps] == [
+        ("transformer", "dit", "ToyDiT._layerwise_offload_blocks_attrs"),
+        ("prompt_model", "text_encoder", "OffloadPlan.encoder_block_attrs"),
+    ]
+    # plan= overrides the class attribute
+    other = OffloadPlan(encoder_component_types={"image_model": "text_encoder"})
+    comps = discover(MyPipeline(), TE, plan=other)
+    assert [c.name for c in comps] == ["image_model"] and comps[0].source == "scan"
+
+
+def test_scan_finds_one_dominant_list_and_refuses_otherwise():
+    class Unknown(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.embed = nn.Linear(4, 4)
+            self.layers = nn.ModuleList(ToyBlock(4) for _ in range(n))
+
+    (comp,) = discover(types.SimpleNamespace(transformer=Unknown(4)), DIT)
+    assert comp.source == "scan" and comp.block_attrs == ("layers",)
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Linear(64, 64)
+            self.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    with pytest.raises(OffloadConfigError, match=r"no transformer blocks found.*small \(2\)"):
+        discover(types.SimpleNamespace(transformer=Flat()), DIT)
+
+
+@pytest.mark.parametrize("attrs, needle", [
+    (["nope"], "'nope' from Bad._layerwise_offload_blocks_attrs does not exist"),
+    (["proj"], "is a Linear, not an nn.ModuleList"),
+    (["empty"], "is empty"),
+    ("blocks", "must be a non-empty list"),
+])
+def test_bad_declarations(attrs, needle):
+    class Bad(ToyDiT):
+        _layerwise_offload_blocks_attrs = attrs
+
+        def __init__(self):
+            super().__init__(2)
+            self.proj = nn.Linear(2, 2)
+            self.empty = nn.ModuleList()
+
+    model = Bad()
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError) as info:
+        apply_offload(model, DIT)
+    assert needle in str(info.value)
+    assert_same(before, model)
+
+
+def test_component_missing_from_pipeline():
+    pipe = types.SimpleNamespace(transformer=ToyDiT(2), vae=nn.Linear(2, 2))
+    with pytest.raises(OffloadConfigError, match=r"lists 'text_encoder'.*\['transformer', 'vae'\]"):
+        apply_offload(pipe, BOTH)
+    with pytest.raises(OffloadConfigError, match="bare ToyDiT"):
+        apply_offload(ToyDiT(2), TE)
+
+
+def test_shared_tensors_are_rejected_naming_both_owners():
+    model = ToyDiT(3)
+    model.blocks[2].lin.weight = model.blocks[0].lin.weight
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match="shared with") as info:
+        apply_offload(model, DIT)
+    assert "blocks.0.lin.weight" in str(info.value) and "blocks.2.lin.weight" in str(info.value)
+    assert_same(before, model)
+
+    model = ToyDiT(3)
+    model.proj_out.weight = model.blocks[1].lin.weight
+    with pytest.raises(OffloadConfigError, match=r"blocks\.1\.lin\.weight.*proj_out\.weight \(a resident module\)"):
+        apply_offload(model, DIT)
+
+    model = ToyDiT(3)  # distinct tensor objects over one storage count as shared too
+    model.blocks[1].register_buffer("alias", model.proj_in.weight.detach()[0])
+    with pytest.raises(OffloadConfigError, match="shared with"):
+        apply_offload(model, DIT)
+
+
+def test_meta_tensors_are_rejected():
+    with torch.device("meta"):
+        model = ToyDiT(2)
+    with pytest.raises(OffloadConfigError, match="meta device"):
+        apply_offload(model, DIT)

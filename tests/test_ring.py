@@ -1,0 +1,171 @@
+"""The ring on the CPU path: block counts, order, several rings, remove and rollback."""
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from omni_dist_offload import OffloadConfigError, apply_offload
+from omni_dist_offload import apply as apply_mod
+from toys import OddDiT, ToyDiT, assert_same, snapshot
+
+DIT = {"mode": "layer", "components": ["dit"]}
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 3, 4, 5])
+@torch.no_grad()
+def test_parity_for_any_block_count(num_blocks):
+    model = ToyDiT(num_blocks)
+    x = torch.randn(4, 8)
+    ref = model(x)
+    handle = apply_offload(model, DIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # in-order runs never warn
+        for _ in range(3):
+            assert torch.equal(model(x), ref)
+    assert handle.summary()[0]["num_blocks"] == num_blocks
+    handle.remove()
+    assert torch.equal(model(x), ref)
+
+
+@torch.no_grad()
+def test_between_uses_blocks_point_at_host_copies():
+    model = ToyDiT(3)
+    handle = apply_offload(model, DIT)
+    model(torch.randn(2, 8))
+    ring = handle.rings[0]
+    for layout, buf in zip(ring.layouts, ring.transfer.buffers):
+        lo, hi = buf.tensor.data_ptr(), buf.tensor.data_ptr() + buf.nbytes
+        for entry in layout.entries:
+            t = entry.tensor
+            assert lo <= t.data_ptr() < hi, entry.name
+    handle.remove()
+
+
+@torch.no_grad()
+def test_mixed_dtypes_strides_tied_and_buffers():
+    model = OddDiT(3)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    strides = {n: p.stride() for n, p in model.named_parameters()}
+    assert not model.blocks[0].down.weight.is_contiguous()
+    handle = apply_offload(model, DIT)
+    for _ in range(2):
+        assert torch.equal(model(x), ref)
+    # Tied weight stored once; the transposed weight kept its strides on the host.
+    entries = handle.rings[0].layouts[0].entries
+    assert sum(e.name.endswith("gate.weight") for e in entries) == 1
+    assert model.blocks[1].down.weight.stride() == strides["blocks.1.down.weight"]
+    assert model.blocks[1].gate_again.weight is model.blocks[1].gate.weight
+    handle.remove()
+    assert {n: p.stride() for n, p in model.named_parameters()} == strides
+    assert torch.equal(model(x), ref)
+
+
+@torch.no_grad()
+def test_skipped_and_reordered_blocks_stay_correct_and_warn_once():
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    orders = [[0, 1, 2, 3], [0, 2, 3], [3, 1, 0], [0, 1, 2, 3], [1, 1, 2]]
+    refs = [model(x, order) for order in orders]
+    handle = apply_offload(model, DIT)
+    with pytest.warns(RuntimeWarning, match="not prefetched") as record:
+        outs = [model(x, order) for order in orders]
+    assert sum("not prefetched" in str(w.message) for w in record) == 1
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_two_dits_in_one_pipeline():
+    """Wan2.2 A14B shape: transformer for high noise, transformer_2 for low noise."""
+    pipe = types.SimpleNamespace(transformer=ToyDiT(3, seed=1), transformer_2=ToyDiT(5, seed=2))
+    x = torch.randn(2, 8)
+    refs = (pipe.transformer(x), pipe.transformer_2(x))
+    handle = apply_offload(pipe, DIT)
+    assert [r["component"] for r in handle.summary()] == ["transformer", "transformer_2"]
+    for _ in range(2):
+        for _ in range(2):
+            assert torch.equal(pipe.transformer(x), refs[0])
+        for _ in range(3):
+            assert torch.equal(pipe.transformer_2(x), refs[1])
+    handle.remove()
+
+
+@torch.no_grad()
+def test_remove_restores_everything_and_twice_is_harmless():
+    model = OddDiT(3)
+    before = snapshot(model)
+    handle = apply_offload(model, DIT)
+    model(torch.randn(2, 8))
+    handle.remove()
+    assert_same(before, model)
+    for p in model.parameters():  # ordinary tensors, not views into a shared buffer
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    handle.remove()
+    assert_same(before, model)
+
+
+def test_apply_twice_is_an_error():
+    model = ToyDiT(2)
+    handle = apply_offload(model, DIT)
+    with pytest.raises(OffloadConfigError, match="already offloaded"):
+        apply_offload(model, DIT)
+    handle.remove()
+    apply_offload(model, DIT).remove()  # after remove() it can be applied again
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_failure_during_setup_leaves_model_as_it_was(monkeypatch, fail_at):
+    model = OddDiT(4)
+    before = snapshot(model)
+    calls = {"n": 0}
+    real = apply_mod.HostBuffer
+
+    def flaky(nbytes):
+        if calls["n"] == fail_at:
+            raise MemoryError("simulated allocation failure")
+        calls["n"] += 1
+        return real(nbytes)
+
+    monkeypatch.setattr(apply_mod, "HostBuffer", flaky)
+    with pytest.raises(MemoryError, match="simulated"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
+
+
+def test_failure_after_consolidation_leaves_model_as_it_was(monkeypatch):
+    model = ToyDiT(3)
+    before = snapshot(model)
+
+    def boom(self):
+        raise RuntimeError("simulated hook failure")
+
+    monkeypatch.setattr(apply_mod.BlockRing, "install_hooks", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
+
+
+def test_grad_mode_warns():
+    model = ToyDiT(2)
+    handle = apply_offload(model, DIT)
+    with pytest.warns(RuntimeWarning, match="autograd"):
+        model(torch.randn(2, 8))
+    handle.remove()
+
+
+def test_summary_byte_counts():
+    model = OddDiT(3)
+    tensors = {id(t): t for b in model.blocks for t in list(b.parameters()) + list(b.buffers())}
+    expected = sum(t.numel() * t.element_size() for t in tensors.values())
+    handle = apply_offload(model, DIT)
+    (row,) = handle.summary()
+    assert row["block_bytes"] == expected
+    layouts = handle.rings[0].layouts
+    assert row["host_bytes"] == sum(layout.nbytes for layout in layouts) >= expected
+    assert row["device_slot_bytes"] == 2 * max(layout.nbytes for layout in layouts)
+    assert all(e.offset % 256 == 0 for layout in layouts for e in layout.entries)
+    handle.remove()
