@@ -57,6 +57,7 @@ __all__ = [
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_flux_pipeline",
+    "cast_like_pretrained",
     "tiny_flux_transformer",
     "tiny_flux_vae",
     "tiny_qwen2_model",
@@ -189,7 +190,7 @@ def _keeps_fp32(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
     return keep
 
 
-def _finish(model: Any, dtype: torch.dtype) -> Any:
+def cast_like_pretrained(model: Any, dtype: torch.dtype) -> Any:
     """Cast like ``from_pretrained(torch_dtype=dtype)`` would, then switch to eval mode.
 
     Parameters and persistent buffers are cast in place (tied parameters stay tied), except those
@@ -229,7 +230,7 @@ def tiny_wan_transformer(
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
         )
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_flux_transformer(
@@ -252,7 +253,7 @@ def tiny_flux_transformer(
             guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         )
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_qwenimage_transformer(
@@ -270,7 +271,7 @@ def tiny_qwenimage_transformer(
             joint_attention_dim=TINY_TEXT_DIM,
             axes_dims_rope=(4, 6, 6),
         )
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_umt5_encoder(
@@ -294,7 +295,7 @@ def tiny_umt5_encoder(
     )
     with _seeded(seed):
         model = UMT5EncoderModel(config)
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_t5_encoder(
@@ -321,7 +322,7 @@ def tiny_t5_encoder(
     )
     with _seeded(seed):
         model = T5EncoderModel(config)
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_clip_text_model(
@@ -348,7 +349,7 @@ def tiny_clip_text_model(
     )
     with _seeded(seed):
         model = CLIPTextModel(config)
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_qwen2_model(num_layers: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2Model:
@@ -368,7 +369,7 @@ def tiny_qwen2_model(num_layers: int = 3, seed: int = 0, dtype: torch.dtype = to
     )
     with _seeded(seed):
         model = Qwen2Model(config)
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_wan_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
@@ -381,7 +382,7 @@ def tiny_wan_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> Autoencod
             num_res_blocks=1,
             temperal_downsample=[False, True, True],
         )
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def tiny_flux_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> AutoencoderKL:
@@ -402,7 +403,7 @@ def tiny_flux_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> Autoenco
             shift_factor=0.1159,
             scaling_factor=0.3611,
         )
-    return _finish(model, dtype)
+    return cast_like_pretrained(model, dtype)
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
