@@ -19,10 +19,12 @@ from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
 from .hostmem import HostBuffer
+from .distributed import ComponentFacts, WeightGroup, resolve_weight_group
 from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
 from .ring import BlockRing
-from .transfer import RankLocalTransfer
+from .sharding import layout_digest, plan_shards, write_shard
+from .transfer import AllGatherTransfer, RankLocalTransfer
 
 __all__ = ["OffloadHandle", "apply_offload"]
 
@@ -42,6 +44,9 @@ class OffloadHandle:
         self.config = config
         self.rings: list[BlockRing] = []
         self._modules = dict(modules)
+        # allgather rings keep their blocks' original storage until setup has succeeded, so a
+        # failure can be undone without asking the other ranks for their shards.
+        self._originals: dict[int, list[list[torch.Tensor]]] = {}
         self._undo_moves: list[Callable[[], None]] = []
         self._removed = False
 
@@ -65,7 +70,9 @@ class OffloadHandle:
 
     def remove(self) -> None:
         """Restore every streamed tensor as an ordinary tensor on the device, bitwise equal,
-        remove the hooks and free the slots and pinned host memory. Calling it again does nothing."""
+        remove the hooks and free the slots and pinned host memory. Calling it again does nothing.
+
+        With allgather rings this is collective: every rank of the weight group calls it."""
         if self._removed:
             return
         self._synchronize()
@@ -87,9 +94,15 @@ class OffloadHandle:
         self._undo_moves = []
         for ring in self.rings:
             ring.remove_hooks()
-            ring.restore(None)
+            originals = self._originals.get(id(ring))
+            if originals is None:
+                ring.restore(None)
+            else:
+                for layout, data in zip(ring.layouts, originals):
+                    bind(layout.entries, data)
             ring.release()
         self.rings = []
+        self._originals = {}
         self._unmark()
         self._removed = True
 
@@ -131,17 +144,22 @@ def apply_offload(
     *,
     device: torch.device | str | None = None,
     plan: OffloadPlan | None = None,
+    process_group: Any | None = None,
 ) -> OffloadHandle:
     """Stream the blocks of ``target``'s selected components from host memory.
 
     ``target`` is a pipeline (any object holding its components as attributes) or a bare
     ``nn.Module`` (streamed as the ``dit`` component). ``device`` defaults to the current CUDA
-    device when there is one, else the CPU. Returns a handle with ``summary()`` and ``remove()``.
+    device when there is one, else the CPU. ``process_group`` overrides the group that carries
+    allgather weight collectives (default: the ranks of this host, in a group of their own).
+    Returns a handle with ``summary()`` and ``remove()``.
+
+    With ``weight_transfer: "allgather"`` this is collective: every rank calls it with the same
+    model and config.
     """
     cfg = OffloadConfig.parse(config)
     dev = _resolve_device(device)
-    bare = is_bare_module(target)
-    modules = {"transformer": target} if bare else pipeline_modules(target)
+    modules = {"transformer": target} if is_bare_module(target) else pipeline_modules(target)
     for name, mod in modules.items():
         if getattr(mod, _STATE_ATTR, None) is not None:
             raise OffloadConfigError(
@@ -149,22 +167,27 @@ def apply_offload(
                 "that apply_offload returned before applying again."
             )
     components = discover(target, cfg, plan)
-    for comp in components:
-        if cfg.options_for(comp.category).weight_transfer == "allgather":
-            raise NotImplementedError(
-                f"{comp.name}: weight_transfer 'allgather' is not available in this build; use "
-                "'rank-local'."
-            )
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+    group, reason, wants = _weight_group(components, layouts, cfg, dev, process_group)
 
     handle = OffloadHandle(target, modules, dev, cfg)
     pin = cfg.pin_memory and dev.type == "cuda"
     try:
-        # Why a copy stream: host-to-device copies run beside compute instead of behind it.
+        # The copy stream exists so host-to-device copies run beside compute instead of behind
+        # it; the comm stream so all-gathers run beside both.
         copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        comm_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and group is not None else None
         for comp in components:
-            handle.rings.append(_build_ring(comp, layouts[comp.name], dev, pin, copy_stream))
+            ls = layouts[comp.name]
+            if comp.name in wants and group is not None:
+                chunk = _chunk_bytes(cfg, comp)
+                ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream, comm_stream)
+                handle._originals[id(ring)] = originals
+            else:
+                ring = _build_rank_local_ring(comp, ls, dev, pin, copy_stream,
+                                              reason if comp.name in wants else None)
+            handle.rings.append(ring)
         streamed = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
         handle._move_resident(streamed)
         for ring in handle.rings:
@@ -173,18 +196,36 @@ def apply_offload(
     except BaseException:
         handle._rollback()
         raise
-    for row in handle.summary():
-        logger.info(
-            "%sstreaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
-            _rank_prefix(), row["component"], row["module_class"], row["category"],
-            row["num_blocks"], row["block_bytes"] / 2**20, row["weight_transfer"],
-            row["host_bytes"] / 2**20, row["device_slot_bytes"] / 2**20,
-        )
+    handle._originals = {}  # setup succeeded: drop the original storage of allgather blocks
+    _log_summary(handle, reason)
     return handle
 
 
-def _build_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                pin: bool, copy_stream) -> BlockRing:
+def _weight_group(components, layouts, cfg, dev, process_group):
+    """Decide, on every rank alike, whether the allgather components get a weight group."""
+    wants = {
+        c.name: ComponentFacts("allgather", _chunk_bytes(cfg, c),
+                               tuple(l.name for l in layouts[c.name]), tuple(layout_digest(layouts[c.name])))
+        for c in components if cfg.options_for(c.category).weight_transfer == "allgather"
+    }
+    if not wants:
+        return None, None, wants
+    if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
+        raise OffloadConfigError(
+            f"process_group must be a torch.distributed ProcessGroup, found {type(process_group).__name__}."
+        )
+    group, reason = resolve_weight_group(wants, dev, process_group, cfg.collective_timeout_s)
+    return group, reason, wants
+
+
+def _chunk_bytes(cfg: OffloadConfig, comp: StreamedComponent) -> int:
+    return int(cfg.options_for(comp.category).chunk_mib * 2**20)
+
+
+def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
+                           pin: bool, copy_stream, fallback_reason: str | None) -> BlockRing:
+    """Consolidate block by block: each block's original storage is dropped as soon as its host
+    buffer holds it, so host memory is never doubled. A failure copies the done blocks back."""
     buffers: list[HostBuffer] = []
     host_views: list[tuple[torch.Tensor, ...]] = []
     try:
@@ -195,17 +236,75 @@ def _build_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device:
                 view.copy_(entry.tensor.detach())
             if pin:
                 buf.pin()
-            # From here the block's original storage is no longer referenced by the model.
             bind(layout.entries, views)
             buffers.append(buf)
             host_views.append(views)
-        transfer = RankLocalTransfer(buffers, copy_stream)
+        transfer = RankLocalTransfer(buffers, copy_stream, fallback_reason)
         return BlockRing(comp, layouts, transfer, device, host_views)
     except BaseException:
         restore_blocks(layouts[: len(host_views)], host_views, None)
         for buf in buffers:
             buf.release()
         raise
+
+
+def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
+                          pin: bool, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream):
+    """Keep this rank's shard of every block. Returns the ring and the blocks' original storage,
+    which the caller drops once the whole setup has succeeded."""
+    plans = [plan_shards(l.nbytes, group.size, group.rank, chunk_bytes) for l in layouts]
+    image = torch.empty(max(l.nbytes for l in layouts), dtype=torch.uint8)
+    placeholders: dict[torch.dtype, torch.Tensor] = {}
+    shards: list[HostBuffer] = []
+    originals: list[list[torch.Tensor]] = []
+    try:
+        for layout, shard_plan in zip(layouts, plans):
+            shard = HostBuffer(shard_plan.shard_nbytes)
+            block_image = image[: layout.nbytes]
+            for entry in layout.entries:
+                entry.view_in(block_image).copy_(entry.tensor.detach())
+            write_shard(shard_plan, block_image, shard.tensor)
+            if pin:
+                shard.pin()
+            shards.append(shard)
+            originals.append([e.tensor.data for e in layout.entries])
+            bind(layout.entries, [_placeholder(e, placeholders) for e in layout.entries])
+        del image
+        transfer = AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)
+        parked = [[e.tensor.data for e in layout.entries] for layout in layouts]
+        return BlockRing(comp, layouts, transfer, device, parked), originals
+    except BaseException:
+        for layout, data in zip(layouts, originals):
+            bind(layout.entries, data)
+        for shard in shards:
+            shard.release()
+        raise
+
+
+def _placeholder(entry, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """A host tensor with the entry's shape and dtype and one element of storage: what a
+    parameter holds between uses when this rank has only a shard of its block. Floats read NaN,
+    so a weight used outside its block's forward shows up rather than passing for real data."""
+    scalar = cache.get(entry.dtype)
+    if scalar is None:
+        fill = float("nan") if entry.dtype.is_floating_point or entry.dtype.is_complex else 0
+        scalar = cache[entry.dtype] = torch.full((), fill, dtype=entry.dtype, device=entry.tensor.device
+                                                 if entry.tensor.device.type == "cpu" else "cpu")
+    return scalar.expand(entry.tensor.shape)
+
+
+def _log_summary(handle: OffloadHandle, reason: str | None) -> None:
+    if _rank() not in (None, 0):
+        return
+    if reason is not None:
+        logger.warning("%sallgather not used, streaming rank-local instead: %s", _rank_prefix(), reason)
+    for row in handle.summary():
+        logger.info(
+            "%sstreaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
+            _rank_prefix(), row["component"], row["module_class"], row["category"],
+            row["num_blocks"], row["block_bytes"] / 2**20, row["weight_transfer"],
+            row["host_bytes"] / 2**20, row["device_slot_bytes"] / 2**20,
+        )
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -221,8 +320,13 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-def _rank_prefix() -> str:
+def _rank() -> int | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return f"[rank{torch.distributed.get_rank()}] "
+        return torch.distributed.get_rank()
     rank = os.environ.get("RANK")
+    return int(rank) if rank is not None else None
+
+
+def _rank_prefix() -> str:
+    rank = _rank()
     return f"[rank{rank}] " if rank is not None else ""

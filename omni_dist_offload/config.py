@@ -43,8 +43,17 @@ class LayerOptions:
     device. ``"allgather"``: every rank keeps one shard; the device rebuilds the block by an
     all-gather across the ranks of this host."""
 
+    chunk_mib: float = 64
+    """allgather only: a block moves in chunks of this many MiB (gathered size), so one chunk's
+    all-gather overlaps the next chunk's host-to-device copy."""
+
     def __post_init__(self) -> None:
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
+        if isinstance(self.chunk_mib, bool) or not isinstance(self.chunk_mib, (int, float)) or not self.chunk_mib > 0:
+            raise OffloadConfigError(
+                f"layer_options.<component> key 'chunk_mib' must be a positive number of MiB, "
+                f"found {self.chunk_mib!r}."
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +72,10 @@ class OffloadConfig:
     pin_memory: bool = True
     """Page-lock the host copies when an accelerator is present (needed for asynchronous
     copies). Ignored on a machine without one."""
+
+    collective_timeout_s: float = 600.0
+    """allgather only: a weight collective that cannot complete (a rank died or diverged)
+    raises after this many seconds instead of hanging."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
@@ -103,6 +116,11 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"config key 'pin_memory' must be true or false, found {self.pin_memory!r}."
             )
+        timeout = self.collective_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise OffloadConfigError(
+                f"config key 'collective_timeout_s' must be a positive number of seconds, found {timeout!r}."
+            )
 
     def options_for(self, category: str) -> LayerOptions:
         """The layer options of one component category (defaults when none were given)."""
@@ -130,7 +148,8 @@ class OffloadConfig:
 
     @classmethod
     def _from_mapping(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
-        _check_keys("config", raw, ("mode", "components", "layer_options", "pin_memory"))
+        _check_keys("config", raw, ("mode", "components", "layer_options", "pin_memory",
+                                    "collective_timeout_s"))
         if "mode" not in raw:
             raise OffloadConfigError(
                 "config key 'mode' is missing: set \"mode\": \"layer\"."
@@ -138,8 +157,9 @@ class OffloadConfig:
         kwargs: dict[str, Any] = {"mode": raw["mode"]}
         if "components" in raw:
             kwargs["components"] = raw["components"]
-        if "pin_memory" in raw:
-            kwargs["pin_memory"] = raw["pin_memory"]
+        for key in ("pin_memory", "collective_timeout_s"):
+            if key in raw:
+                kwargs[key] = raw[key]
         raw_options = raw.get("layer_options", {})
         if not isinstance(raw_options, Mapping):
             raise OffloadConfigError(
@@ -164,10 +184,11 @@ class OffloadConfig:
             "mode": self.mode,
             "components": list(self.components),
             "layer_options": {
-                name: {"weight_transfer": opts.weight_transfer}
+                name: {"weight_transfer": opts.weight_transfer, "chunk_mib": opts.chunk_mib}
                 for name, opts in self.layer_options.items()
             },
             "pin_memory": self.pin_memory,
+            "collective_timeout_s": self.collective_timeout_s,
         }
 
 

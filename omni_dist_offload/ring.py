@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .layout import BlockLayout, bind, restore_blocks
+from .layout import BlockLayout, bind
 from .plan import StreamedComponent
 from .transfer import WeightTransfer
 
@@ -35,21 +35,24 @@ class BlockRing:
         layouts: Sequence[BlockLayout],
         transfer: WeightTransfer,
         device: torch.device,
-        host_views: Sequence[Sequence[torch.Tensor]],
+        parked: Sequence[Sequence[torch.Tensor]],
     ) -> None:
         self.component = component
         self.layouts = tuple(layouts)
         self.transfer = transfer
         self.device = device
         self._cuda = device.type == "cuda"
-        slot_bytes = max(layout.nbytes for layout in layouts)
+        sizes = [transfer.device_nbytes(layout.index) for layout in layouts]
+        slot_bytes = max(sizes)
         # The slots are allocated once and reused for every block of every step: the per-block
         # path allocates nothing and never returns memory to the allocator mid-forward.
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_NUM_SLOTS)]
-        self._host_views = [tuple(v) for v in host_views]
+        # What a block's tensors point at between uses: views into its host buffer (rank-local)
+        # or shape-keeping placeholders (allgather, where this rank holds only a shard).
+        self._parked = [tuple(v) for v in parked]
         self._slot_views = [[tuple(e.view_in(slot) for e in layout.entries) for layout in layouts]
                             for slot in self.slots]
-        self._fill_views = [[slot[: layout.nbytes] for layout in layouts] for slot in self.slots]
+        self._fill_views = [[slot[:size] for size in sizes] for slot in self.slots]
         # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
         # waits on it before the block runs. free[s]: recorded on the compute stream after the
         # block in slot s ran; the transfer waits on it before overwriting slot s.
@@ -99,7 +102,7 @@ class BlockRing:
             return
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
-        bind(self.layouts[i].entries, self._host_views[i])
+        bind(self.layouts[i].entries, self._parked[i])
         self._running_slot[i] = _EMPTY
         self._last_slot = slot
 
@@ -113,7 +116,15 @@ class BlockRing:
         # Mark the slot empty first: if the enqueue is interrupted, the slot must not claim
         # to hold its former block.
         self._slot_block[slot] = _EMPTY
-        self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot])
+        try:
+            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot])
+        except RuntimeError as exc:  # e.g. a gloo collective timed out: say which ring and block
+            raise RuntimeError(
+                f"{self.component.name}: moving block {self.layouts[block].name} with the "
+                f"{self.transfer.name} transfer failed: {exc}. With allgather, a rank that died, "
+                "or ran other blocks or another number of forwards, stalls the others: every rank "
+                "must run the same steps in lockstep."
+            ) from exc
         self._slot_block[slot] = block
 
     def _fetch_missing(self, i: int) -> int:
@@ -145,8 +156,20 @@ class BlockRing:
     # -- teardown ------------------------------------------------------------------------
     def restore(self, device: torch.device | None) -> None:
         """Give every block tensor ordinary storage again, on ``device`` (None: where it was
-        before offloading), bitwise equal to its host copy."""
-        restore_blocks(self.layouts, self._host_views, device)
+        before offloading), bitwise equal to the streamed bytes. Goes through slot 0, so it is
+        collective under allgather: every rank of the weight group calls it."""
+        slot = 0
+        for layout in self.layouts:
+            i = layout.index
+            self._slot_block[slot] = _EMPTY
+            self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot])
+            if self._cuda:
+                self._ready[slot].synchronize()  # teardown, not the per-block path
+            bind(layout.entries, [
+                torch.empty_strided(v.size(), v.stride(), dtype=v.dtype,
+                                    device=device if device is not None else e.origin).copy_(v)
+                for e, v in zip(layout.entries, self._slot_views[slot][i])
+            ])
 
     def release(self) -> None:
         """Free the slots and host buffers. The caller has synchronised the device."""
@@ -154,5 +177,5 @@ class BlockRing:
         self.slots = []
         self._slot_views = []
         self._fill_views = []
-        self._host_views = []
+        self._parked = []
         self.transfer.release()

@@ -1,8 +1,8 @@
 """Weight transfers: how a block's bytes get from host memory into a device slot.
 
 A transfer enqueues work and records the slot's ready event; it never waits on the host. The
-ring decides which block goes into which slot and when (see ``docs/design.md``,
-[Note: block ring timeline]).
+ring decides which block goes into which slot and when (``docs/design.md``,
+[Note: block ring timeline]; the allgather timeline is [Note: chunked shard all-gather]).
 """
 
 from __future__ import annotations
@@ -10,23 +10,33 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
+from .distributed import WeightGroup
 from .hostmem import HostBuffer
+from .sharding import ShardPlan
 
-__all__ = ["RankLocalTransfer", "WeightTransfer"]
+__all__ = ["AllGatherTransfer", "RankLocalTransfer", "WeightTransfer"]
 
 
 class WeightTransfer(Protocol):
     name: str
+    fallback_reason: str | None
 
-    def host_bytes(self) -> int: ...
+    def host_bytes(self) -> int:
+        """Host bytes this rank holds for the ring."""
+
+    def device_nbytes(self, block: int) -> int:
+        """Slot bytes block ``block`` occupies once on the device."""
 
     def fill(self, block: int, dst: torch.Tensor, after: "torch.cuda.Event | None",
              ready: "torch.cuda.Event | None") -> None:
         """Enqueue filling ``dst`` with block ``block``: start once ``after`` has fired (the
-        slot's previous tenant finished computing), record ``ready`` when the bytes are there."""
+        slot's previous tenant finished computing), record ``ready`` when the bytes are there.
+        Without an accelerator (events are None) the fill is complete when it returns."""
 
-    def release(self) -> None: ...
+    def release(self) -> None:
+        """Unpin host memory. The caller has synchronised the device."""
 
 
 class RankLocalTransfer:
@@ -34,19 +44,22 @@ class RankLocalTransfer:
 
     name = "rank-local"
 
-    def __init__(self, buffers: Sequence[HostBuffer], copy_stream: "torch.cuda.Stream | None") -> None:
+    def __init__(self, buffers: Sequence[HostBuffer], copy_stream: "torch.cuda.Stream | None",
+                 fallback_reason: str | None = None) -> None:
         self.buffers = list(buffers)
-        # The copy stream exists so that host-to-device copies run beside compute instead of
-        # queueing behind it; it is shared by every ring of one apply_offload call.
+        self.fallback_reason = fallback_reason
         self._copy_stream = copy_stream
 
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
+    def device_nbytes(self, block: int) -> int:
+        return self.buffers[block].nbytes
+
     def fill(self, block, dst, after, ready) -> None:
         src = self.buffers[block].tensor
         stream = self._copy_stream
-        if stream is None:  # no accelerator: a plain copy, already complete when it returns
+        if stream is None:
             dst.copy_(src)
             return
         stream.wait_event(after)
@@ -57,4 +70,70 @@ class RankLocalTransfer:
     def release(self) -> None:
         for b in self.buffers:
             b.release()
-        self.buffers = []
+
+
+class AllGatherTransfer:
+    """Every rank holds one shard of each block; the device rebuilds the block by all-gather.
+
+    See [Note: chunked shard all-gather] in ``docs/design.md``: chunk ``j``'s host-to-device
+    copy of this rank's piece runs on the copy stream, its all-gather on the comm stream, so the
+    gather of chunk ``j`` overlaps the copy of chunk ``j + 1``.
+    """
+
+    name = "allgather"
+    fallback_reason = None
+
+    def __init__(self, shards: Sequence[HostBuffer], plans: Sequence[ShardPlan], group: WeightGroup,
+                 copy_stream: "torch.cuda.Stream | None", comm_stream: "torch.cuda.Stream | None") -> None:
+        self.shards = list(shards)
+        self.plans = list(plans)
+        self.group = group
+        self._copy_stream = copy_stream
+        self._comm_stream = comm_stream
+        # (slot offset, this rank's slice start, bytes per rank, host shard offset) per chunk,
+        # computed once so the per-block path only slices.
+        self._chunks = [self._chunk_table(p) for p in plans]
+        # chunk_copied[j]: recorded on the copy stream when this rank's piece of chunk j is on
+        # the device; the comm stream waits on it before gathering chunk j. Reused by every
+        # fill: a wait captures the event's latest record when it is enqueued.
+        most = max(len(c) for c in self._chunks)
+        self._chunk_copied = [torch.cuda.Event() for _ in range(most)] if copy_stream is not None else []
+
+    @staticmethod
+    def _chunk_table(plan: ShardPlan) -> tuple[tuple[int, int, int, int], ...]:
+        rows, pos = [], 0
+        for offset, c in plan.chunks:
+            rows.append((offset, offset + plan.rank * c, c, pos))
+            pos += c
+        return tuple(rows)
+
+    def host_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def device_nbytes(self, block: int) -> int:
+        return self.plans[block].padded_nbytes
+
+    def fill(self, block, dst, after, ready) -> None:
+        src = self.shards[block].tensor
+        group, world = self.group.group, self.group.size
+        copy, comm = self._copy_stream, self._comm_stream
+        if copy is None:  # CPU (gloo): each call completes before it returns
+            for offset, mine, c, pos in self._chunks[block]:
+                dst[mine : mine + c].copy_(src[pos : pos + c])
+                dist.all_gather_into_tensor(dst[offset : offset + world * c], dst[mine : mine + c], group=group)
+            return
+        copy.wait_event(after)
+        for j, (offset, mine, c, pos) in enumerate(self._chunks[block]):
+            local = dst[mine : mine + c]
+            with torch.cuda.stream(copy):
+                local.copy_(src[pos : pos + c], non_blocking=True)
+            self._chunk_copied[j].record(copy)
+            comm.wait_event(self._chunk_copied[j])
+            with torch.cuda.stream(comm):
+                # In place: the local input is a view into the output.
+                dist.all_gather_into_tensor(dst[offset : offset + world * c], local, group=group)
+        ready.record(comm)
+
+    def release(self) -> None:
+        for s in self.shards:
+            s.release()

@@ -1,0 +1,196 @@
+"""Choosing the process group that carries weight all-gathers, or why there is none.
+
+Every rank gathers the same facts from every other rank (one exchange over a gloo side group,
+so it works whatever the main backend and even when ranks share a GPU), then applies the same
+rules to them: all ranks reach the same decision, or all raise the same error.
+
+The default weight group is the ranks of one host (one group per host, created with
+``new_group`` over the same ranks, so weight collectives never interleave with the
+application's). Each host keeps a complete set of shards among its own ranks: weights never
+cross the network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import OffloadConfigError
+
+__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "WeightGroup", "resolve_weight_group"]
+
+logger = logging.getLogger("omni_dist_offload")
+
+#: Set to 1 to let the allgather transfer run over gloo on CPU devices (tests, CI).
+ALLOW_GLOO_ENV = "OMNI_OFFLOAD_ALLOW_GLOO"
+
+_exchange_groups: dict[float, Any] = {}
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """The group one rank's weight all-gathers run on."""
+
+    group: Any
+    rank: int
+    size: int
+    backend: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ComponentFacts:
+    """What must match across ranks for one streamed component."""
+
+    transfer: str
+    chunk_bytes: int
+    block_names: tuple[str, ...]
+    block_digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _RankFacts:
+    rank: int
+    node: str
+    device_type: str
+    device_index: int | None
+    backend: str
+    allow_gloo: bool
+    components: dict[str, ComponentFacts] = field(default_factory=dict)
+
+
+def resolve_weight_group(
+    components: dict[str, ComponentFacts],
+    device: torch.device,
+    process_group: Any | None,
+    timeout_s: float,
+) -> tuple[WeightGroup | None, str | None]:
+    """The weight group for this rank, or ``(None, reason)`` when allgather cannot run.
+
+    Collective over the default group: every rank calls it, with the same config.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, ("torch.distributed is not initialised: start the job with torchrun "
+                      "(and init_process_group) to share weights across ranks")
+    world = dist.get_world_size()
+    if world == 1:
+        return None, "the job has a single rank: there is no other rank to share weights with"
+    facts = _RankFacts(
+        rank=dist.get_rank(),
+        node=os.environ.get("GROUP_RANK") or socket.gethostname(),
+        device_type=device.type,
+        device_index=device.index,
+        backend=str(dist.get_backend()),
+        allow_gloo=os.environ.get(ALLOW_GLOO_ENV, "0") == "1",
+        components=components,
+    )
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, facts, group=_exchange_group(timeout_s))
+    _check_same_layout(gathered)
+    reason = _fallback_reason(gathered, process_group)
+    if reason is not None:
+        return None, reason
+    if process_group is not None:
+        ranks = tuple(dist.get_process_group_ranks(process_group))
+        return WeightGroup(process_group, dist.get_rank(process_group),
+                           dist.get_world_size(process_group), str(dist.get_backend(process_group)), ranks), None
+    return _host_group(gathered, device, timeout_s), None
+
+
+def _exchange_group(timeout_s: float):
+    # A gloo side group: exchanging facts must work before we know NCCL can (e.g. when two
+    # ranks share a GPU, NCCL refuses the communicator).
+    if timeout_s not in _exchange_groups:
+        _exchange_groups[timeout_s] = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _exchange_groups[timeout_s]
+
+
+def _check_same_layout(gathered: list[_RankFacts]) -> None:
+    ref = gathered[0]
+    for other in gathered[1:]:
+        if set(other.components) != set(ref.components):
+            raise OffloadConfigError(
+                f"rank {other.rank} streams {sorted(other.components)} with allgather but rank 0 "
+                f"streams {sorted(ref.components)}: every rank must call apply_offload with the "
+                "same model and config."
+            )
+        for name, mine in other.components.items():
+            theirs = ref.components[name]
+            if (mine.transfer, mine.chunk_bytes) != (theirs.transfer, theirs.chunk_bytes):
+                raise OffloadConfigError(
+                    f"{name}: rank {other.rank} asks for {mine.transfer} (chunk {mine.chunk_bytes} "
+                    f"bytes), rank 0 for {theirs.transfer} (chunk {theirs.chunk_bytes} bytes): use "
+                    "the same config on every rank."
+                )
+            for i in range(max(len(mine.block_digests), len(theirs.block_digests))):
+                a = mine.block_digests[i] if i < len(mine.block_digests) else None
+                b = theirs.block_digests[i] if i < len(theirs.block_digests) else None
+                if a != b:
+                    block = mine.block_names[i] if i < len(mine.block_names) else theirs.block_names[i]
+                    raise OffloadConfigError(
+                        f"{name}: the layout of block {block} (block {i}) differs between rank 0 and "
+                        f"rank {other.rank} (names, dtypes, shapes or sizes of its tensors): every "
+                        "rank must load the same model with the same dtype."
+                    )
+
+
+def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> str | None:
+    device_types = {f.device_type for f in gathered}
+    if len(device_types) > 1:
+        return f"ranks run on different device types {sorted(device_types)}"
+    device_type = device_types.pop()
+    backend = gathered[0].backend
+    if device_type == "cuda" and "nccl" not in backend:
+        return (f"the process group backend is {backend!r}: allgather on CUDA devices needs NCCL "
+                "(init_process_group('nccl'))")
+    if device_type == "cpu":
+        if "gloo" not in backend:
+            return f"the device is the CPU and the backend is {backend!r}: allgather needs CUDA devices and NCCL"
+        if not all(f.allow_gloo for f in gathered):
+            return (f"the device is the CPU with backend {backend!r}: allgather over gloo is for "
+                    f"tests only; set {ALLOW_GLOO_ENV}=1 to allow it")
+    if process_group is not None:
+        members = set(dist.get_process_group_ranks(process_group))
+        hosts = {"process_group": [f for f in gathered if f.rank in members]}
+    else:
+        hosts = {}
+        for f in gathered:
+            hosts.setdefault(f.node, []).append(f)
+    for node, ranks in hosts.items():
+        if len(ranks) < 2:
+            return (f"host {node} runs a single rank ({ranks[0].rank}): a weight group needs at "
+                    "least two ranks on one host")
+        if device_type == "cuda":
+            seen: dict[int | None, int] = {}
+            for f in ranks:
+                if f.device_index in seen:
+                    return (f"ranks {seen[f.device_index]} and {f.rank} on host {node} share "
+                            f"cuda:{f.device_index}: give every rank its own GPU "
+                            "(torch.cuda.set_device(LOCAL_RANK))")
+                seen[f.device_index] = f.rank
+    return None
+
+
+def _host_group(gathered: list[_RankFacts], device: torch.device, timeout_s: float) -> WeightGroup:
+    hosts: dict[str, list[int]] = {}
+    for f in gathered:
+        hosts.setdefault(f.node, []).append(f.rank)
+    me = dist.get_rank()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = None
+    # new_group is collective over the whole world: every rank creates every host's group, in
+    # the same order (by lowest rank), and keeps its own.
+    for ranks in sorted((sorted(r) for r in hosts.values()), key=lambda r: r[0]):
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if me in ranks:
+            mine = WeightGroup(group, ranks.index(me), len(ranks), backend, tuple(ranks))
+    assert mine is not None
+    return mine

@@ -1,0 +1,87 @@
+"""How a block's bytes are split across the ranks of a weight group, and a digest of layouts.
+
+A block buffer of ``B`` bytes is cut into chunks. In chunk ``j`` (``N * c_j`` bytes at slot
+offset ``o_j``) rank ``r`` owns ``[o_j + r * c_j, o_j + (r + 1) * c_j)``, so each chunk's
+all-gather fills a contiguous range of the device slot in place, its local input a view into
+its output. Each rank's host shard is its pieces of all chunks, back to back. ``c_j`` is a
+multiple of 256 bytes, so every rank's slice starts on a 256-byte boundary; bytes past ``B``
+are zero padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .layout import ALIGNMENT, BlockLayout
+
+__all__ = ["ShardPlan", "layout_digest", "plan_shards", "write_shard"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """One block's split over ``world`` ranks, seen from ``rank``."""
+
+    world: int
+    rank: int
+    chunks: tuple[tuple[int, int], ...]
+    """(slot offset, bytes per rank) of every chunk."""
+
+    @property
+    def padded_nbytes(self) -> int:
+        """Device bytes the gathered block occupies (its slot size)."""
+        return sum(self.world * c for _, c in self.chunks)
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Host bytes this rank keeps for the block."""
+        return sum(c for _, c in self.chunks)
+
+
+def plan_shards(nbytes: int, world: int, rank: int, chunk_bytes: int) -> ShardPlan:
+    """Split ``nbytes`` into chunks of at most ``chunk_bytes`` (gathered size) over ``world`` ranks."""
+    per_rank_max = max(ALIGNMENT, chunk_bytes // world // ALIGNMENT * ALIGNMENT)
+    chunks = []
+    offset = 0
+    remaining = max(nbytes, 1)
+    while remaining > 0:
+        c = min(per_rank_max, _align(-(-remaining // world)))
+        chunks.append((offset, c))
+        offset += world * c
+        remaining -= world * c
+    return ShardPlan(world, rank, tuple(chunks))
+
+
+def write_shard(plan: ShardPlan, image: torch.Tensor, shard: torch.Tensor) -> None:
+    """Copy this rank's pieces of a full block image (``uint8``, any length up to the padded
+    size) into its host shard, zero-filling what lies past the image."""
+    pos = 0
+    for offset, c in plan.chunks:
+        start = offset + plan.rank * c
+        piece = shard[pos : pos + c]
+        have = max(0, min(c, image.numel() - start))
+        if have:
+            piece[:have].copy_(image[start : start + have])
+        if have < c:
+            piece[have:].zero_()
+        pos += c
+
+
+def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
+    """One short digest per block of everything that must match across ranks: names, dtypes,
+    shapes, strides, offsets and sizes."""
+    out = []
+    for layout in layouts:
+        h = hashlib.sha256(f"{layout.name}|{layout.nbytes}".encode())
+        for e in layout.entries:
+            h.update(f"|{e.name}:{e.dtype}:{tuple(e.tensor.shape)}:{e.storage_shape}:"
+                     f"{e.inverse_perm}:{e.offset}:{e.nbytes}".encode())
+        out.append(h.hexdigest()[:16])
+    return out
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
