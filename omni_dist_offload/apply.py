@@ -23,7 +23,7 @@ from .distributed import ComponentFacts, WeightGroup, resolve_weight_group
 from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
 from .ring import BlockRing
-from .sharding import layout_digest, plan_shards, write_shard
+from .sharding import layout_digest, plan_shards, sample_digest, write_shard
 from .transfer import AllGatherTransfer, RankLocalTransfer
 
 __all__ = ["OffloadHandle", "apply_offload"]
@@ -177,7 +177,9 @@ def apply_offload(
         # The copy stream exists so host-to-device copies run beside compute instead of behind
         # it; the comm stream so all-gathers run beside both.
         copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        comm_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and group is not None else None
+        # High priority for the same reason as the weight group's NCCL stream
+        # (distributed._nccl_options).
+        comm_stream = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" and group is not None else None
         for comp in components:
             ls = layouts[comp.name]
             if comp.name in wants and group is not None:
@@ -204,8 +206,8 @@ def apply_offload(
 def _weight_group(components, layouts, cfg, dev, process_group):
     """Decide, on every rank alike, whether the allgather components get a weight group."""
     wants = {
-        c.name: ComponentFacts("allgather", _chunk_bytes(cfg, c),
-                               tuple(l.name for l in layouts[c.name]), tuple(layout_digest(layouts[c.name])))
+        c.name: ComponentFacts("allgather", _chunk_bytes(cfg, c), tuple(l.name for l in layouts[c.name]),
+                               tuple(layout_digest(layouts[c.name])), tuple(sample_digest(layouts[c.name])))
         for c in components if cfg.options_for(c.category).weight_transfer == "allgather"
     }
     if not wants:

@@ -30,6 +30,9 @@ logger = logging.getLogger("omni_dist_offload")
 
 #: Set to 1 to let the allgather transfer run over gloo on CPU devices (tests, CI).
 ALLOW_GLOO_ENV = "OMNI_OFFLOAD_ALLOW_GLOO"
+#: Most thread blocks NCCL may use for weight all-gathers. They run beside the model's kernels,
+#: so every SM they hold is one the model waits for; a few saturate what streaming needs.
+MAX_CTAS_ENV = "OMNI_OFFLOAD_NCCL_MAX_CTAS"
 
 _exchange_groups: dict[float, Any] = {}
 
@@ -53,6 +56,9 @@ class ComponentFacts:
     chunk_bytes: int
     block_names: tuple[str, ...]
     block_digests: tuple[str, ...]
+    """Per block: the layout (names, dtypes, shapes, offsets)."""
+    value_digests: tuple[str, ...] = ()
+    """Per block: a sample of the weights' first bytes."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,14 @@ def _check_same_layout(gathered: list[_RankFacts]) -> None:
                         f"rank {other.rank} (names, dtypes, shapes or sizes of its tensors): every "
                         "rank must load the same model with the same dtype."
                     )
+            for i, (a, b) in enumerate(zip(mine.value_digests, theirs.value_digests)):
+                if a != b:
+                    raise OffloadConfigError(
+                        f"{name}: the weights of block {mine.block_names[i]} differ between rank 0 "
+                        f"and rank {other.rank}: allgather assembles each block from every rank's "
+                        "shard, so every rank must load the same checkpoint (or seed random "
+                        "initialisation identically)."
+                    )
 
 
 def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> str | None:
@@ -188,9 +202,24 @@ def _host_group(gathered: list[_RankFacts], device: torch.device, timeout_s: flo
     mine = None
     # new_group is collective over the whole world: every rank creates every host's group, in
     # the same order (by lowest rank), and keeps its own.
+    options = _nccl_options() if backend == "nccl" else None
     for ranks in sorted((sorted(r) for r in hosts.values()), key=lambda r: r[0]):
-        group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                               pg_options=options)
         if me in ranks:
             mine = WeightGroup(group, ranks.index(me), len(ranks), backend, tuple(ranks))
     assert mine is not None
     return mine
+
+
+def _nccl_options():
+    options = dist.ProcessGroupNCCL.Options()
+    # High priority: the block scheduler dispatches the all-gather's thread blocks ahead of the
+    # model's pending ones, so both ranks enter the collective together instead of one rank's
+    # blocks spinning on SMs until the other's compute kernel drains.
+    options.is_high_priority_stream = True
+    max_ctas = int(os.environ.get(MAX_CTAS_ENV, "0") or 0)
+    if max_ctas > 0:
+        options.config.max_ctas = max_ctas
+        options.config.min_ctas = 1
+    return options

@@ -18,7 +18,7 @@ import torch
 
 from .layout import ALIGNMENT, BlockLayout
 
-__all__ = ["ShardPlan", "layout_digest", "plan_shards", "write_shard"]
+__all__ = ["ShardPlan", "layout_digest", "plan_shards", "sample_digest", "write_shard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,22 @@ def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
             h.update(f"|{e.name}:{e.dtype}:{tuple(e.tensor.shape)}:{e.storage_shape}:"
                      f"{e.inverse_perm}:{e.offset}:{e.nbytes}".encode())
         out.append(h.hexdigest()[:16])
+    return out
+
+
+def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64) -> list[str]:
+    """One short digest per block of the first bytes of every tensor: cheap evidence that all
+    ranks hold the same weights (ranks that built random weights without a common seed would
+    otherwise assemble blocks from different models, silently)."""
+    out = []
+    for layout in layouts:
+        pieces = []
+        for e in layout.entries:
+            flat = e.tensor.detach().reshape(-1)
+            k = max(1, sample_bytes // max(1, e.tensor.element_size()))
+            pieces.append(flat[:k].contiguous().view(torch.uint8).reshape(-1))
+        sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8)
+        out.append(hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16])
     return out
 
 

@@ -52,6 +52,13 @@ class UnevenDiT(nn.Module):
         return x
 
 
+DEVICE = torch.device(os.environ.get("OMNI_TEST_DEVICE", "cpu"))
+
+
+def _to(batch: dict) -> dict:
+    return {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -62,10 +69,11 @@ def _rss() -> int:
 
 @torch.no_grad()
 def parity(out: dict) -> None:
-    pipe = types.SimpleNamespace(transformer=tiny.tiny_wan_transformer(num_layers=3),
-                                 text_encoder=tiny.tiny_umt5_encoder(num_layers=3))
-    x = tiny.wan_transformer_inputs(pipe.transformer, batch=2)
-    t = tiny.text_encoder_inputs(pipe.text_encoder)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    pipe = types.SimpleNamespace(transformer=tiny.tiny_wan_transformer(num_layers=3, dtype=dtype).to(DEVICE),
+                                 text_encoder=tiny.tiny_umt5_encoder(num_layers=3).to(DEVICE))
+    x = _to(tiny.wan_transformer_inputs(pipe.transformer, batch=2))
+    t = _to(tiny.text_encoder_inputs(pipe.text_encoder))
     ref = (pipe.transformer(**x)[0], pipe.text_encoder(**t).last_hidden_state)
     handle = apply_offload(pipe, AG)
     rows = handle.summary()
@@ -75,15 +83,15 @@ def parity(out: dict) -> None:
     eq_after = torch.equal(pipe.transformer(**x)[0], ref[0])
     out["parity"] = {"equal": eq, "equal_after_remove": eq_after, "summary": rows}
 
-    flux = tiny.tiny_flux_transformer()
-    fx = tiny.flux_transformer_inputs(flux)
+    flux = tiny.tiny_flux_transformer(dtype=dtype).to(DEVICE)
+    fx = _to(tiny.flux_transformer_inputs(flux))
     fref = flux(**fx)[0]
     handle = apply_offload(flux, AG_DIT)
     out["flux_equal"] = all(torch.equal(flux(**fx)[0], fref) for _ in range(2))
     handle.remove()
 
-    uneven = UnevenDiT()
-    ux = torch.randn(4, 16)
+    uneven = UnevenDiT().to(DEVICE)
+    ux = torch.randn(4, 16).to(DEVICE)
     uref = uneven(ux)
     handle = apply_offload(uneven, AG_DIT)
     out["uneven_equal"] = all(torch.equal(uneven(ux), uref) for _ in range(3))
@@ -135,6 +143,12 @@ def mismatch(out: dict) -> None:
         out["dtype_mismatch"] = None
     except OffloadConfigError as exc:
         out["dtype_mismatch"] = str(exc)
+    model = tiny.tiny_wan_transformer(num_layers=3, seed=dist.get_rank())
+    try:
+        apply_offload(model, AG_DIT)
+        out["value_mismatch"] = None
+    except OffloadConfigError as exc:
+        out["value_mismatch"] = str(exc)
 
 
 def diverge(out: dict) -> None:
@@ -178,8 +192,15 @@ SCENARIOS = {"parity": parity, "rss": rss, "fallback_gloo_not_allowed": fallback
 
 
 def main() -> None:
+    global DEVICE
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
-    dist.init_process_group("gloo")
+    if DEVICE.type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        DEVICE = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo")
     out: dict = {"rank": dist.get_rank()}
     try:
         for name in names:

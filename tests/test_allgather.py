@@ -84,6 +84,7 @@ def test_fallback_when_gloo_not_allowed_and_layout_mismatch(tmp_path):
         # Mismatch is an error on every rank, naming the first block that differs.
         assert "rank 1" in r["mismatch"] and "blocks.3" in r["mismatch"], r["mismatch"]
         assert "blocks.0" in r["dtype_mismatch"], r["dtype_mismatch"]
+        assert "weights of block blocks.0 differ" in r["value_mismatch"], r["value_mismatch"]
 
 
 def test_two_hosts_keep_complete_shard_sets(tmp_path):
