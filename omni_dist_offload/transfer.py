@@ -18,6 +18,10 @@ from .sharding import ShardPlan
 
 __all__ = ["AllGatherTransfer", "RankLocalTransfer", "WeightTransfer"]
 
+# Newer torch names the flat all-gather all_gather_single (the old name warns); older has only
+# all_gather_into_tensor. Same semantics: output is the concatenation of the ranks' inputs.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class WeightTransfer(Protocol):
     name: str
@@ -120,7 +124,7 @@ class AllGatherTransfer:
         if copy is None:  # CPU (gloo): each call completes before it returns
             for offset, mine, c, pos in self._chunks[block]:
                 dst[mine : mine + c].copy_(src[pos : pos + c])
-                dist.all_gather_into_tensor(dst[offset : offset + world * c], dst[mine : mine + c], group=group)
+                _all_gather(dst[offset : offset + world * c], dst[mine : mine + c], group=group)
             return
         copy.wait_event(after)
         for j, (offset, mine, c, pos) in enumerate(self._chunks[block]):
@@ -131,7 +135,7 @@ class AllGatherTransfer:
             comm.wait_event(self._chunk_copied[j])
             with torch.cuda.stream(comm):
                 # In place: the local input is a view into the output.
-                dist.all_gather_into_tensor(dst[offset : offset + world * c], local, group=group)
+                _all_gather(dst[offset : offset + world * c], local, group=group)
         ready.record(comm)
 
     def release(self) -> None:

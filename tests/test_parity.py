@@ -82,3 +82,16 @@ def test_flux_pipeline_parity_streams_both_text_encoders():
     assert sorted(r["component"] for r in handle.summary()) == ["text_encoder", "text_encoder_2", "transformer"]
     assert torch.equal(run(pipe), ref)
     handle.remove()
+
+
+def test_pipeline_loaded_from_a_folder(tmp_path):
+    """from_pretrained memory-maps safetensors: tensors start at odd offsets, not 64-byte aligned."""
+    from diffusers import DiffusionPipeline
+
+    tiny.tiny_wan_pipeline(seed=5).save_pretrained(tmp_path / "wan")
+    ref = _run_wan(DiffusionPipeline.from_pretrained(tmp_path / "wan"))
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "wan")
+    pipe.set_progress_bar_config(disable=True)
+    handle = apply_offload(pipe, BOTH, device="cpu")
+    assert torch.equal(_run_wan(pipe), ref)
+    handle.remove()
