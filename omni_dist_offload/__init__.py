@@ -4,6 +4,7 @@ Each transformer block's weights live in host memory; one block at a time is on 
 the next prefetched on a copy stream while the current one computes.
 """
 
+from .api import Omni
 from .apply import OffloadHandle, apply_offload
 from .config import LayerOptions, OffloadConfig, OffloadConfigError
 from .plan import OffloadPlan
@@ -14,6 +15,7 @@ __all__ = [
     "OffloadConfigError",
     "OffloadHandle",
     "OffloadPlan",
+    "Omni",
     "apply_offload",
 ]
 

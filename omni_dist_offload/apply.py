@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -22,6 +21,7 @@ from .hostmem import HostBuffer
 from .distributed import ComponentFacts, WeightGroup, resolve_weight_group
 from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
+from .ranks import current_rank, rank_prefix
 from .ring import BlockRing
 from .sharding import layout_digest, plan_shards, sample_digest, write_shard
 from .transfer import AllGatherTransfer, RankLocalTransfer
@@ -296,14 +296,14 @@ def _placeholder(entry, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
 
 
 def _log_summary(handle: OffloadHandle, reason: str | None) -> None:
-    if _rank() not in (None, 0):
+    if current_rank() != 0:
         return
     if reason is not None:
-        logger.warning("%sallgather not used, streaming rank-local instead: %s", _rank_prefix(), reason)
+        logger.warning("%sallgather not used, streaming rank-local instead: %s", rank_prefix(), reason)
     for row in handle.summary():
         logger.info(
             "%sstreaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
-            _rank_prefix(), row["component"], row["module_class"], row["category"],
+            rank_prefix(), row["component"], row["module_class"], row["category"],
             row["num_blocks"], row["block_bytes"] / 2**20, row["weight_transfer"],
             row["host_bytes"] / 2**20, row["device_slot_bytes"] / 2**20,
         )
@@ -320,15 +320,3 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     if dev.type not in ("cuda", "cpu"):
         raise OffloadConfigError(f"device {dev} is not supported: use a CUDA device or 'cpu'.")
     return dev
-
-
-def _rank() -> int | None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    rank = os.environ.get("RANK")
-    return int(rank) if rank is not None else None
-
-
-def _rank_prefix() -> str:
-    rank = _rank()
-    return f"[rank{rank}] " if rank is not None else ""

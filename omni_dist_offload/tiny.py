@@ -562,12 +562,41 @@ def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
     return pipe
 
 
+# Wan-14B block size (40 heads x 128, FFN 13824; 703 MB a block in bf16) for throughput runs.
+WAN_14B_BLOCK_CONFIG: dict[str, Any] = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+    out_channels=16, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+
+WAN_14B_RANDOM_DEFAULTS: dict[str, Any] = dict(
+    height=480, width=832, num_frames=17, num_inference_steps=4, guidance_scale=5.0,
+    max_sequence_length=16,
+)
+
+
+def wan_14b_random_pipeline(seed: int = 0, num_layers: int = 8) -> WanPipeline:
+    """The tiny Wan pipeline with its DiT's blocks at real Wan-14B size (random weights).
+
+    Text encoder and VAE stay tiny; only the streamed blocks matter for offload throughput.
+    Weights are float32 here (about 1.4 GB a block); cast to bf16 before use.
+    """
+    pipe = tiny_wan_pipeline(seed=seed, num_layers=3)
+    with _seeded(seed):
+        pipe.transformer = WanTransformer3DModel(
+            **WAN_14B_BLOCK_CONFIG, text_dim=TINY_TEXT_DIM, num_layers=num_layers).eval()
+    pipe.register_modules(transformer=pipe.transformer)
+    return pipe
+
+
 BUILTIN_PIPELINES: dict[str, Callable[..., DiffusionPipeline]] = {
     "tiny-wan": tiny_wan_pipeline,
     "tiny-flux": tiny_flux_pipeline,
+    "wan-14b-random": wan_14b_random_pipeline,
 }
 
 BUILTIN_PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny-wan": TINY_WAN_DEFAULTS,
     "tiny-flux": TINY_FLUX_DEFAULTS,
+    "wan-14b-random": WAN_14B_RANDOM_DEFAULTS,
 }

@@ -1,0 +1,384 @@
+"""``omni-offload``: generate with a streamed diffusion pipeline, or show what would stream.
+
+    omni-offload generate        # built-in tiny-wan, DiT and text encoder streamed, on CPU or GPU
+    omni-offload generate --model Wan-AI/Wan2.2-T2V-A14B-Diffusers \\
+        --diffusion-offload-config '{"mode":"layer","components":["dit"]}' \\
+        --prompt "a red fox in snow" --num-inference-steps 30 --output-dir out/
+    omni-offload inspect --model tiny-flux
+
+Under torchrun (``launch/generate.py``) prompts are split across ranks; see ``dp.py``.
+Bad flags, a bad config or an option the pipeline does not take: one line on stderr, exit
+status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .api import (
+    DTYPES,
+    GenerationOptionError,
+    ModelLoadError,
+    Omni,
+    SamplingOptions,
+    format_bytes,
+)
+from .config import OffloadConfig, OffloadConfigError
+from .dp import destroy_dist, maybe_init_dist, plan_jobs, run_jobs
+from .outputs import VIDEO_FORMATS, resolve_video_format
+from .ranks import current_rank, rank_prefix
+
+__all__ = ["DEFAULT_OFFLOAD_CONFIG", "DEFAULT_PROMPT", "UsageError", "build_parser", "main"]
+
+PROG = "omni-offload"
+DEFAULT_MODEL = "tiny-wan"
+DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
+DEFAULT_PROMPT = "a red fox running through snow"
+_COMMANDS = ("generate", "inspect")
+
+logger = logging.getLogger("omni_dist_offload")
+
+
+class UsageError(Exception):
+    """A bad flag or flag value: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse would print the usage block and exit; one line that names the problem is enough.
+        raise UsageError(message)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunPlan:
+    """Validated flags: everything is checked before a model is touched."""
+
+    command: str
+    model: str
+    config: OffloadConfig | None
+    device: str | None
+    dtype: str
+    prompts: list[str]
+    seed: int
+    sampling: SamplingOptions
+    output_dir: Path
+    video_format: str
+    fps: int | None
+    progress: bool
+    as_json: bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Generate with layerwise-offloaded diffusion pipelines.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="{generate,inspect}")
+    generate = commands.add_parser("generate", help="generate images or videos (the default command)",
+                                   description="Generate images or videos; with no flags, the "
+                                   "built-in tiny-wan with its DiT and text encoder streamed.")
+    _add_model_flags(generate)
+    _add_generation_flags(generate)
+    inspect = commands.add_parser("inspect", help="show what streams and what stays resident",
+                                  description="Load the model, apply the offload config and print "
+                                  "the plan (components, blocks, bytes, transfer); generates nothing.")
+    _add_model_flags(inspect)
+    inspect.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="built-in name (tiny-wan, tiny-flux), local diffusers folder, or hub "
+                        "id whose weights are cached (default: %(default)s)")
+    offload = parser.add_mutually_exclusive_group()
+    offload.add_argument("--diffusion-offload-config", default=DEFAULT_OFFLOAD_CONFIG, metavar="JSON",
+                         help="offload config as JSON (default: %(default)s)")
+    offload.add_argument("--no-offload", action="store_true",
+                         help="keep the whole pipeline resident on the device")
+    parser.add_argument("--device", default=None,
+                        help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", action="append", default=None,
+                         help=f"a prompt; repeat for several (default: {DEFAULT_PROMPT!r})")
+    prompts.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
+                         help="one prompt per line; blank lines and lines starting with # are skipped")
+    parser.add_argument("--negative-prompt", default=None)
+    parser.add_argument("--num-inference-steps", type=_positive_int, default=None, metavar="N")
+    parser.add_argument("--height", type=_positive_int, default=None)
+    parser.add_argument("--width", type=_positive_int, default=None)
+    parser.add_argument("--num-frames", type=_positive_int, default=None, metavar="N",
+                        help="video pipelines only")
+    parser.add_argument("--guidance-scale", type=float, default=None, metavar="G")
+    parser.add_argument("--seed", type=_non_negative_int, default=0,
+                        help="seed of prompt 0; prompt k uses seed + k (default: %(default)s)")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
+                        help="where outputs and their JSON sidecars go (default: %(default)s)")
+    parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
+                        help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
+    parser.add_argument("--fps", type=_positive_int, default=None, help="video frame rate (default: 16)")
+    parser.add_argument("--no-progress", action="store_true", help="hide denoising progress bars")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (2 for bad flags, config or options)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in (*_COMMANDS, "-h", "--help", "--version"):
+        args = ["generate", *args]  # generate is the default command
+    try:
+        plan = _validate(build_parser().parse_args(args))
+    except UsageError as exc:
+        where = f"{PROG} {args[0]}" if args[0] in _COMMANDS else PROG
+        _report(f"{where}: error: {exc} (see {where} --help)", every_rank=False)
+        return 2
+    try:
+        return _COMMAND_FUNCS[plan.command](plan)
+    except (OffloadConfigError, GenerationOptionError) as exc:
+        _report(f"{PROG} {plan.command}: error: {exc}", every_rank=False)
+        return 2
+    except ModelLoadError as exc:
+        _report(f"{PROG} {plan.command}: error: {exc}", every_rank=True)
+        return 1
+
+
+def _validate(ns: argparse.Namespace) -> RunPlan:
+    config = None
+    if not ns.no_offload:
+        try:
+            config = OffloadConfig.parse(ns.diffusion_offload_config)
+        except OffloadConfigError as exc:
+            raise UsageError(f"--diffusion-offload-config: {exc}") from None
+    _check_model(ns.model)
+    _check_device(ns.device)
+    generating = ns.command == "generate"
+    if generating:
+        try:
+            resolve_video_format(ns.video_format)
+        except ValueError as exc:
+            raise UsageError(f"--video-format: {exc}") from None
+        if ns.output_dir.exists() and not ns.output_dir.is_dir():
+            raise UsageError(f"--output-dir {str(ns.output_dir)!r} is a file: give a folder.")
+    sampling = SamplingOptions(
+        num_inference_steps=ns.num_inference_steps, height=ns.height, width=ns.width,
+        num_frames=ns.num_frames, guidance_scale=ns.guidance_scale,
+        negative_prompt=ns.negative_prompt) if generating else SamplingOptions()
+    return RunPlan(
+        command=ns.command, model=ns.model, config=config, device=ns.device, dtype=ns.dtype,
+        prompts=_prompts(ns) if generating else [], seed=getattr(ns, "seed", 0), sampling=sampling,
+        output_dir=getattr(ns, "output_dir", Path("outputs")),
+        video_format=getattr(ns, "video_format", "auto"), fps=getattr(ns, "fps", None),
+        progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False))
+
+
+def _prompts(ns: argparse.Namespace) -> list[str]:
+    if ns.prompts_file is None:
+        prompts = ns.prompt or [DEFAULT_PROMPT]
+        if any(not p.strip() for p in prompts):
+            raise UsageError("--prompt is empty: give some text.")
+        return prompts
+    path: Path = ns.prompts_file
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompts-file {str(path)!r} cannot be read ({type(exc).__name__}: "
+                         f"{getattr(exc, 'strerror', None) or exc}).") from None
+    prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise UsageError(f"--prompts-file {str(path)!r} has no prompts: write one per line.")
+    return prompts
+
+
+def _check_model(model: str) -> None:
+    path = Path(model).expanduser()
+    if model.startswith((".", "/", "~")) and not path.is_dir():
+        raise UsageError(f"--model {model!r}: no such folder; give a diffusers folder, a hub id or "
+                         "a built-in name (tiny-wan, tiny-flux).")
+
+
+def _check_device(device: str | None) -> None:
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device: use cuda, cuda:N or cpu.") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise UsageError(f"--device {device!r} is not supported: use cuda, cuda:N or cpu.")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device!r}: no CUDA device is visible; use --device cpu.")
+
+
+# -- commands ------------------------------------------------------------------------------
+def _cmd_generate(plan: RunPlan) -> int:
+    _setup_logging()
+    ctx = maybe_init_dist(plan.device)
+    try:
+        jobs = plan_jobs(plan.prompts, plan.seed, ctx.rank, ctx.world_size)
+        logger.info("%s%d prompt(s) on %d rank(s): %d wave(s), this rank runs prompts %s",
+                    rank_prefix(), len(plan.prompts), ctx.world_size, len(jobs),
+                    [j.index for j in jobs if not j.padding])
+        with _load(plan) as omni:
+            omni.call_kwargs(**plan.sampling.to_kwargs())  # an option it does not take: exit 2 now
+            report = run_jobs(omni, jobs, ctx, sampling=plan.sampling, output_dir=plan.output_dir,
+                              video_format=plan.video_format, fps=plan.fps)
+            if ctx.is_main:
+                print(report.line(ctx.world_size, omni.timings.setup_s), flush=True)
+        return 0
+    finally:
+        destroy_dist(ctx)
+
+
+def _cmd_inspect(plan: RunPlan) -> int:
+    _setup_logging()
+    ctx = maybe_init_dist(plan.device)
+    try:
+        with _load(plan) as omni:
+            rows = plan_rows(omni)
+            if ctx.is_main:
+                print(json.dumps(rows, indent=2) if plan.as_json else format_plan(omni, rows), flush=True)
+        return 0
+    finally:
+        destroy_dist(ctx)
+
+
+_COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
+    "generate": _cmd_generate,
+    "inspect": _cmd_inspect,
+}
+
+
+def _load(plan: RunPlan) -> Omni:
+    return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress)
+
+
+# -- the plan table ------------------------------------------------------------------------
+def plan_rows(omni: Omni) -> list[dict[str, Any]]:
+    """One row per pipeline module: its streamed ring (if any) and what stays resident."""
+    streamed = {row["component"]: row for row in omni.summary()}
+    rows = []
+    for name, module in omni.components().items():
+        ring = streamed.get(name, {})
+        block_bytes = ring.get("block_bytes", 0)
+        rows.append({
+            "component": name,
+            "category": ring.get("category", "resident"),
+            "module_class": type(module).__name__,
+            "num_blocks": ring.get("num_blocks", 0),
+            "block_bytes": block_bytes,
+            "host_bytes": ring.get("host_bytes", 0),
+            "device_slot_bytes": ring.get("device_slot_bytes", 0),
+            "resident_bytes": _tensor_bytes(module) - block_bytes,
+            "weight_transfer": ring.get("weight_transfer"),
+            "fallback_reason": ring.get("fallback_reason"),
+        })
+    return rows
+
+
+def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
+    """The plan as a fixed-width table, with a header and device totals."""
+    header = ["component", "category", "class", "blocks", "streamed", "host", "slots", "resident",
+              "transfer", "fallback"]
+    table = [header] + [[
+        r["component"], r["category"], r["module_class"], str(r["num_blocks"]),
+        _fmt_bytes(r["block_bytes"]), _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
+        _fmt_bytes(r["resident_bytes"]), r["weight_transfer"] or "-", r["fallback_reason"] or "-",
+    ] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    numeric = {3, 4, 5, 6, 7}
+    lines = ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+             for line in table]
+    config = json.dumps(omni.config.to_dict()) if omni.config else "none (all resident)"
+    device_bytes = sum(r["resident_bytes"] + r["device_slot_bytes"] for r in rows)
+    host_bytes = sum(r["host_bytes"] for r in rows)
+    return "\n".join([
+        f"model {omni.model} ({type(omni.pipeline).__name__}) on {omni.device}, "
+        f"{str(omni.dtype).removeprefix('torch.')}",
+        f"offload config {config}",
+        "",
+        *lines,
+        "",
+        f"weights on the device: {_fmt_bytes(device_bytes)} (resident + slots); "
+        f"in host memory on this rank: {_fmt_bytes(host_bytes)}",
+    ])
+
+
+def _tensor_bytes(module: Any) -> int:
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _fmt_bytes(n: int) -> str:
+    return format_bytes(n) if n else "0"
+
+
+# -- plumbing ------------------------------------------------------------------------------
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (it is swapped under test capture)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _setup_logging() -> None:
+    """INFO from the ranks in ``LOG_RANK`` (comma-separated, default 0), warnings from all."""
+    try:
+        shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
+    except ValueError:
+        shown = {0}
+    lib_logger = logging.getLogger("omni_dist_offload")
+    lib_logger.setLevel(logging.INFO if current_rank() in shown else logging.WARNING)
+    if not any(isinstance(h, _StderrHandler) for h in lib_logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))  # messages carry their rank prefix
+        lib_logger.addHandler(handler)
+
+
+def _report(message: str, *, every_rank: bool) -> None:
+    if every_rank or current_rank() == 0:
+        print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; give 0 or more")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

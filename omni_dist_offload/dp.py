@@ -1,0 +1,191 @@
+"""Data-parallel generation under torchrun: one process per device, prompts split across ranks.
+
+Every rank runs the same number of pipeline calls with the same sizes and steps, in lockstep:
+prompts go out in waves of ``world_size``, and the last wave is padded with repeats whose
+outputs are discarded. The ``allgather`` weight transfer needs this, since each block's
+all-gather is a collective that every rank of the group must enter. Prompt ``k`` is generated
+with seed ``base_seed + k`` and written as ``<k>.<ext>``, whatever the number of ranks.
+
+With one process :func:`maybe_init_dist` does nothing, and the same loop runs alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .ranks import rank_prefix
+
+if TYPE_CHECKING:
+    from .api import Omni, SamplingOptions
+    from .outputs import VideoFormat
+
+__all__ = [
+    "DistContext",
+    "PromptJob",
+    "RunReport",
+    "destroy_dist",
+    "maybe_init_dist",
+    "plan_jobs",
+    "run_jobs",
+]
+
+logger = logging.getLogger("omni_dist_offload")
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """Where this process sits in the torchrun job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    """``nccl``, ``gloo``, or ``None`` when no process group was created (one process)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def maybe_init_dist(device: str | None = None) -> DistContext:
+    """Join the torchrun process group when there is more than one process; else do nothing.
+
+    On CUDA the rank's device is ``cuda:LOCAL_RANK`` (set as current) and the backend NCCL;
+    on the CPU (or with ``device="cpu"``) the backend is gloo."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} has no GPU: this host has {torch.cuda.device_count()}; "
+                "start at most that many processes per node (torchrun --nproc_per_node)."
+            )
+        torch.cuda.set_device(local_rank)
+    if world_size == 1:
+        return DistContext(rank=rank, world_size=1, local_rank=local_rank)
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend,
+                                device_id=torch.device("cuda", local_rank) if use_cuda else None)
+    logger.info("%sjoined %d ranks (%s)", rank_prefix(), world_size, backend)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend)
+
+
+def destroy_dist(ctx: DistContext) -> None:
+    """Leave the process group that :func:`maybe_init_dist` joined, if any."""
+    if ctx.backend is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptJob:
+    """One pipeline call of one rank."""
+
+    index: int
+    """Global prompt index: names the output and sets the seed. For padding, past the end."""
+    prompt: str
+    seed: int
+    wave: int
+    padding: bool = False
+    """A repeat that keeps this rank in lockstep with the others; its output is discarded."""
+
+
+def plan_jobs(prompts: Sequence[str], base_seed: int, rank: int, world_size: int) -> list[PromptJob]:
+    """This rank's jobs: prompt ``wave * world_size + rank`` in each wave, padded in the last.
+
+    Every rank gets ``ceil(len(prompts) / world_size)`` jobs."""
+    if not prompts:
+        raise ValueError("no prompts to generate: give --prompt or a non-empty --prompts-file.")
+    waves = math.ceil(len(prompts) / world_size)
+    jobs = []
+    for wave in range(waves):
+        index = wave * world_size + rank
+        padding = index >= len(prompts)
+        # A padding job repeats a real prompt so its pipeline call does the same work.
+        prompt = prompts[index % len(prompts)]
+        jobs.append(PromptJob(index=index, prompt=prompt, seed=base_seed + index, wave=wave,
+                              padding=padding))
+    return jobs
+
+
+@dataclass(slots=True)
+class RunReport:
+    """What one rank did, and the totals over all ranks (filled in on every rank)."""
+
+    written: list[Path] = field(default_factory=list)
+    """This rank's media files."""
+    local_count: int = 0
+    total_count: int = 0
+    kind: str = "image"
+    elapsed_s: float = 0.0
+    """Wall time of the generation loop, the slowest rank's."""
+
+    @property
+    def per_minute(self) -> float:
+        return 60.0 * self.total_count / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def line(self, world_size: int, setup_s: float) -> str:
+        """The final report: outputs per minute over the generation loop (setup excluded)."""
+        noun = self.kind if self.total_count == 1 else f"{self.kind}s"
+        ranks = "rank" if world_size == 1 else "ranks"
+        return (f"generated {self.total_count} {noun} in {self.elapsed_s:.1f} s on {world_size} "
+                f"{ranks}: {self.per_minute:.2f} {self.kind}s/min (setup {setup_s:.1f} s, not counted)")
+
+
+def run_jobs(
+    omni: Omni,
+    jobs: Sequence[PromptJob],
+    ctx: DistContext,
+    *,
+    sampling: SamplingOptions,
+    output_dir: Path,
+    video_format: VideoFormat = "auto",
+    fps: int | None = None,
+) -> RunReport:
+    """Generate this rank's jobs in order, write real outputs, discard padding, and total up."""
+    report = RunReport()
+    options = sampling.to_kwargs()
+    start = time.perf_counter()
+    for job in jobs:
+        job_start = time.perf_counter()
+        result = omni.generate(job.prompt, seed=job.seed, name=f"{job.index:05d}", fps=fps, **options)
+        report.kind = result.kind
+        if job.padding:
+            logger.info("%swave %d/%d: padding call done (%.1f s), output discarded", rank_prefix(),
+                        job.wave + 1, len(jobs), time.perf_counter() - job_start)
+            continue
+        result.metadata.update(index=job.index, rank=ctx.rank, world_size=ctx.world_size)
+        saved = result.save(output_dir, video_format=video_format)
+        report.written.append(saved.media)
+        report.local_count += 1
+        logger.info("%swave %d/%d: prompt %d %r -> %s (%.1f s)", rank_prefix(), job.wave + 1,
+                    len(jobs), job.index, job.prompt, saved.media, time.perf_counter() - job_start)
+    report.elapsed_s = time.perf_counter() - start
+    report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
+    return report
+
+
+def _reduce_totals(count: int, elapsed_s: float, ctx: DistContext) -> tuple[int, float]:
+    """Sum of outputs and the slowest rank's time; also a barrier, so rank 0's final line
+    comes after every rank has written."""
+    if ctx.backend is None:
+        return count, elapsed_s
+    nccl = ctx.backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    totals = torch.tensor([float(count), elapsed_s], dtype=torch.float64, device=device)
+    counts, times = totals[:1].clone(), totals[1:].clone()
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return int(counts.item()), float(times.item())

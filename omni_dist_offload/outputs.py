@@ -1,0 +1,139 @@
+"""Generation results and how they are written: PNG for images, MP4 or GIF for videos, plus a
+JSON sidecar holding the prompt, seed, model, offload config, sizes, timings and versions.
+
+MP4 needs the optional ``video`` extra (``imageio`` with ``imageio-ffmpeg``); without it videos
+are written as GIF through Pillow, which comes with diffusers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = [
+    "VIDEO_FORMATS",
+    "GenerationResult",
+    "SavedOutput",
+    "mp4_available",
+    "resolve_video_format",
+    "to_uint8",
+]
+
+logger = logging.getLogger("omni_dist_offload")
+
+#: ``--video-format`` values: ``auto`` is MP4 when the ``video`` extra is installed, else GIF.
+VIDEO_FORMATS: tuple[str, ...] = ("auto", "mp4", "gif")
+
+VideoFormat = Literal["auto", "mp4", "gif"]
+
+
+@dataclass(frozen=True, slots=True)
+class SavedOutput:
+    """The files one result was written to."""
+
+    media: Path
+    sidecar: Path
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationResult:
+    """One generated image or video, with everything needed to reproduce it."""
+
+    prompt: str
+    seed: int
+    kind: Literal["image", "video"]
+    frames: np.ndarray
+    """``uint8`` pixels: ``(height, width, 3)`` for an image, ``(frames, height, width, 3)`` for
+    a video."""
+    name: str
+    """File stem used by :meth:`save` (``<name>.png``, ``<name>.json``)."""
+    fps: int = 16
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The JSON sidecar's content (prompt, seed, model, config, sizes, timings, versions)."""
+
+    def save(self, directory: str | Path, *, video_format: VideoFormat = "auto") -> SavedOutput:
+        """Write the media file and its JSON sidecar into ``directory`` (created if missing)."""
+        out_dir = Path(directory)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = out_dir / self.name
+        if self.kind == "image":
+            media = stem.with_suffix(".png")
+            _write_png(media, self.frames)
+        elif resolve_video_format(video_format) == "mp4":
+            media = stem.with_suffix(".mp4")
+            _write_mp4(media, self.frames, self.fps)
+        else:
+            media = stem.with_suffix(".gif")
+            _write_gif(media, self.frames, self.fps)
+        sidecar = stem.with_suffix(".json")
+        record = {**self.metadata, "file": media.name}
+        sidecar.write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
+        return SavedOutput(media=media, sidecar=sidecar)
+
+
+def mp4_available() -> bool:
+    """Whether MP4 can be written: ``imageio`` and ``imageio-ffmpeg`` are importable."""
+    return all(importlib.util.find_spec(name) is not None for name in ("imageio", "imageio_ffmpeg"))
+
+
+def resolve_video_format(video_format: str) -> Literal["mp4", "gif"]:
+    """``auto`` becomes MP4 when it can be written, else GIF; an explicit MP4 without the
+    writer raises naming the install command."""
+    if video_format not in VIDEO_FORMATS:
+        raise ValueError(f"video format {video_format!r} is not one of {list(VIDEO_FORMATS)}.")
+    if video_format == "gif":
+        return "gif"
+    if mp4_available():
+        return "mp4"
+    if video_format == "mp4":
+        raise ValueError(
+            "video format 'mp4' needs imageio and imageio-ffmpeg, which are not installed: "
+            "pip install 'omni_dist_offload[video]', or use --video-format gif."
+        )
+    return "gif"
+
+
+def to_uint8(pixels: Any) -> np.ndarray:
+    """Pipeline output in ``[0, 1]`` (numpy or torch, channels last) to ``uint8``, rounded the
+    way diffusers' own ``numpy_to_pil`` rounds."""
+    array = np.asarray(pixels.float().cpu() if hasattr(pixels, "cpu") else pixels)
+    if array.dtype == np.uint8:
+        return array
+    return (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def _write_png(path: Path, frame: np.ndarray) -> None:
+    from PIL import Image
+
+    Image.fromarray(frame).save(path)
+
+
+def _write_gif(path: Path, frames: np.ndarray, fps: int) -> None:
+    from PIL import Image
+
+    images = [Image.fromarray(frame) for frame in frames]
+    # GIF delays are in milliseconds; loop=0 repeats forever.
+    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)),
+                   loop=0)
+
+
+def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
+    import imageio.v2 as imageio
+
+    # H.264 in yuv420p needs even sizes; a macro block of 2 pads odd ones instead of resizing
+    # every frame to a multiple of 16.
+    imageio.mimwrite(path, list(frames), fps=fps, codec="libx264", quality=8, macro_block_size=2)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    return repr(value)

@@ -1,0 +1,135 @@
+"""``Omni``: built-in and folder pipelines, offload vs resident, results and their files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omni_dist_offload import Omni
+from omni_dist_offload.api import GenerationOptionError, ModelLoadError, resolve_dtype
+from omni_dist_offload.outputs import GenerationResult, mp4_available
+
+STREAM_ALL = {"mode": "layer", "components": ["dit", "text_encoder"]}
+SIDECAR_KEYS = {"prompt", "seed", "model", "offload_config", "offload_summary", "height", "width",
+                "num_frames", "num_inference_steps", "timings", "versions", "file"}
+
+
+def read_frames(path: Path) -> np.ndarray:
+    """Decode a PNG or GIF with Pillow: ``(frames, height, width, 3)`` uint8."""
+    with Image.open(path) as image:
+        frames = []
+        for i in range(getattr(image, "n_frames", 1)):
+            image.seek(i)
+            frames.append(np.asarray(image.convert("RGB")))
+    return np.stack(frames)
+
+
+def test_builtin_flux_image_summary_and_files(tmp_path: Path) -> None:
+    omni = Omni("tiny-flux", STREAM_ALL)
+    assert [r["component"] for r in omni.summary()] == ["transformer", "text_encoder", "text_encoder_2"]
+    assert {r["weight_transfer"] for r in omni.summary()} == {"rank-local"}
+    result = omni.generate("a red fox in snow", seed=3)
+    assert result.kind == "image" and result.frames.shape == (16, 16, 3)
+    assert result.frames.dtype == np.uint8
+
+    saved = result.save(tmp_path)
+    assert saved.media == tmp_path / "seed00003.png"
+    assert np.array_equal(read_frames(saved.media)[0], result.frames)
+    sidecar = json.loads(saved.sidecar.read_text())
+    assert SIDECAR_KEYS <= sidecar.keys()
+    assert (sidecar["prompt"], sidecar["seed"], sidecar["model"]) == ("a red fox in snow", 3, "tiny-flux")
+    assert sidecar["offload_config"]["components"] == ["dit", "text_encoder"]
+    assert sidecar["offload_summary"] == omni.summary()
+    assert (sidecar["height"], sidecar["width"], sidecar["num_frames"]) == (16, 16, None)
+    assert sidecar["num_inference_steps"] == 2
+    assert sidecar["timings"]["generation_s"] > 0 and sidecar["timings"]["setup_s"] > 0
+    assert sidecar["versions"]["torch"] == torch.__version__
+
+
+def test_streamed_video_equals_resident_and_seeds_matter() -> None:
+    streamed = Omni("tiny-wan", STREAM_ALL)
+    resident = Omni("tiny-wan", None)
+    assert resident.summary() == [] and resident.handle is None
+    a = streamed.generate("a cat", seed=1)
+    assert a.kind == "video" and a.frames.shape == (5, 32, 32, 3)
+    assert np.array_equal(a.frames, resident.generate("a cat", seed=1).frames)
+    assert np.array_equal(a.frames, streamed.generate("a cat", seed=1).frames)
+    assert not np.array_equal(a.frames, streamed.generate("a cat", seed=2).frames)
+
+
+def test_close_restores_resident_tensors_with_equal_output() -> None:
+    with Omni("tiny-flux", STREAM_ALL) as omni:
+        before = omni.generate("a dog", seed=0).frames
+        omni.close()
+        assert omni.summary() == []
+        assert np.array_equal(omni.generate("a dog", seed=0).frames, before)
+        omni.close()  # idempotent
+
+
+def test_local_folder_loads_through_from_pretrained(tmp_path: Path) -> None:
+    from omni_dist_offload.tiny import TINY_FLUX_DEFAULTS, tiny_flux_pipeline
+
+    tiny_flux_pipeline().save_pretrained(tmp_path / "flux")
+    omni = Omni(str(tmp_path / "flux"), STREAM_ALL, progress=False)
+    assert type(omni.pipeline).__name__ == "FluxPipeline"
+    assert len(omni.summary()) == 3
+    # A folder gets the pipeline's own defaults; pass the built-in's to compare.
+    result = omni.generate("a red fox", seed=0, **TINY_FLUX_DEFAULTS)
+    reference = Omni("tiny-flux", STREAM_ALL).generate("a red fox", seed=0)
+    # Same weights; mmapped safetensors are not 64-byte aligned, so CPU kernels may differ by an ulp.
+    assert np.abs(result.frames.astype(int) - reference.frames.astype(int)).max() <= 1
+    assert result.metadata["model"] == str(tmp_path / "flux")
+
+
+def test_folder_without_model_index_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="model_index.json"):
+        Omni(str(tmp_path), STREAM_ALL)
+
+
+def test_option_the_pipeline_does_not_take() -> None:
+    omni = Omni("tiny-flux", None)
+    with pytest.raises(GenerationOptionError, match="'num_frames' is not an option of FluxPipeline"):
+        omni.generate("a cat", num_frames=5)
+    with pytest.raises(GenerationOptionError, match="'generator' is set by Omni.generate"):
+        omni.generate("a cat", generator=None or torch.Generator())
+
+
+def test_dtype_defaults_and_names() -> None:
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="'float8'"):
+        resolve_dtype("float8", torch.device("cpu"))
+    omni = Omni("tiny-flux", STREAM_ALL, dtype="bfloat16")
+    assert omni.pipeline.transformer.dtype == torch.bfloat16
+    assert omni.generate("a cat").metadata["dtype"] == "bfloat16"
+
+
+def test_video_written_as_gif_without_mp4(tmp_path: Path) -> None:
+    frames = np.random.default_rng(0).integers(0, 256, (3, 8, 12, 3), dtype=np.uint8)
+    result = GenerationResult(prompt="p", seed=0, kind="video", frames=frames, name="clip", fps=8)
+    saved = result.save(tmp_path, video_format="gif")
+    assert saved.media.name == "clip.gif"
+    decoded = read_frames(saved.media)
+    assert decoded.shape == (3, 8, 12, 3)
+    with Image.open(saved.media) as gif:
+        assert gif.info["duration"] in (120, 130)  # 125 ms, stored in centiseconds
+    assert json.loads(saved.sidecar.read_text())["file"] == "clip.gif"
+
+
+@pytest.mark.skipif(not mp4_available(), reason="needs the video extra (imageio, imageio-ffmpeg)")
+def test_video_written_as_mp4_with_the_video_extra(tmp_path: Path) -> None:
+    import imageio.v2 as imageio
+
+    frames = np.full((5, 32, 32, 3), 128, dtype=np.uint8)
+    result = GenerationResult(prompt="p", seed=0, kind="video", frames=frames, name="clip")
+    saved = result.save(tmp_path)
+    assert saved.media.suffix == ".mp4"
+    decoded = np.stack(imageio.mimread(saved.media))
+    assert decoded.shape == (5, 32, 32, 3)
+    assert np.abs(decoded.astype(int) - 128).max() <= 3

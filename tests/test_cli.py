@@ -1,0 +1,173 @@
+"""``omni-offload``: generate end to end on the built-in pipelines, inspect, and bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omni_dist_offload.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_library_logger():
+    """The CLI configures the library logger; leave it as other tests expect."""
+    lib_logger = logging.getLogger("omni_dist_offload")
+    handlers, level = list(lib_logger.handlers), lib_logger.level
+    yield
+    lib_logger.handlers[:] = handlers
+    lib_logger.setLevel(level)
+
+
+def read_frames(path: Path) -> np.ndarray:
+    """Decode a PNG or GIF with Pillow: ``(frames, height, width, 3)`` uint8."""
+    with Image.open(path) as image:
+        frames = []
+        for i in range(getattr(image, "n_frames", 1)):
+            image.seek(i)
+            frames.append(np.asarray(image.convert("RGB")))
+    return np.stack(frames)
+
+
+def sidecar(path: Path) -> dict:
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def test_no_arguments_runs_tiny_wan_streaming_dit_and_text_encoder(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "generated 1 video in" in out and "videos/min" in out
+    meta = json.loads((tmp_path / "outputs" / "00000.json").read_text())
+    video = tmp_path / "outputs" / meta["file"]
+    if video.suffix == ".mp4":  # the optional video extra is installed
+        import imageio.v2 as imageio
+
+        assert np.stack(imageio.mimread(video)).shape == (5, 32, 32, 3)
+    else:
+        assert video.name == "00000.gif" and read_frames(video).shape == (5, 32, 32, 3)
+    assert meta["model"] == "tiny-wan" and meta["kind"] == "video"
+    assert (meta["prompt"], meta["seed"]) == ("a red fox running through snow", 0)
+    assert meta["offload_config"]["components"] == ["dit", "text_encoder"]
+    assert {r["category"] for r in meta["offload_summary"]} == {"dit", "text_encoder"}
+    assert meta["timings"]["setup_s"] > 0 and meta["timings"]["generation_s"] > 0
+
+
+def test_generate_tiny_wan_with_sizes_and_prompts_file(tmp_path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# a comment\na red fox\n\na cat on a boat\n")
+    out_dir = tmp_path / "out"
+    rc = main(["generate", "--model", "tiny-wan", "--prompts-file", str(prompts), "--height", "48",
+               "--width", "32", "--num-frames", "9", "--num-inference-steps", "2", "--seed", "7",
+               "--output-dir", str(out_dir), "--video-format", "gif", "--fps", "8",
+               "--diffusion-offload-config", '{"mode":"layer","components":["dit"]}'])
+    assert rc == 0
+    assert sorted(p.name for p in out_dir.iterdir()) == ["00000.gif", "00000.json", "00001.gif", "00001.json"]
+    first, second = read_frames(out_dir / "00000.gif"), read_frames(out_dir / "00001.gif")
+    assert first.shape == second.shape == (9, 48, 32, 3)
+    assert not np.array_equal(first, second)
+    meta = [sidecar(out_dir / f"0000{i}.gif") for i in range(2)]
+    assert [(m["prompt"], m["seed"]) for m in meta] == [("a red fox", 7), ("a cat on a boat", 8)]
+    assert (meta[0]["height"], meta[0]["width"], meta[0]["num_frames"], meta[0]["fps"]) == (48, 32, 9, 8)
+    assert meta[0]["offload_config"]["components"] == ["dit"]
+
+
+def test_generate_tiny_flux_images(tmp_path) -> None:
+    out_dir = tmp_path / "out"
+    rc = main(["--model", "tiny-flux", "--prompt", "a red fox", "--prompt", "a blue bird",
+               "--seed", "3", "--output-dir", str(out_dir), "--no-progress"])
+    assert rc == 0
+    images = [read_frames(out_dir / f"0000{i}.png") for i in range(2)]
+    assert images[0].shape == (1, 16, 16, 3) and not np.array_equal(images[0], images[1])
+    meta = sidecar(out_dir / "00001.png")
+    assert (meta["prompt"], meta["seed"], meta["kind"], meta["num_frames"]) == ("a blue bird", 4, "image", None)
+    assert [r["component"] for r in meta["offload_summary"]] == ["transformer", "text_encoder", "text_encoder_2"]
+
+
+def test_generate_from_a_local_folder(tmp_path) -> None:
+    from omni_dist_offload.tiny import tiny_wan_pipeline
+
+    tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
+    rc = main(["--model", str(tmp_path / "wan"), "--height", "32", "--width", "32", "--num-frames", "5",
+               "--num-inference-steps", "2", "--output-dir", str(tmp_path / "out"), "--video-format", "gif"])
+    assert rc == 0
+    assert read_frames(tmp_path / "out" / "00000.gif").shape == (5, 32, 32, 3)
+    assert sidecar(tmp_path / "out" / "00000.gif")["pipeline_class"] == "WanPipeline"
+
+
+def test_inspect_prints_the_plan_table(capsys) -> None:
+    assert main(["inspect", "--model", "tiny-flux"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("component"))
+    assert header.split() == ["component", "category", "class", "blocks", "streamed", "host",
+                              "slots", "resident", "transfer", "fallback"]
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in
+            (["transformer"], ["text_encoder"], ["text_encoder_2"], ["vae"])}
+    assert rows["transformer"][1:4] == ["dit", "FluxTransformer2DModel", "5"]
+    assert rows["transformer"][-2:] == ["rank-local", "-"]
+    assert rows["text_encoder_2"][1:4] == ["text_encoder", "T5EncoderModel", "3"]
+    assert rows["vae"][1:4] == ["resident", "AutoencoderKL", "0"]
+    assert any(line.startswith("weights on the device:") for line in lines)
+
+
+def test_inspect_json(capsys) -> None:
+    assert main(["inspect", "--model", "tiny-wan", "--diffusion-offload-config",
+                 '{"mode":"layer","components":["text_encoder"]}', "--json"]) == 0
+    rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["text_encoder"]["num_blocks"] == 3 and rows["text_encoder"]["weight_transfer"] == "rank-local"
+    assert rows["text_encoder"]["block_bytes"] > 0 and rows["text_encoder"]["fallback_reason"] is None
+    assert rows["transformer"]["category"] == "resident" and rows["transformer"]["block_bytes"] == 0
+
+
+BAD_INPUT = {
+    "bad JSON": (["--diffusion-offload-config", "{mode: layer"], "not valid JSON"),
+    "unknown component": (["--diffusion-offload-config", '{"mode":"layer","components":["vae"]}'],
+                          "'vae'"),
+    "unknown key": (["--diffusion-offload-config", '{"mode":"layer","stream":true}'], "'stream'"),
+    "zero steps": (["--num-inference-steps", "0"], "--num-inference-steps: '0' is not a positive integer"),
+    "unknown flag": (["--frames", "5"], "unrecognized arguments: --frames"),
+    "missing prompts file": (["--prompts-file", "nope.txt"], "--prompts-file 'nope.txt' cannot be read"),
+    "missing folder": (["--model", "./no-such-model"], "--model './no-such-model': no such folder"),
+    "bad dtype": (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    "inspect flag": (["inspect", "--seed", "1"], "unrecognized arguments: --seed"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv, expected = BAD_INPUT[case]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "error:" in lines[0], captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_option_the_pipeline_does_not_take_exits_2_before_generating(tmp_path, capsys) -> None:
+    out_dir = tmp_path / "out"
+    assert main(["--model", "tiny-flux", "--num-frames", "5", "--output-dir", str(out_dir)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "'num_frames' is not an option of FluxPipeline" in errors[0]
+    assert not out_dir.exists()
+
+
+def test_process_exit_status_and_stderr(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "omni_dist_offload", "generate",
+                           "--diffusion-offload-config", "[1, 2]"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "omni-offload generate: error: --diffusion-offload-config: offload config must be a JSON "
+        "object or dict, found list. (see omni-offload generate --help)"
+    ]
+    assert list(tmp_path.iterdir()) == []
