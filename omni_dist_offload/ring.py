@@ -18,6 +18,7 @@ import torch
 
 from .layout import BlockLayout, bind
 from .plan import StreamedComponent
+from .trace import RingTracer
 from .transfer import WeightTransfer
 
 __all__ = ["BlockRing"]
@@ -66,6 +67,12 @@ class BlockRing:
         self._warned_miss = False
         self._warned_grad = False
         self._hooks: list = []
+        self.tracer: RingTracer | None = None
+
+    def enable_trace(self) -> None:
+        """Record per-block timing marks from now on (see ``trace.py``)."""
+        self.tracer = RingTracer([l.name for l in self.layouts], [l.tensor_bytes for l in self.layouts],
+                                 self._cuda)
 
     # -- hooks ---------------------------------------------------------------------------
     def install_hooks(self) -> None:
@@ -86,8 +93,14 @@ class BlockRing:
         slot = self._slot_of(i)
         if slot == _EMPTY:
             slot = self._fetch_missing(i)
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.before_wait(i, stream)
         if self._cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
+            stream.wait_event(self._ready[slot])
+        if tracer is not None:
+            tracer.after_wait(i, stream)
         bind(self.layouts[i].entries, self._slot_views[slot][i])
         self._running_slot[i] = slot
         nxt = self._next[i]
@@ -101,7 +114,12 @@ class BlockRing:
         if slot == _EMPTY:  # the pre-forward did not complete (interrupted): nothing to release
             return
         if self._cuda:
-            self._free[slot].record(torch.cuda.current_stream(self.device))
+            stream = torch.cuda.current_stream(self.device)
+            self._free[slot].record(stream)
+            if self.tracer is not None:
+                self.tracer.after_compute(i, stream)
+        elif self.tracer is not None:
+            self.tracer.after_compute(i, None)
         bind(self.layouts[i].entries, self._parked[i])
         self._running_slot[i] = _EMPTY
         self._last_slot = slot
@@ -117,7 +135,8 @@ class BlockRing:
         # to hold its former block.
         self._slot_block[slot] = _EMPTY
         try:
-            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot])
+            marks = self.tracer.transfer_marks(block) if self.tracer is not None else None
+            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot], marks)
         except RuntimeError as exc:  # e.g. a gloo collective timed out: say which ring and block
             raise RuntimeError(
                 f"{self.component.name}: moving block {self.layouts[block].name} with the "

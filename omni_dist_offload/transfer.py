@@ -34,10 +34,11 @@ class WeightTransfer(Protocol):
         """Slot bytes block ``block`` occupies once on the device."""
 
     def fill(self, block: int, dst: torch.Tensor, after: "torch.cuda.Event | None",
-             ready: "torch.cuda.Event | None") -> None:
+             ready: "torch.cuda.Event | None", marks=None) -> None:
         """Enqueue filling ``dst`` with block ``block``: start once ``after`` has fired (the
         slot's previous tenant finished computing), record ``ready`` when the bytes are there.
-        Without an accelerator (events are None) the fill is complete when it returns."""
+        Without an accelerator (events are None) the fill is complete when it returns.
+        ``marks``: when tracing, a (start, end) pair of trace marks to record around the fill."""
 
     def release(self) -> None:
         """Unpin host memory. The caller has synchronised the device."""
@@ -60,16 +61,24 @@ class RankLocalTransfer:
     def device_nbytes(self, block: int) -> int:
         return self.buffers[block].nbytes
 
-    def fill(self, block, dst, after, ready) -> None:
+    def fill(self, block, dst, after, ready, marks=None) -> None:
         src = self.buffers[block].tensor
         stream = self._copy_stream
         if stream is None:
+            if marks is not None:
+                marks[0].record()
             dst.copy_(src)
+            if marks is not None:
+                marks[1].record()
             return
         stream.wait_event(after)
+        if marks is not None:
+            marks[0].record(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         ready.record(stream)
+        if marks is not None:
+            marks[1].record(stream)
 
     def release(self) -> None:
         for b in self.buffers:
@@ -117,16 +126,22 @@ class AllGatherTransfer:
     def device_nbytes(self, block: int) -> int:
         return self.plans[block].padded_nbytes
 
-    def fill(self, block, dst, after, ready) -> None:
+    def fill(self, block, dst, after, ready, marks=None) -> None:
         src = self.shards[block].tensor
         group, world = self.group.group, self.group.size
         copy, comm = self._copy_stream, self._comm_stream
         if copy is None:  # CPU (gloo): each call completes before it returns
+            if marks is not None:
+                marks[0].record()
             for offset, mine, c, pos in self._chunks[block]:
                 dst[mine : mine + c].copy_(src[pos : pos + c])
                 _all_gather(dst[offset : offset + world * c], dst[mine : mine + c], group=group)
+            if marks is not None:
+                marks[1].record()
             return
         copy.wait_event(after)
+        if marks is not None:
+            marks[0].record(copy)
         for j, (offset, mine, c, pos) in enumerate(self._chunks[block]):
             local = dst[mine : mine + c]
             with torch.cuda.stream(copy):
@@ -137,6 +152,8 @@ class AllGatherTransfer:
                 # In place: the local input is a view into the output.
                 _all_gather(dst[offset : offset + world * c], local, group=group)
         ready.record(comm)
+        if marks is not None:
+            marks[1].record(comm)
 
     def release(self) -> None:
         for s in self.shards:

@@ -103,3 +103,24 @@ def test_peak_memory_is_nonblock_plus_two_blocks_plus_activations():
     assert peak <= nonblock + slots + activations + 4096
     assert peak < total + activations  # and it is a real saving
     handle.remove()
+
+
+@torch.inference_mode()
+def test_tracing_on_cuda_records_events_without_synchronising():
+    model = OddDiT(4, dim=256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    ref = model(x)
+    handle = apply_offload(model, DIT, trace=True)
+    model(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, ref)
+    (report,) = handle.trace_report()
+    assert [b["index"] for b in report["blocks"]] == [0, 1, 2, 3]
+    assert all(b["transfer_ms"] > 0 and b["gbps"] > 0 for b in report["blocks"])
+    assert report["forward_ms"] > 0
+    handle.remove()

@@ -1,0 +1,126 @@
+"""Per-block tracing of a ring: compute, transfer, exposed wait and bandwidth.
+
+Off by default. With ``apply_offload(trace=True)`` or ``OMNI_OFFLOAD_TRACE=1`` each ring keeps
+one set of timing marks per block, created at setup and reused every forward, so tracing adds
+event records to the per-block path but no allocation and no host synchronisation. Marks are
+read only by :meth:`RingTracer.report`, after the forward. On CUDA a mark is an event recorded
+on a stream; on the CPU it is the wall clock (every step there completes before the next).
+
+Per block:
+
+* ``wait``: from ``wait_start`` (recorded on the compute stream before it waits for the block's
+  bytes) to ``compute_start`` (after the wait): how long compute stood still, the exposed cost
+  of streaming;
+* ``compute``: ``compute_start`` to ``compute_end`` (the post-forward);
+* ``transfer``: from the copy stream starting the fill (after the slot is free) to the block
+  being in its slot, for the fill this run of the block used (none if the block stayed in its
+  slot since it last ran).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["TRACE_ENV", "RingTracer", "trace_enabled"]
+
+#: Set to 1 to trace every ring.
+TRACE_ENV = "OMNI_OFFLOAD_TRACE"
+
+_MARKS = ("wait_start", "compute_start", "compute_end")
+
+
+def trace_enabled(trace: bool | None) -> bool:
+    return bool(trace) if trace is not None else os.environ.get(TRACE_ENV, "0") == "1"
+
+
+class _Mark:
+    """An event on CUDA, a wall-clock reading on the CPU."""
+
+    __slots__ = ("event", "t")
+
+    def __init__(self, cuda: bool) -> None:
+        self.event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.t = 0.0
+
+    def record(self, stream: "torch.cuda.Stream | None" = None) -> None:
+        if self.event is not None:
+            self.event.record(stream)
+        else:
+            self.t = time.perf_counter()
+
+    def ms_since(self, base: "_Mark") -> float:
+        if self.event is not None:
+            return base.event.elapsed_time(self.event)
+        return (self.t - base.t) * 1e3
+
+
+class RingTracer:
+    """Timing marks for every block of one ring, most recent forward only."""
+
+    def __init__(self, names: Sequence[str], nbytes: Sequence[int], cuda: bool) -> None:
+        self.names = list(names)
+        self.nbytes = list(nbytes)
+        self.marks = [{k: _Mark(cuda) for k in _MARKS} for _ in names]
+        # Two (start, end) pairs per block, used in turn: the last block prefetches block 0 for
+        # the next forward before this forward's report is read, and must not overwrite the
+        # marks of the fill this forward's block 0 used.
+        self.xfer = [[(_Mark(cuda), _Mark(cuda)) for _ in range(2)] for _ in names]
+        self._cuda = cuda
+        self._ran: list[int] = []          # blocks of the current forward, in run order
+        self._next_pair = [0] * len(names)
+        self._fresh = [-1] * len(names)     # pair of a fill since the block last ran, else -1
+        self._used = [-1] * len(names)      # pair this forward's run of the block used, else -1
+        self._last_index = len(names)
+
+    def transfer_marks(self, block: int) -> tuple[_Mark, _Mark]:
+        """Marks for a fill of ``block`` (the transfer records them on its streams)."""
+        k = self._next_pair[block]
+        self._next_pair[block] = 1 - k
+        self._fresh[block] = k
+        return self.xfer[block][k]
+
+    def before_wait(self, i: int, stream) -> None:
+        if i <= self._last_index:  # back at (or before) the start: a new forward
+            self._ran = []
+        self._last_index = i
+        self._ran.append(i)
+        self._used[i] = self._fresh[i]
+        self._fresh[i] = -1
+        self.marks[i]["wait_start"].record(stream)
+
+    def after_wait(self, i: int, stream) -> None:
+        self.marks[i]["compute_start"].record(stream)
+
+    def after_compute(self, i: int, stream) -> None:
+        self.marks[i]["compute_end"].record(stream)
+
+    def report(self) -> dict[str, Any]:
+        """The most recent forward, in ms from its first block's wait. Synchronises."""
+        if not self._ran:
+            return {"forward_ms": 0.0, "exposed_wait_ms": 0.0, "exposed_share": 0.0, "blocks": []}
+        base = self.marks[self._ran[0]]["wait_start"]
+        if self._cuda:
+            self.marks[self._ran[-1]]["compute_end"].event.synchronize()
+        blocks = []
+        for i in self._ran:
+            m = self.marks[i]
+            start = m["compute_start"].ms_since(base)
+            row = {"index": i, "name": self.names[i], "bytes": self.nbytes[i],
+                   "compute_start_ms": start, "compute_ms": m["compute_end"].ms_since(base) - start,
+                   "wait_ms": start - m["wait_start"].ms_since(base),
+                   "transfer_start_ms": None, "transfer_ms": None, "gbps": None}
+            if self._used[i] >= 0:
+                start_mark, end_mark = self.xfer[i][self._used[i]]
+                t0 = start_mark.ms_since(base)
+                row.update(transfer_start_ms=t0, transfer_ms=end_mark.ms_since(base) - t0)
+                if row["transfer_ms"] > 0:
+                    row["gbps"] = self.nbytes[i] / row["transfer_ms"] / 1e6
+            blocks.append(row)
+        forward = self.marks[self._ran[-1]]["compute_end"].ms_since(base)
+        exposed = sum(b["wait_ms"] for b in blocks)
+        return {"forward_ms": forward, "exposed_wait_ms": exposed,
+                "exposed_share": exposed / forward if forward > 0 else 0.0, "blocks": blocks}
