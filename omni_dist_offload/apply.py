@@ -24,6 +24,7 @@ from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipe
 from .ranks import current_rank, rank_prefix
 from .ring import BlockRing
 from .sharding import layout_digest, plan_shards, sample_digest, write_shard
+from .trace import trace_enabled
 from .transfer import AllGatherTransfer, RankLocalTransfer
 
 __all__ = ["OffloadHandle", "apply_offload"]
@@ -66,6 +67,20 @@ class OffloadHandle:
                 "host_bytes": ring.transfer.host_bytes(),
                 "device_slot_bytes": sum(s.numel() for s in ring.slots),
             })
+        return rows
+
+    def trace_report(self) -> list[dict[str, Any]]:
+        """Per ring, the most recent forward block by block: compute, transfer, exposed wait
+        and bandwidth, in ms from the forward's start (see ``trace.py``). Needs tracing on
+        (``apply_offload(trace=True)`` or ``OMNI_OFFLOAD_TRACE=1``); synchronises the device."""
+        rows = []
+        for ring in self.rings:
+            if ring.tracer is None:
+                raise RuntimeError(
+                    f"{ring.component.name}: tracing is off; apply with trace=True or set "
+                    "OMNI_OFFLOAD_TRACE=1 to record per-block timings."
+                )
+            rows.append({"component": ring.component.name, **ring.tracer.report()})
         return rows
 
     def remove(self) -> None:
@@ -145,6 +160,7 @@ def apply_offload(
     device: torch.device | str | None = None,
     plan: OffloadPlan | None = None,
     process_group: Any | None = None,
+    trace: bool | None = None,
 ) -> OffloadHandle:
     """Stream the blocks of ``target``'s selected components from host memory.
 
@@ -152,7 +168,9 @@ def apply_offload(
     ``nn.Module`` (streamed as the ``dit`` component). ``device`` defaults to the current CUDA
     device when there is one, else the CPU. ``process_group`` overrides the group that carries
     allgather weight collectives (default: the ranks of this host, in a group of their own).
-    Returns a handle with ``summary()`` and ``remove()``.
+    ``trace`` records per-block timings (default: the ``OMNI_OFFLOAD_TRACE`` environment
+    variable), read with ``handle.trace_report()``. Returns a handle with ``summary()`` and
+    ``remove()``.
 
     With ``weight_transfer: "allgather"`` this is collective: every rank calls it with the same
     model and config.
@@ -193,6 +211,8 @@ def apply_offload(
         streamed = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
         handle._move_resident(streamed)
         for ring in handle.rings:
+            if trace_enabled(trace):
+                ring.enable_trace()
             ring.install_hooks()
         handle._mark()
     except BaseException:
