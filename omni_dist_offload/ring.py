@@ -189,6 +189,8 @@ class BlockRing:
                                     device=device if device is not None else e.origin).copy_(v)
                 for e, v in zip(layout.entries, self._slot_views[slot][i])
             ])
+            if self._cuda:  # the next fill of slot 0 must wait for these copies out of it
+                self._free[slot].record(torch.cuda.current_stream(self.device))
 
     def release(self) -> None:
         """Free the slots and host buffers. The caller has synchronised the device."""
