@@ -1,32 +1,77 @@
-"""Side-by-side benchmark: resident vs streamed forwards of real diffusers DiTs.
+"""Side-by-side benchmark: resident, diffusers group offloading and this project's streaming.
 
 Models are real diffusers classes built from config at real block sizes with random weights
-(nothing is downloaded), cast the way ``from_pretrained(torch_dtype=bf16)`` casts them. For each
-case the variants run in one process, resident timed before and after the streamed variants so
-drift does not favour either side; each figure is the median of several timed forwards after
-warm-up, timed with CUDA events.
+(nothing is downloaded), cast the way ``from_pretrained(torch_dtype=bf16)`` casts them. A case is
+one preset at one block count and one input shape; per case, in one process, these variants run:
 
-    python -m omni_dist_offload.bench --preset wan-14b --blocks 8 --frames 81 17 --json out.json
-    python -m omni_dist_offload.bench --preset tiny-wan          # CPU smoke run
+* ``resident``: the whole model on the device;
+* ``peer``: diffusers group offloading, ``enable_group_offload(offload_type="block_level",
+  num_blocks_per_group=1, use_stream=True)`` (``use_stream=False`` without CUDA, which diffusers
+  requires; the output says so), undone after each pass;
+* ``rank-local``: ``apply_offload`` streaming every DiT block over this rank's own link;
+* ``allgather``: the same with per-rank host shards all-gathered block by block (world size > 1).
+
+**Drift.** Variants run in a mirrored order, each streamed pass applying its offload once and
+removing it after::
+
+    resident, peer, rank-local, allgather, allgather, rank-local, peer, resident
+
+Every variant runs twice, once in each half, so its two passes sit at the same mean position in
+the run: a linear drift (clocks settling, the GPU warming, the host page cache filling) adds the
+same to every variant's pooled timings instead of favouring whichever ran first. Each pass runs
+``--warmup`` untimed forwards (the first forward after applying an offload starts cold) and then
+``--repeats`` timed ones; a variant's figure is the median of its pooled timed forwards, CUDA
+events on a GPU, the wall clock elsewhere. Under torchrun every rank runs the same schedule in
+lockstep and each figure is the slowest rank's median.
+
+**Floor.** Per block, a streamed forward cannot beat ``max(compute, block bytes / bandwidth)``,
+with the block's resident compute time measured by timing each block of the resident model, and
+the pinned host-to-device bandwidth measured at start (allgather: each rank moves 1/N of the
+bytes over its link). The floor of a variant is the resident forward with every block's compute
+replaced by that maximum; on the CPU (no bandwidth) it is the resident time.
+
+Reported per variant: forward time, overhead (/ resident), floor, forward / floor, peak device
+memory, host bytes per rank, setup time, and whether the output is bitwise equal to resident
+(the peer's equality is reported, not required; the exit status is 1 if a variant of this
+project differs). Output: a table on stdout, ``--json``, ``--png`` (overhead per case and
+variant) and ``--timeline`` (one traced forward of the first case, compute and copy lanes per
+block). Only rank 0 prints and writes.
+
+    omni-offload bench --preset wan-14b --blocks 8 --frames 81 17 --json wan14b.json --png wan14b.png
+    omni-offload bench --preset flux-12b --blocks 19 --px 1024 512 --timeline flux-timeline.png
+    NGPU=2 launch/bench.sh --preset flux-12b --blocks 19 --px 1024     # torchrun, allgather too
+    omni-offload bench --preset tiny-wan --frames 5 --height 32 --width 32 --png out.png  # CPU
+
+``python -m omni_dist_offload.bench`` is the same command.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import inspect
 import json
 import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from . import apply_offload
+from .config import OffloadConfig
+from .plan import discover
 from .tiny import cast_like_pretrained
 
-__all__ = ["PRESETS", "CaseResult", "main", "run_case"]
+__all__ = ["PRESETS", "VARIANTS", "BenchOptions", "CaseResult", "main", "run_case", "schedule",
+           "tracing_unavailable"]
+
+#: Streamed variants, in the order of the first half of the schedule.
+VARIANTS = ("peer", "rank-local", "allgather")
+RESIDENT = "resident"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +83,8 @@ class Preset:
     blocks_key: str
     default_blocks: int
     video: bool
+    text_tokens: int = 512
+    """Text-encoder tokens fed to the DiT (512 in Wan and Flux; fewer keeps CPU presets fast)."""
 
     def block_config(self, blocks: int) -> dict[str, Any]:
         if self.blocks_key == "flux":  # dual-stream then single-stream blocks, 1:2 as in Flux
@@ -46,41 +93,94 @@ class Preset:
         return {**self.config, self.blocks_key: blocks}
 
 
+_WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", eps=1e-6)
+
 PRESETS: dict[str, Preset] = {
     # Wan2.1/2.2 14B: 40 heads x 128, FFN 13824, text dim 4096; a block is ~703 MB in bf16.
     "wan-14b": Preset("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024), "num_layers", 8, True),
+        _WAN_COMMON, num_attention_heads=40, attention_head_dim=128, text_dim=4096, freq_dim=256,
+        ffn_dim=13824, rope_max_seq_len=1024), "num_layers", 8, True),
+    # Wan2.1 1.3B: 12 heads x 128, FFN 8960, 30 blocks of ~93 MB in bf16 (the whole model).
+    "wan-1.3b": Preset("WanTransformer3DModel", dict(
+        _WAN_COMMON, num_attention_heads=12, attention_head_dim=128, text_dim=4096, freq_dim=256,
+        ffn_dim=8960, rope_max_seq_len=1024), "num_layers", 30, True),
     # Flux.1-dev 12B: 19 dual-stream + 38 single-stream blocks of 3072; 415 MB a block on average.
     "flux-12b": Preset("FluxTransformer2DModel", dict(
         patch_size=1, in_channels=64, attention_head_dim=128, num_attention_heads=24,
         joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
         axes_dims_rope=(16, 56, 56)), "flux", 57, False),
-    # A small Wan for CPU smoke runs of the benchmark itself.
+    # Small Wan and Flux for CPU smoke runs of the benchmark itself.
     "tiny-wan": Preset("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-        out_channels=16, text_dim=64, freq_dim=32, ffn_dim=64, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64), "num_layers", 4, True),
+        _WAN_COMMON, num_attention_heads=2, attention_head_dim=16, text_dim=64, freq_dim=32,
+        ffn_dim=64, rope_max_seq_len=64), "num_layers", 4, True, text_tokens=16),
+    "tiny-flux": Preset("FluxTransformer2DModel", dict(
+        patch_size=1, in_channels=16, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6)), "flux", 5, False, text_tokens=16),
 }
 
 
 @dataclasses.dataclass
 class CaseResult:
+    """One variant of one case. Times in ms, memory in MiB (``2**20`` bytes)."""
+
     preset: str
     blocks: int
     shape: str
     variant: str
     forward_ms: float
     overhead: float
+    """forward_ms / the resident forward_ms of the same case."""
     floor_ms: float
     peak_device_mib: float
     host_mib: float
+    """Host memory this rank holds for the variant's offloaded weights."""
     setup_s: float
     bitwise_equal: bool
+    floor_overhead: float = 1.0
+    """floor_ms / the resident forward_ms."""
+    to_floor: float = 1.0
+    """forward_ms / floor_ms: 1.0 is as fast as the link and compute allow."""
+    weight_transfer: str = RESIDENT
+    """What actually ran: resident, group-offload, rank-local or allgather (after any fallback)."""
+    note: str = ""
+    timings_ms: list[float] = dataclasses.field(default_factory=list)
 
 
-def build_model(preset: Preset, blocks: int, device: torch.device, dtype: torch.dtype):
+@dataclasses.dataclass(kw_only=True)
+class BenchOptions:
+    """How to run every case."""
+
+    device: torch.device
+    dtype: torch.dtype
+    warmup: int = 2
+    """Untimed forwards at the start of every pass."""
+    repeats: int = 5
+    """Timed forwards per pass (each variant runs two passes)."""
+    bandwidth: float | None = None
+    """Pinned host-to-device bytes/s; None on the CPU (the floor is then the resident time)."""
+    world: int = 1
+    variants: tuple[str, ...] = VARIANTS
+    trace_variant: str | None = None
+    """Run one more, traced, forward of this variant for ``--timeline``."""
+
+
+@dataclasses.dataclass
+class _Pass:
+    """What one pass of one variant measured."""
+
+    times: list[float]
+    equal: bool
+    peak_mib: float
+    setup_s: float = 0.0
+    host_bytes: int = 0
+    transfer: str = RESIDENT
+    note: str = ""
+
+
+# -- models and inputs ---------------------------------------------------------------------
+def build_model(preset: Preset, blocks: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
     import diffusers
 
     cls = getattr(diffusers, preset.cls_name)
@@ -90,7 +190,8 @@ def build_model(preset: Preset, blocks: int, device: torch.device, dtype: torch.
     return cast_like_pretrained(model, dtype)
 
 
-def wan_inputs(model, frames: int, height: int, width: int, device, dtype, seed: int = 0) -> dict:
+def wan_inputs(model, frames: int, height: int, width: int, device, dtype, seed: int = 0,
+               text_tokens: int = 512) -> dict:
     """Inputs for one denoising forward at a pixel size (the VAE is 4x in time, 8x in space)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     cfg = model.config
@@ -98,12 +199,12 @@ def wan_inputs(model, frames: int, height: int, width: int, device, dtype, seed:
     return dict(
         hidden_states=torch.randn(lat, generator=gen).to(device, dtype),
         timestep=torch.tensor([500], device=device),
-        encoder_hidden_states=torch.randn(1, 512, cfg.text_dim, generator=gen).to(device, dtype),
+        encoder_hidden_states=torch.randn(1, text_tokens, cfg.text_dim, generator=gen).to(device, dtype),
         return_dict=False,
     )
 
 
-def flux_inputs(model, px: int, device, dtype, seed: int = 0) -> dict:
+def flux_inputs(model, px: int, device, dtype, seed: int = 0, text_tokens: int = 512) -> dict:
     """Inputs for one denoising forward of a square image (VAE 8x, then 2x2 packing)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     cfg = model.config
@@ -113,34 +214,47 @@ def flux_inputs(model, px: int, device, dtype, seed: int = 0) -> dict:
     ids[..., 2] = torch.arange(side)[None, :]
     return dict(
         hidden_states=torch.randn(1, side * side, cfg.in_channels, generator=gen).to(device, dtype),
-        encoder_hidden_states=torch.randn(1, 512, cfg.joint_attention_dim, generator=gen).to(device, dtype),
+        encoder_hidden_states=torch.randn(1, text_tokens, cfg.joint_attention_dim, generator=gen).to(device, dtype),
         pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=gen).to(device, dtype),
         timestep=torch.tensor([0.5], device=device, dtype=dtype),
         img_ids=ids.reshape(-1, 3).to(device, dtype),
-        txt_ids=torch.zeros(512, 3, device=device, dtype=dtype),
+        txt_ids=torch.zeros(text_tokens, 3, device=device, dtype=dtype),
         guidance=torch.tensor([3.5], device=device, dtype=torch.float32),
         return_dict=False,
     )
 
 
-def _time(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds per call, CUDA events on the GPU, wall clock after a sync elsewhere."""
+def _case_inputs(preset: Preset, model: nn.Module, shape: tuple[int, ...], opts: BenchOptions) -> dict:
+    if preset.video:
+        return wan_inputs(model, *shape, opts.device, opts.dtype, text_tokens=preset.text_tokens)
+    return flux_inputs(model, shape[0], opts.device, opts.dtype, text_tokens=preset.text_tokens)
+
+
+# -- timing --------------------------------------------------------------------------------
+def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> tuple[list[float], Any]:
+    """Milliseconds per call (CUDA events on the GPU, wall clock after the call elsewhere) and
+    the last call's result."""
+    out = None
     for _ in range(warmup):
-        fn()
+        out = fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            out = fn()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            fn()
+            out = fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return times, out
+
+
+def _time(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    return _timed(fn, device, warmup, repeats)[0]
 
 
 def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
@@ -154,65 +268,247 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     return nbytes / (ms / 1e3)
 
 
-def _variants(world: int, names: list[str]) -> list[tuple[str, dict[str, Any] | None]]:
-    """Resident first and last (its median covers both), streamed variants between."""
-    dit = {"mode": "layer", "components": ["dit"]}
-    out: list[tuple[str, dict[str, Any] | None]] = [("resident", None)]
-    if "rank-local" in names:
-        out.append(("rank-local", dit))
-    if world > 1 and "allgather" in names:
-        out.append(("allgather", {**dit, "layer_options": {"dit": {"weight_transfer": "allgather"}}}))
-    return out + [("resident", None)]
+def _block_compute_ms(blocks: Sequence[nn.Module], forward: Callable[[], Any], device: torch.device,
+                      runs: int) -> list[float]:
+    """Each block's compute time in the resident model, median over ``runs`` forwards. Marks
+    are taken around every block's forward (events on the GPU, read after the forward)."""
+    cuda = device.type == "cuda"
+    marks: list[list[Any]] = [[] for _ in blocks]
+
+    def mark(i: int, *_):
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks[i].append(event)
+        else:
+            marks[i].append(time.perf_counter())
+
+    hooks = [h for i, b in enumerate(blocks) for h in (
+        b.register_forward_pre_hook(lambda *a, i=i: mark(i)), b.register_forward_hook(lambda *a, i=i: mark(i)))]
+    try:
+        for _ in range(runs):
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    _sync(device)
+    per_block = []
+    for m in marks:
+        pairs = zip(m[0::2], m[1::2])
+        per_block.append(statistics.median(a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in pairs))
+    return per_block
+
+
+def floor_ms(resident_ms: float, compute_ms: Sequence[float], block_bytes: Sequence[int],
+             bandwidth: float | None, share: int = 1) -> float:
+    """The resident forward with each block's compute replaced by max(compute, bytes / bandwidth);
+    ``share`` ranks split each block's bytes (allgather)."""
+    if not bandwidth:
+        return resident_ms
+    link = [b / share / bandwidth * 1e3 for b in block_bytes]
+    return resident_ms + sum(max(c, l) - c for c, l in zip(compute_ms, link, strict=True))
+
+
+# -- the variants ----------------------------------------------------------------------------
+def schedule(variants: Sequence[str], world: int = 1) -> list[str]:
+    """Mirrored order: resident, the streamed variants, the same reversed, resident again (see
+    the module docstring: each variant's two passes share a mean position, so drift cancels)."""
+    streamed = [v for v in VARIANTS if v in variants and (v != "allgather" or world > 1)]
+    return [RESIDENT, *streamed, *reversed(streamed), RESIDENT]
+
+
+def _offload_config(variant: str) -> dict[str, Any]:
+    dit: dict[str, Any] = {"mode": "layer", "components": ["dit"]}
+    if variant == "allgather":
+        dit["layer_options"] = {"dit": {"weight_transfer": "allgather"}}
+    return dit
+
+
+def tracing_unavailable() -> str | None:
+    """Why ``--timeline`` cannot run here (None when it can)."""
+    from .apply import OffloadHandle
+
+    if "trace" not in inspect.signature(apply_offload).parameters or not hasattr(OffloadHandle, "trace_report"):
+        return ("this omni_dist_offload has no per-block tracing (apply_offload(trace=...) and "
+                "handle.trace_report()); update it, or leave --timeline out")
+    return None
+
+
+def _apply_ours(model: nn.Module, variant: str, device: torch.device, trace: bool = False):
+    kwargs = {"trace": trace} if tracing_unavailable() is None else {}  # trace=False beats the env
+    return apply_offload(model, _offload_config(variant), device=device, **kwargs)
+
+
+class PeerOffload:
+    """diffusers group offloading as the peer: applied with ``enable_group_offload``, undone by
+    removing its hooks (diffusers has no public remover) and moving the model back."""
+
+    # The hooks that enable_group_offload installs (diffusers.hooks.group_offloading).
+    _HOOKS = ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading")
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        # use_stream needs CUDA (diffusers raises for a CPU onload device).
+        self.use_stream = device.type == "cuda"
+        model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1,
+                                   use_stream=self.use_stream)
+
+    @property
+    def note(self) -> str:
+        return "" if self.use_stream else "use_stream=False (diffusers needs CUDA for streams)"
+
+    def host_bytes(self) -> int:
+        """Bytes of the host copies the peer keeps (every offloaded group's tensors)."""
+        seen: dict[int, torch.Tensor] = {}
+        for group in self._groups():
+            tensors = list(group.cpu_param_dict.values()) or [
+                *[t for m in group.modules for t in (*m.parameters(), *m.buffers())],
+                *group.parameters, *group.buffers]
+            seen.update((id(t), t) for t in tensors)
+        return sum(t.numel() * t.element_size() for t in seen.values())
+
+    def remove(self) -> None:
+        from diffusers.hooks import HookRegistry
+        from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+        registry = HookRegistry.check_if_exists_or_initialize(self.model)
+        for name in self._HOOKS:
+            registry.remove_hook(name, recurse=True)
+        if _is_group_offload_enabled(self.model):
+            raise RuntimeError(
+                f"diffusers group offloading is still enabled on {type(self.model).__name__} after "
+                f"removing its hooks {self._HOOKS}: this diffusers version names them otherwise; "
+                "update PeerOffload._HOOKS from diffusers/hooks/group_offloading.py.")
+        self.model.to(self.device)
+        left = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if t.device.type != self.device.type]
+        if left:
+            raise RuntimeError(f"after undoing group offloading, {left[0]} is on the wrong device "
+                               f"(and {len(left) - 1} more): expected {self.device}.")
+        if self.use_stream:
+            # The peer's pinned copies (Tensor.pin_memory) go back to torch's host allocator,
+            # which keeps them cached; give them back so later passes start from the same host.
+            gc.collect()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+
+    def _groups(self) -> list[Any]:
+        groups: dict[int, Any] = {}
+        for module in self.model.modules():
+            registry = getattr(module, "_diffusers_hook", None)
+            hook = registry.get_hook(self._HOOKS[0]) if registry is not None else None
+            if hook is not None:
+                groups[id(hook.group)] = hook.group
+        return list(groups.values())
+
+
+def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], reference: torch.Tensor,
+              opts: BenchOptions) -> _Pass:
+    """Apply the variant (timed as setup), run warm-up and timed forwards, undo it."""
+    t0 = time.perf_counter()
+    undo, info = _apply_variant(variant, model, opts.device)
+    _sync(opts.device)
+    setup_s = time.perf_counter() - t0 if variant != RESIDENT else 0.0
+    try:
+        _reset_peak(opts.device)
+        times, out = _timed(forward, opts.device, opts.warmup, opts.repeats)
+        equal = bool(torch.equal(out, reference))
+        peak = _peak(opts.device)
+        del out
+    finally:
+        undo()
+    _empty(opts.device)
+    return _Pass(times=times, equal=equal, peak_mib=peak, setup_s=setup_s, **info)
+
+
+def _apply_variant(variant: str, model: nn.Module, device: torch.device) -> tuple[Callable[[], None], dict]:
+    """Apply one variant; returns how to undo it and what it holds (host bytes, what ran)."""
+    if variant == RESIDENT:
+        return (lambda: None), {}
+    if variant == "peer":
+        peer = PeerOffload(model, device)
+        return peer.remove, {"host_bytes": peer.host_bytes(), "transfer": "group-offload", "note": peer.note}
+    handle = _apply_ours(model, variant, device)
+    (row,) = handle.summary()
+    note = f"fell back to {row['weight_transfer']}: {row['fallback_reason']}" if row["fallback_reason"] else ""
+    return handle.remove, {"host_bytes": row["host_bytes"], "transfer": row["weight_transfer"], "note": note}
+
+
+# -- one case ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CaseRun:
+    """A case's results and, when asked for, the traced forward for the timeline."""
+
+    results: list[CaseResult]
+    trace: list[dict[str, Any]] | None = None
 
 
 def run_case(preset_name: str, blocks: int, shape: tuple[int, ...], *, device: torch.device,
              dtype: torch.dtype, warmup: int, repeats: int, bandwidth: float | None,
-             world: int = 1, variants: tuple[str, ...] = ("rank-local", "allgather")) -> list[CaseResult]:
+             world: int = 1, variants: tuple[str, ...] = VARIANTS) -> list[CaseResult]:
     """All variants of one case in this process; ``shape`` is (frames, height, width) for video
     presets and (px,) for image presets."""
+    opts = BenchOptions(device=device, dtype=dtype, warmup=warmup, repeats=repeats,
+                        bandwidth=bandwidth, world=world, variants=tuple(variants))
+    return measure_case(preset_name, blocks, shape, opts).results
+
+
+def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: BenchOptions) -> CaseRun:
+    """Run the schedule of one case (and the traced forward if ``opts.trace_variant``)."""
     preset = PRESETS[preset_name]
-    model = build_model(preset, blocks, device, dtype).eval()
-    if preset.video:
-        inputs = wan_inputs(model, *shape, device, dtype)
-    else:
-        inputs = flux_inputs(model, shape[0], device, dtype)
-    label = "x".join(map(str, shape))
+    model = build_model(preset, blocks, opts.device, opts.dtype).eval()
+    inputs = _case_inputs(preset, model, shape, opts)
     forward = lambda: model(**inputs)[0]
-    times: dict[str, list[float]] = {}
-    rows: dict[str, dict[str, Any]] = {}
+    (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
+    block_modules = [m for _, m in component.blocks]
+    block_bytes = [_tensor_bytes(m) for m in block_modules]
+    passes: dict[str, list[_Pass]] = {}
+    trace = None
     with torch.inference_mode():
         reference = forward()
-        for name, config in _variants(world, list(variants)):
-            handle, setup_s = None, 0.0
-            if config is not None:
-                t0 = time.perf_counter()
-                handle = apply_offload(model, config, device=device)
-                _sync(device)
-                setup_s = time.perf_counter() - t0
-            _reset_peak(device)
-            times.setdefault(name, []).extend(_time(forward, device, warmup, repeats))
-            info = rows.setdefault(name, {"peak": _peak(device), "setup_s": setup_s, "equal": True,
-                                          "host": 0, "transfer": name})
-            info["equal"] = info["equal"] and torch.equal(forward(), reference)
-            if handle is not None:
-                (row,) = handle.summary()
-                info.update(host=row["host_bytes"], transfer=row["weight_transfer"], block_bytes=row["block_bytes"])
-                handle.remove()
-    medians = _slowest_rank({name: statistics.median(ts) for name, ts in times.items()}, world)
-    res_ms = medians["resident"]
-    out = []
-    for name in times:
-        info = rows[name]
-        share = world if info["transfer"] == "allgather" else 1
-        link_ms = info.get("block_bytes", 0) / share / bandwidth * 1e3 if bandwidth else 0.0
-        ms = medians[name]
-        out.append(CaseResult(preset=preset_name, blocks=blocks, shape=label, variant=info["transfer"]
-                              if name != "resident" else name, forward_ms=ms, overhead=ms / res_ms,
-                              floor_ms=max(res_ms, link_ms), peak_device_mib=info["peak"],
-                              host_mib=info["host"] / 2**20, setup_s=info["setup_s"],
-                              bitwise_equal=info["equal"]))
+        for variant in schedule(opts.variants, opts.world):
+            passes.setdefault(variant, []).append(_run_pass(variant, model, forward, reference, opts))
+        compute = _block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
+        if opts.trace_variant is not None:
+            trace = _traced_forward(model, forward, opts)
+    label = "x".join(map(str, shape))
+    results = _summarise(passes, preset_name, blocks, label, compute, block_bytes, opts)
     del model, inputs, reference
-    _empty(device)
+    _empty(opts.device)
+    return CaseRun(results, trace)
+
+
+def _traced_forward(model: nn.Module, forward: Callable[[], Any], opts: BenchOptions) -> list[dict[str, Any]]:
+    """One forward of ``opts.trace_variant`` with per-block tracing, after a warm-up forward so
+    block 0 was prefetched by the previous forward, as in a denoising loop."""
+    handle = _apply_ours(model, opts.trace_variant, opts.device, trace=True)
+    try:
+        for _ in range(max(1, opts.warmup)):
+            forward()
+        forward()
+        return handle.trace_report()
+    finally:
+        handle.remove()
+
+
+def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: str,
+               compute: list[float], block_bytes: list[int], opts: BenchOptions) -> list[CaseResult]:
+    pooled = {v: [t for p in ps for t in p.times] for v, ps in passes.items()}
+    medians = _slowest_rank({v: statistics.median(ts) for v, ts in pooled.items()}, opts.world)
+    res_ms = medians[RESIDENT]
+    out = []
+    for variant, ps in passes.items():
+        transfer = ps[0].transfer
+        share = opts.world if transfer == "allgather" else 1
+        floor = res_ms if variant == RESIDENT else floor_ms(res_ms, compute, block_bytes, opts.bandwidth, share)
+        ms = medians[variant]
+        out.append(CaseResult(
+            preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
+            overhead=ms / res_ms, floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
+            host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
+            bitwise_equal=all(p.equal for p in ps), floor_overhead=floor / res_ms, to_floor=ms / floor,
+            weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant]))
     return out
 
 
@@ -229,6 +525,12 @@ def _slowest_rank(medians: dict[str, float], world: int) -> dict[str, float]:
     return {name: max(g[name] for g in gathered) for name in medians}
 
 
+def _tensor_bytes(module: nn.Module) -> int:
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# -- moving one block ------------------------------------------------------------------------
 def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, warmup: int,
                   repeats: int) -> list[dict[str, Any]]:
     """Time moving one block of ``mib`` MiB into a device slot: rank-local full copy vs the
@@ -294,18 +596,25 @@ def _empty(device):
         torch.cuda.empty_cache()
 
 
-def _table(results: list[CaseResult]) -> str:
-    head = f"{'case':<34}{'variant':<12}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'peak MiB':>10}{'host MiB':>10}{'setup s':>9}{'equal':>7}"
+# -- output ------------------------------------------------------------------------------------
+def format_table(results: Sequence[CaseResult]) -> str:
+    """A fixed-width table: one row per case and variant."""
+    head = (f"{'case':<30}{'variant':<12}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'x floor':>9}"
+            f"{'peak MiB':>10}{'host MiB':>10}{'setup s':>9}{'equal':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.preset + ' ' + str(r.blocks) + 'b ' + r.shape:<34}{r.variant:<12}{r.forward_ms:>10.2f}"
-                     f"{r.overhead:>8.3f}{r.floor_ms:>10.2f}{r.peak_device_mib:>10.0f}{r.host_mib:>10.0f}"
-                     f"{r.setup_s:>9.2f}{str(r.bitwise_equal):>7}")
-    return "\n".join(lines)
+        case = f"{r.preset} {r.blocks}b {r.shape}"
+        lines.append(f"{case:<30}{r.variant:<12}{r.forward_ms:>10.2f}{r.overhead:>8.3f}{r.floor_ms:>10.2f}"
+                     f"{r.to_floor:>9.3f}{r.peak_device_mib:>10.1f}{r.host_mib:>10.1f}{r.setup_s:>9.2f}"
+                     f"{'yes' if r.bitwise_equal else 'NO':>7}")
+    notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
+    return "\n".join(lines + [f"note: {n}" for n in notes])
+
 
 
 def _init_distributed() -> tuple[torch.device, int, int]:
-    """Under torchrun: one GPU per rank, NCCL. Otherwise the current device, world 1."""
+    """Under torchrun: one GPU per rank, NCCL (gloo on the CPU). Otherwise the current device,
+    world 1."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -321,58 +630,184 @@ def _init_distributed() -> tuple[torch.device, int, int]:
     return device, world, rank
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="wan-14b", choices=sorted(PRESETS))
-    p.add_argument("--blocks", type=int, default=None, help="blocks in the model (preset default)")
-    p.add_argument("--frames", type=int, nargs="+", default=[81, 17], help="video presets")
-    p.add_argument("--height", type=int, default=480, help="video presets")
-    p.add_argument("--width", type=int, default=832, help="video presets")
-    p.add_argument("--px", type=int, nargs="+", default=[1024], help="image presets: square sizes")
+# -- command line ----------------------------------------------------------------------------
+class BenchUsageError(Exception):
+    """A bad flag or flag value: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise BenchUsageError(message)
+
+
+def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="wan-14b", choices=sorted(PRESETS),
+                   help="model, named after the real one (tiny-*: CPU smoke runs)")
+    p.add_argument("--blocks", type=_positive_int, nargs="+", default=None,
+                   help="blocks in the model, one case per value (default: the preset's)")
+    p.add_argument("--frames", type=_positive_int, nargs="+", default=[81, 17], help="video presets")
+    p.add_argument("--height", type=_positive_int, default=480, help="video presets")
+    p.add_argument("--width", type=_positive_int, default=832, help="video presets")
+    p.add_argument("--px", type=_positive_int, nargs="+", default=[1024], help="image presets: square sizes")
     p.add_argument("--transfer-mib", type=float, default=None,
-                   help="instead of model cases, time moving one block of this size")
+                   help="instead of model cases, time moving one block of this size (CUDA)")
     p.add_argument("--chunk-mib", type=float, nargs="+", default=[16, 32, 64, 128, 0],
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
-    p.add_argument("--variants", nargs="+", default=["rank-local", "allgather"],
-                   choices=["rank-local", "allgather"], help="streamed variants beside resident")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default=None, help="write the results here (rank 0)")
-    args = p.parse_args(argv)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="offloaded variants beside resident (allgather runs only under torchrun)")
+    p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed forwards per pass")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="timed forwards per pass; each variant runs two passes")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
+    p.add_argument("--png", default=None, metavar="PATH", help="draw the overhead chart here (rank 0)")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="draw one traced forward of the first case here (rank 0)")
+    p.add_argument("--timeline-variant", default=None, choices=["rank-local", "allgather"],
+                   help="variant traced for --timeline (default: allgather under torchrun, else rank-local)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") -> int:
+    """Run the benchmark; 0 when every variant of this project matched resident bitwise, 1 when
+    one did not, 2 for bad flags."""
+    try:
+        args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+        _check_args(args)
+    except BenchUsageError as exc:
+        if _env_rank() == 0:
+            print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr, flush=True)
+        return 2
     device, world, rank = _init_distributed()
+    try:
+        return _run(args, device, world, rank, argv)
+    finally:
+        import torch.distributed as dist
+
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Problems found before any model is built (a GPU run should not fail after minutes)."""
+    if (args.png or args.timeline) and not _has_matplotlib():
+        raise BenchUsageError("--png and --timeline draw with matplotlib, which is not installed: "
+                              "pip install -e '.[bench]'")
+    if args.transfer_mib is not None and not torch.cuda.is_available():
+        raise BenchUsageError("--transfer-mib times host-to-device copies and needs a CUDA device; "
+                              "none is visible")
+    if args.timeline and args.transfer_mib is not None:
+        raise BenchUsageError("--timeline draws a model forward; leave out --transfer-mib")
+    if args.timeline and (reason := tracing_unavailable()):
+        raise BenchUsageError(f"--timeline: {reason}")
+    if args.timeline_variant and not args.timeline:
+        raise BenchUsageError("--timeline-variant needs --timeline PATH")
+    preset = PRESETS[args.preset]
+    if preset.video and any(d % 16 for d in (args.height, args.width)):
+        raise BenchUsageError(f"--height {args.height} --width {args.width}: both must be multiples "
+                              "of 16 (VAE 8x, then 2x2 patches)")
+    if not preset.video and any(px % 16 for px in args.px):
+        raise BenchUsageError(f"--px {args.px}: every size must be a multiple of 16")
+
+
+def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
+         argv: Sequence[str] | None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = h2d_bandwidth(device)
-    meta = {"date": time.strftime("%Y-%m-%d"), "world_size": world, "torch": torch.__version__,
-            "nccl_max_ctas": os.environ.get("OMNI_OFFLOAD_NCCL_MAX_CTAS"),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "h2d_bytes_per_s": bandwidth, "argv": sys.argv[1:] if argv is None else argv}
+    meta = _meta(args, device, world, bandwidth, argv)
     if args.transfer_mib is not None:
         results: list[Any] = transfer_case(args.transfer_mib, args.chunk_mib, device=device,
                                            warmup=args.warmup, repeats=args.repeats)
         text = "\n".join(f"{r['variant']:<12}chunk {str(r['chunk_mib']):<12}{r['ms']:>9.2f} ms"
-                          f"{r['ratio_to_rank_local']:>8.3f}x" for r in results)
-        ok = True
-    else:
-        preset = PRESETS[args.preset]
-        blocks = args.blocks or preset.default_blocks
-        shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
-        cases: list[CaseResult] = []
+                         f"{r['ratio_to_rank_local']:>8.3f}x" for r in results)
+        if rank == 0:
+            _emit(text, meta, results, None, args, bandwidth, world)
+        return 0
+    opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
+                        bandwidth=bandwidth, world=world, variants=tuple(args.variants))
+    preset = PRESETS[args.preset]
+    shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
+    cases: list[CaseResult] = []
+    trace = None
+    for blocks in args.blocks or [preset.default_blocks]:
         for shape in shapes:
-            cases += run_case(args.preset, blocks, shape, device=device, dtype=dtype, warmup=args.warmup,
-                              repeats=args.repeats, bandwidth=bandwidth, world=world,
-                              variants=tuple(args.variants))
-        results = [dataclasses.asdict(r) for r in cases]
-        text, ok = _table(cases), all(r.bitwise_equal for r in cases)
+            traced = args.timeline is not None and trace is None
+            opts.trace_variant = (args.timeline_variant or ("allgather" if world > 1 else "rank-local")) if traced else None
+            run = measure_case(args.preset, blocks, shape, opts)
+            cases += run.results
+            if traced:
+                trace = {"case": f"{args.preset} {blocks}b {'x'.join(map(str, shape))}",
+                         "variant": opts.trace_variant, "rings": run.trace}
     if rank == 0:
-        print(text)
-        if bandwidth:
-            print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s; world size {world}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "results": results}, f, indent=2)
-    return 0 if ok else 1
+        _emit(format_table(cases), meta, [dataclasses.asdict(r) for r in cases], trace, args, bandwidth, world)
+        if args.png:
+            from .timeline import draw_overhead
+
+            draw_overhead(cases, args.png, title=f"{meta['device']}, world size {world}")
+    ours = [r for r in cases if r.variant not in ("peer", RESIDENT)]
+    return 0 if all(r.bitwise_equal for r in ours) else 1
+
+
+def _emit(text: str, meta: dict, results: list[Any], trace: dict | None, args: argparse.Namespace,
+          bandwidth: float | None, world: int) -> None:
+    """Rank 0: the table, then the JSON file and the timeline."""
+    print(text)
+    if bandwidth:
+        print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s; world size {world}")
+    if args.json:
+        payload: dict[str, Any] = {"meta": meta, "results": results}
+        if trace is not None:
+            payload["timeline"] = trace
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    if args.timeline and trace is not None:
+        from .timeline import draw_timeline
+
+        draw_timeline(trace["rings"], args.timeline,
+                      title=f"{trace['case']}, {trace['variant']}, {meta['device']}")
+
+
+def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth: float | None,
+          argv: Sequence[str] | None) -> dict[str, Any]:
+    import diffusers
+
+    return {"date": time.strftime("%Y-%m-%d"), "world_size": world, "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "nccl_max_ctas": os.environ.get("OMNI_OFFLOAD_NCCL_MAX_CTAS"),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world),
+            "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
+            "peer": {"offload_type": "block_level", "num_blocks_per_group": 1,
+                     "use_stream": device.type == "cuda"},
+            "argv": list(sys.argv[1:] if argv is None else argv)}
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; give 0 or more")
+    return value
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m omni_dist_offload.bench"))

@@ -5,6 +5,7 @@
         --diffusion-offload-config '{"mode":"layer","components":["dit"]}' \\
         --prompt "a red fox in snow" --num-inference-steps 30 --output-dir out/
     omni-offload inspect --model tiny-flux
+    omni-offload bench --preset wan-14b --frames 81 17 --json out.json --png out.png
 
 Under torchrun (``launch/generate.py``) prompts are split across ranks; see ``dp.py``.
 Bad flags, a bad config or an option the pipeline does not take: one line on stderr, exit
@@ -42,7 +43,7 @@ PROG = "omni-offload"
 DEFAULT_MODEL = "tiny-wan"
 DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
 DEFAULT_PROMPT = "a red fox running through snow"
-_COMMANDS = ("generate", "inspect")
+_COMMANDS = ("generate", "inspect", "bench")
 
 logger = logging.getLogger("omni_dist_offload")
 
@@ -79,7 +80,7 @@ class RunPlan:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Generate with layerwise-offloaded diffusion pipelines.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="{generate,inspect}")
+    commands = parser.add_subparsers(dest="command", metavar="{generate,inspect,bench}")
     generate = commands.add_parser("generate", help="generate images or videos (the default command)",
                                    description="Generate images or videos; with no flags, the "
                                    "built-in tiny-wan with its DiT and text encoder streamed.")
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "the plan (components, blocks, bytes, transfer); generates nothing.")
     _add_model_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="print the plan as JSON")
+    # Listed for --help only: main() hands bench's flags to bench.py, which parses its own.
+    commands.add_parser("bench", add_help=False, help="time resident, diffusers group offloading "
+                        "and streamed forwards side by side (omni-offload bench --help)")
     return parser
 
 
@@ -136,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in (*_COMMANDS, "-h", "--help", "--version"):
         args = ["generate", *args]  # generate is the default command
+    if args[0] == "bench":
+        from . import bench
+
+        return bench.main(args[1:], prog=f"{PROG} bench")
     try:
         plan = _validate(build_parser().parse_args(args))
     except UsageError as exc:

@@ -1,0 +1,191 @@
+"""The benchmark on CPU: variants and their order, reported fields, JSON, charts, the peer's undo,
+the CLI subcommand and the torchrun wrapper. The figures that matter come from GPUs; these check
+that a run completes and reports every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from omni_dist_offload import bench
+from omni_dist_offload.bench import PRESETS, CaseResult, PeerOffload, build_model, floor_ms, schedule
+from omni_dist_offload.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_WAN = ["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32",
+            "--warmup", "1", "--repeats", "2"]
+FIELDS = {f.name for f in dataclasses.fields(CaseResult)}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return image.size
+
+
+def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
+    assert schedule(bench.VARIANTS, world=1) == [
+        "resident", "peer", "rank-local", "rank-local", "peer", "resident"]
+    assert schedule(bench.VARIANTS, world=2) == [
+        "resident", "peer", "rank-local", "allgather", "allgather", "rank-local", "peer", "resident"]
+    # The order is fixed whatever order the flags name them in.
+    assert schedule(["allgather", "rank-local"], world=2) == [
+        "resident", "rank-local", "allgather", "allgather", "rank-local", "resident"]
+    assert schedule([], world=1) == ["resident", "resident"]
+
+
+def test_floor_replaces_each_blocks_compute_by_its_link_time_when_longer() -> None:
+    # 1 GB/s: block 0 (2 ms compute, 5 MB = 5 ms) is link-bound, block 1 (4 ms, 1 MB) is not.
+    assert floor_ms(10.0, [2.0, 4.0], [5_000_000, 1_000_000], 1e9) == pytest.approx(13.0)
+    assert floor_ms(10.0, [2.0, 4.0], [5_000_000, 1_000_000], 1e9, share=2) == pytest.approx(10.5)
+    assert floor_ms(10.0, [2.0, 4.0], [5_000_000, 1_000_000], None) == 10.0  # CPU: no link
+
+
+def test_cli_bench_tiny_wan_reports_every_field_json_and_png(tmp_path, capsys) -> None:
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "overhead.png"
+    assert cli_main(["bench", *TINY_WAN, "--json", str(out_json), "--png", str(out_png)]) == 0
+    table = capsys.readouterr().out
+    assert all(f" {v} " in table for v in ("resident", "peer", "rank-local"))
+    assert "use_stream=False" in table  # the peer runs without streams on the CPU, and says so
+
+    data = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in data["results"]}
+    assert list(rows) == ["resident", "peer", "rank-local"] and len(data["results"]) == 3
+    for row in data["results"]:
+        assert set(row) == FIELDS
+        assert row["forward_ms"] > 0 and row["floor_ms"] > 0 and isinstance(row["bitwise_equal"], bool)
+        assert len(row["timings_ms"]) == 2 * 2  # two passes of --repeats 2
+        assert row["peak_device_mib"] == 0.0  # no device memory on the CPU
+    assert rows["resident"]["overhead"] == 1.0 and rows["resident"]["host_mib"] == 0.0
+    assert rows["rank-local"]["bitwise_equal"] and rows["resident"]["bitwise_equal"]
+    assert rows["rank-local"]["weight_transfer"] == "rank-local"
+    assert rows["peer"]["weight_transfer"] == "group-offload"
+    model_mib = bench._tensor_bytes(build_model(PRESETS["tiny-wan"], 4, torch.device("cpu"), torch.float32)) / 2**20
+    assert rows["peer"]["host_mib"] == pytest.approx(model_mib)  # the peer keeps the whole model
+    assert 0 < rows["rank-local"]["host_mib"] < model_mib  # only the blocks
+    assert rows["peer"]["setup_s"] > 0 and rows["rank-local"]["setup_s"] > 0
+    for row in data["results"]:  # the CPU has no link: every floor is the resident time
+        assert row["floor_ms"] == rows["resident"]["forward_ms"]
+    meta = data["meta"]
+    assert meta["schedule"][0] == meta["schedule"][-1] == "resident"
+    assert meta["device"] == "cpu" and meta["peer"]["use_stream"] is False
+    assert png_size(out_png)[0] > 100
+
+
+def test_module_entry_runs_block_counts_and_sizes_as_cases(tmp_path, capsys) -> None:
+    out_json = tmp_path / "flux.json"
+    argv = ["--preset", "tiny-flux", "--blocks", "2", "4", "--px", "32", "--variants", "rank-local",
+            "--warmup", "1", "--repeats", "1", "--json", str(out_json)]
+    assert bench.main(argv, prog="python -m omni_dist_offload.bench") == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert [(r["blocks"], r["shape"], r["variant"]) for r in results] == [
+        (2, "32", "resident"), (2, "32", "rank-local"), (4, "32", "resident"), (4, "32", "rank-local")]
+    assert all(r["bitwise_equal"] for r in results)
+
+
+def test_peer_offload_is_undone_to_a_bitwise_equal_resident_model() -> None:
+    model = build_model(PRESETS["tiny-flux"], 3, torch.device("cpu"), torch.float32)
+    inputs = bench.flux_inputs(model, 32, torch.device("cpu"), torch.float32, text_tokens=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        reference = model(**inputs)[0]
+        peer = PeerOffload(model, torch.device("cpu"))
+        assert peer.host_bytes() == bench._tensor_bytes(model)
+        assert torch.equal(model(**inputs)[0], reference)
+        peer.remove()
+        after = model.state_dict()
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert peer._groups() == []  # no group-offloading hook left anywhere
+        assert torch.equal(model(**inputs)[0], reference)
+
+
+def test_timeline_png_from_a_traced_run(tmp_path, capsys) -> None:
+    reason = bench.tracing_unavailable()
+    if reason:
+        pytest.skip(f"--timeline needs the tracing API: {reason}")
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "timeline.png"
+    argv = [*TINY_WAN, "--variants", "rank-local", "--json", str(out_json), "--timeline", str(out_png)]
+    assert bench.main(argv) == 0
+    timeline = json.loads(out_json.read_text())["timeline"]
+    assert timeline["variant"] == "rank-local" and timeline["case"] == "tiny-wan 4b 5x32x32"
+    (ring,) = timeline["rings"]
+    assert [b["index"] for b in ring["blocks"]] == [0, 1, 2, 3]
+    assert all(b["compute_ms"] >= 0 and b["bytes"] > 0 for b in ring["blocks"])
+    assert png_size(out_png)[0] > 100
+
+
+def test_draw_timeline_from_a_report(tmp_path) -> None:
+    from omni_dist_offload.timeline import draw_timeline
+
+    blocks = [{"index": i, "name": f"blocks.{i}", "bytes": 1 << 20, "compute_start_ms": 2.0 * i + 0.5 * (i == 2),
+               "compute_ms": 1.5, "wait_ms": 0.5 if i == 2 else 0.0,
+               "transfer_start_ms": 2.0 * i - 1.8, "transfer_ms": 1.6, "gbps": 0.66} for i in range(4)]
+    blocks[1].update(transfer_start_ms=None, transfer_ms=None, gbps=None)  # not refilled
+    report = [{"component": "transformer", "forward_ms": 8.0, "exposed_wait_ms": 0.5,
+               "exposed_share": 0.0625, "blocks": blocks}]
+    path = draw_timeline(report, tmp_path / "t.png", title="synthetic")
+    assert png_size(path)[0] > 100
+    with pytest.raises(ValueError, match="no rings"):
+        draw_timeline([], tmp_path / "empty.png")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--variants", "resident"], "invalid choice"),
+    (["--preset", "tiny-wan", "--height", "30"], "multiples of 16"),
+    (["--timeline-variant", "allgather"], "needs --timeline"),
+    (["--repeats", "0"], "not a positive integer"),
+])
+def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
+    assert cli_main(["bench", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-offload bench: error:") and message in err[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
+def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> None:
+    out_json = tmp_path / "dist.json"
+    env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
+           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32",
+         "--variants", "rank-local", "allgather", "--warmup", "1", "--repeats", "1",
+         "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" allgather ") == 1  # one table, from rank 0
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["world_size"] == 2
+    rows = {r["variant"]: r for r in data["results"]}
+    assert rows["allgather"]["weight_transfer"] == "allgather" and rows["allgather"]["bitwise_equal"]
+    assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard
+
+
+@pytest.mark.gpu
+def test_gpu_run_peer_with_streams_floor_and_timeline(tmp_path, capsys) -> None:
+    """On CUDA: the peer runs with use_stream=True, the floor uses the measured link, the
+    timeline comes from CUDA events; every variant of this project is bitwise equal."""
+    out_json = tmp_path / "gpu.json"
+    argv = ["--preset", "tiny-flux", "--px", "64", "--warmup", "1", "--repeats", "3",
+            "--json", str(out_json), "--png", str(tmp_path / "o.png")]
+    if bench.tracing_unavailable() is None:
+        argv += ["--timeline", str(tmp_path / "t.png")]
+    assert bench.main(argv) == 0
+    data = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in data["results"]}
+    assert data["meta"]["peer"]["use_stream"] is True and rows["peer"]["note"] == ""
+    assert data["meta"]["h2d_bytes_per_s"] > 1e9
+    assert rows["rank-local"]["bitwise_equal"]
+    assert rows["rank-local"]["floor_ms"] >= rows["resident"]["forward_ms"]
+    assert all(r["peak_device_mib"] > 0 for r in data["results"])
+    if "timeline" in data:
+        assert png_size(tmp_path / "t.png")[0] > 100
