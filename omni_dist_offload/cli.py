@@ -36,6 +36,7 @@ from .config import OffloadConfig, OffloadConfigError
 from .dp import destroy_dist, maybe_init_dist, plan_jobs, run_jobs
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .ranks import current_rank, rank_prefix
+from .trace import summary_line
 
 __all__ = ["DEFAULT_OFFLOAD_CONFIG", "DEFAULT_PROMPT", "UsageError", "build_parser", "main"]
 
@@ -244,6 +245,8 @@ def _cmd_generate(plan: RunPlan) -> int:
                               video_format=plan.video_format, fps=plan.fps)
             if ctx.is_main:
                 print(report.line(ctx.world_size, omni.timings.setup_s), flush=True)
+                if omni.handle is not None and any(r.tracer is not None for r in omni.handle.rings):
+                    print(summary_line(omni.handle.trace_report()), flush=True)
         return 0
     finally:
         destroy_dist(ctx)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TRACE_ENV", "RingTracer", "trace_enabled"]
+__all__ = ["TRACE_ENV", "RingTracer", "summary_line", "trace_enabled"]
 
 #: Set to 1 to trace every ring.
 TRACE_ENV = "OMNI_OFFLOAD_TRACE"
@@ -124,3 +124,10 @@ class RingTracer:
         exposed = sum(b["wait_ms"] for b in blocks)
         return {"forward_ms": forward, "exposed_wait_ms": exposed,
                 "exposed_share": exposed / forward if forward > 0 else 0.0, "blocks": blocks}
+
+
+def summary_line(reports: Sequence[dict[str, Any]]) -> str:
+    """One line for the end of a run: each ring's exposed wait in its last forward."""
+    parts = [f"{r['component']} {r['exposed_wait_ms']:.1f} ms of {r['forward_ms']:.1f} ms "
+             f"({100 * r['exposed_share']:.1f}%)" for r in reports]
+    return "offload trace, last forward, exposed wait: " + ("; ".join(parts) or "no streamed ring")

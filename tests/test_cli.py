@@ -171,3 +171,11 @@ def test_process_exit_status_and_stderr(tmp_path) -> None:
         "object or dict, found list. (see omni-offload generate --help)"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tracing_prints_the_offload_summary_line(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("OMNI_OFFLOAD_TRACE", "1")
+    assert main(["generate", "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("offload trace, last forward, exposed wait: transformer ")
+    assert "text_encoder" in last and "%" in last
