@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
-from .hostmem import HostBuffer
+from .hostmem import HostBuffer, HostPinner
 from .distributed import ComponentFacts, WeightGroup, resolve_weight_group
 from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
@@ -190,7 +190,7 @@ def apply_offload(
     group, reason, wants = _weight_group(components, layouts, cfg, dev, process_group)
 
     handle = OffloadHandle(target, modules, dev, cfg)
-    pin = cfg.pin_memory and dev.type == "cuda"
+    pin = HostPinner.for_device(cfg.pin_memory, cfg.pin_failure, dev)
     try:
         # The copy stream exists so host-to-device copies run beside compute instead of behind
         # it; the comm stream so all-gathers run beside both.
@@ -245,7 +245,7 @@ def _chunk_bytes(cfg: OffloadConfig, comp: StreamedComponent) -> int:
 
 
 def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                           pin: bool, copy_stream, fallback_reason: str | None) -> BlockRing:
+                           pin: HostPinner, copy_stream, fallback_reason: str | None) -> BlockRing:
     """Consolidate block by block: each block's original storage is dropped as soon as its host
     buffer holds it, so host memory is never doubled. A failure copies the done blocks back."""
     buffers: list[HostBuffer] = []
@@ -256,8 +256,7 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
             views = tuple(e.view_in(buf.tensor) for e in layout.entries)
             for entry, view in zip(layout.entries, views):
                 view.copy_(entry.tensor.detach())
-            if pin:
-                buf.pin()
+            pin.pin(buf, comp.name, layout.name)
             bind(layout.entries, views)
             buffers.append(buf)
             host_views.append(views)
@@ -271,7 +270,7 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
 
 
 def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                          pin: bool, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream):
+                          pin: HostPinner, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream):
     """Keep this rank's shard of every block. Returns the ring and the blocks' original storage,
     which the caller drops once the whole setup has succeeded."""
     plans = [plan_shards(l.nbytes, group.size, group.rank, chunk_bytes) for l in layouts]
@@ -286,8 +285,7 @@ def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout
             for entry in layout.entries:
                 entry.view_in(block_image).copy_(entry.tensor.detach())
             write_shard(shard_plan, block_image, shard.tensor)
-            if pin:
-                shard.pin()
+            pin.pin(shard, comp.name, layout.name)
             shards.append(shard)
             originals.append([e.tensor.data for e in layout.entries])
             bind(layout.entries, [_placeholder(e, placeholders) for e in layout.entries])

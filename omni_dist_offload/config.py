@@ -6,12 +6,15 @@ before any model is touched, so a bad config changes nothing.
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 __all__ = [
     "COMPONENTS",
+    "PIN_FAILURES",
     "WEIGHT_TRANSFERS",
     "LayerOptions",
     "OffloadConfig",
@@ -22,9 +25,12 @@ __all__ = [
 COMPONENTS: tuple[str, ...] = ("dit", "text_encoder")
 #: How a block's weights reach the device.
 WEIGHT_TRANSFERS: tuple[str, ...] = ("rank-local", "allgather")
+#: What setup does when host memory cannot be page-locked.
+PIN_FAILURES: tuple[str, ...] = ("error", "pageable")
 _MODES: tuple[str, ...] = ("layer",)
 
 WeightTransfer = Literal["rank-local", "allgather"]
+PinFailure = Literal["error", "pageable"]
 
 
 class OffloadConfigError(ValueError):
@@ -49,10 +55,10 @@ class LayerOptions:
 
     def __post_init__(self) -> None:
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
-        if isinstance(self.chunk_mib, bool) or not isinstance(self.chunk_mib, (int, float)) or not self.chunk_mib > 0:
+        if not _is_positive_number(self.chunk_mib):
             raise OffloadConfigError(
                 f"layer_options.<component> key 'chunk_mib' must be a positive number of MiB, "
-                f"found {self.chunk_mib!r}."
+                f"found {self.chunk_mib!r}: use e.g. 64, or drop the key for the default."
             )
 
 
@@ -72,6 +78,12 @@ class OffloadConfig:
     pin_memory: bool = True
     """Page-lock the host copies when an accelerator is present (needed for asynchronous
     copies). Ignored on a machine without one."""
+
+    pin_failure: PinFailure = "error"
+    """What setup does when a host copy cannot be page-locked (the memlock limit or host memory
+    ran out). ``"error"``: raise ``PinMemoryError`` and leave the model as it was.
+    ``"pageable"``: warn once and keep that block and every block set up after it in pageable
+    memory, whose host-to-device copies run synchronously and several times slower."""
 
     collective_timeout_s: float = 600.0
     """allgather only: a weight collective that cannot complete (a rank died or diverged)
@@ -110,16 +122,20 @@ class OffloadConfig:
                 )
             if not isinstance(options, LayerOptions):
                 raise OffloadConfigError(
-                    f"config key 'layer_options.{name}' must be LayerOptions, found {type(options).__name__}."
+                    f"config key 'layer_options.{name}' must be LayerOptions, found "
+                    f"{type(options).__name__}: build the config with OffloadConfig.parse() to "
+                    "pass options as a dict."
                 )
         if not isinstance(self.pin_memory, bool):
             raise OffloadConfigError(
                 f"config key 'pin_memory' must be true or false, found {self.pin_memory!r}."
             )
+        _check_choice("pin_failure", self.pin_failure, PIN_FAILURES)
         timeout = self.collective_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if not _is_positive_number(timeout):
             raise OffloadConfigError(
-                f"config key 'collective_timeout_s' must be a positive number of seconds, found {timeout!r}."
+                f"config key 'collective_timeout_s' must be a positive number of seconds, found "
+                f"{timeout!r}: use e.g. 600, or drop the key for the default."
             )
 
     def options_for(self, category: str) -> LayerOptions:
@@ -133,7 +149,7 @@ class OffloadConfig:
             return config
         if isinstance(config, (str, bytes)):
             try:
-                config = json.loads(config)
+                config = json.loads(config, object_pairs_hook=_reject_repeated_keys)
             except json.JSONDecodeError as exc:
                 raise OffloadConfigError(
                     f"offload config is not valid JSON ({exc.msg} at line {exc.lineno}, column "
@@ -149,7 +165,7 @@ class OffloadConfig:
     @classmethod
     def _from_mapping(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
         _check_keys("config", raw, ("mode", "components", "layer_options", "pin_memory",
-                                    "collective_timeout_s"))
+                                    "pin_failure", "collective_timeout_s"))
         if "mode" not in raw:
             raise OffloadConfigError(
                 "config key 'mode' is missing: set \"mode\": \"layer\"."
@@ -157,7 +173,7 @@ class OffloadConfig:
         kwargs: dict[str, Any] = {"mode": raw["mode"]}
         if "components" in raw:
             kwargs["components"] = raw["components"]
-        for key in ("pin_memory", "collective_timeout_s"):
+        for key in ("pin_memory", "pin_failure", "collective_timeout_s"):
             if key in raw:
                 kwargs[key] = raw[key]
         raw_options = raw.get("layer_options", {})
@@ -174,7 +190,11 @@ class OffloadConfig:
                     f'{{"weight_transfer": "rank-local"}}, found {value!r}.'
                 )
             _check_keys(f"layer_options.{name}", value, LayerOptions.__slots__)
-            options[name] = LayerOptions(**value)
+            try:
+                options[name] = LayerOptions(**value)
+            except OffloadConfigError as exc:  # name the component the options belong to
+                raise OffloadConfigError(
+                    str(exc).replace("layer_options.<component>", f"layer_options.{name}")) from None
         kwargs["layer_options"] = options
         return cls(**kwargs)
 
@@ -188,6 +208,7 @@ class OffloadConfig:
                 for name, opts in self.layer_options.items()
             },
             "pin_memory": self.pin_memory,
+            "pin_failure": self.pin_failure,
             "collective_timeout_s": self.collective_timeout_s,
         }
 
@@ -196,9 +217,28 @@ class OffloadConfig:
 def _check_keys(where: str, raw: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
     unknown = [k for k in raw if k not in allowed]
     if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise OffloadConfigError(
-            f"unknown key {unknown[0]!r} in {where}: allowed keys are {list(allowed)}."
+            f"unknown key {unknown[0]!r} in {where}: {hint}allowed keys are {list(allowed)}."
         )
+
+
+def _reject_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON objects keep the last of repeated keys silently; a config should not."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise OffloadConfigError(
+                f"offload config JSON sets key {key!r} twice: keep one of them."
+            )
+        out[key] = value
+    return out
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and value > 0)
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], where: str = "config") -> None:

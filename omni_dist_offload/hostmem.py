@@ -5,21 +5,41 @@ are filled. Allocating through ``pin_memory=True`` would round every block up to
 in PyTorch's caching host allocator (a 703 MB Wan block would hold 1 GiB) and keep the memory
 cached after release; registering in place costs exactly the bytes asked for and gives them back
 on :meth:`HostBuffer.release`.
+
+:class:`HostPinner` applies the config's ``pin_failure`` policy when a registration fails.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 
-__all__ = ["HostBuffer", "PinMemoryError"]
+from .config import PIN_FAILURES
+
+__all__ = ["HostBuffer", "HostPinner", "PinMemoryError"]
 
 _PAGE = 4096
 
+_PIN_ADVICE = (
+    "raise the memlock limit (ulimit -l; in a container --ulimit memlock=-1), free host memory, "
+    'set "pin_failure": "pageable" to continue in pageable memory, or set "pin_memory": false '
+    "(host-to-device copies from pageable memory run synchronously and several times slower)"
+)
+
 
 class PinMemoryError(RuntimeError):
-    """Page-locking host memory failed (usually the memlock limit or host memory)."""
+    """Page-locking host memory failed (usually the memlock limit or host memory).
+
+    ``what`` says what failed; the message adds what to do about it."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"{self.what}: {_PIN_ADVICE}."
 
 
 class HostBuffer:
@@ -51,11 +71,8 @@ class HostBuffer:
         size = -(-self.nbytes // _PAGE) * _PAGE
         err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
-            raise PinMemoryError(
-                f"could not page-lock {size / 2**20:.1f} MiB of host memory (CUDA error "
-                f"{int(err)}): raise the memlock limit (ulimit -l), free host memory, or set "
-                '"pin_memory": false (host-to-device copies then run several times slower).'
-            )
+            amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
+            raise PinMemoryError(f"could not page-lock {amount} of host memory (CUDA error {int(err)})")
         self.pinned = True
         # Unregister before the memory goes back to the allocator, also if the owner forgets
         # to call release(): a freed page left registered would make a later register fail.
@@ -67,6 +84,54 @@ class HostBuffer:
             self._finalizer()
             self._finalizer = None
         self.pinned = False
+
+
+class HostPinner:
+    """Page-locks host buffers as setup fills them, under the config's ``pin_failure`` policy.
+
+    One per ``apply_offload`` call, shared by its rings. ``"error"``: a failure raises
+    :class:`PinMemoryError` naming the component and block, and setup undoes itself.
+    ``"pageable"``: the first failure warns once, and that buffer and every later one stay
+    pageable; the limit that refused one block would refuse the next.
+    """
+
+    def __init__(self, enabled: bool, on_failure: str = "error") -> None:
+        if on_failure not in PIN_FAILURES:
+            raise ValueError(f"on_failure must be one of {list(PIN_FAILURES)}, found {on_failure!r}.")
+        self.enabled = enabled
+        self.on_failure = on_failure
+        self.stopped_at: str | None = None
+        """``"<component> block <name>"`` where pinning failed under ``"pageable"``, else None."""
+
+    @classmethod
+    def for_device(cls, pin_memory: bool, on_failure: str, device: torch.device) -> HostPinner:
+        """Pin only for a CUDA device: on the CPU path the "device" copy is host to host, and
+        page-locking buys nothing."""
+        return cls(pin_memory and device.type == "cuda", on_failure)
+
+    def pin(self, buffer: HostBuffer, component: str, block: str) -> bool:
+        """Page-lock the host copy of ``block`` of ``component``; True if it is now pinned."""
+        if not self.enabled or self.stopped_at is not None:
+            return False
+        try:
+            buffer.pin()
+        except PinMemoryError as exc:
+            if self.on_failure == "error":
+                raise PinMemoryError(
+                    f"{component}: page-locking the host copy of block {block} failed: {exc.what}"
+                ) from exc
+            self.stopped_at = f"{component} block {block}"
+            warnings.warn(
+                f"{component}: page-locking the host copy of block {block} failed: {exc.what}. "
+                "Continuing in pageable host memory for this block and every block set up after "
+                'it, as "pin_failure": "pageable" allows: their host-to-device copies run '
+                "synchronously with respect to the host and several times slower, so streaming no "
+                "longer hides behind compute. To pin, raise the memlock limit (ulimit -l) or free "
+                'host memory; to not try, set "pin_memory": false.',
+                RuntimeWarning, stacklevel=2,
+            )
+            return False
+        return True
 
 
 def _unregister(tensor: torch.Tensor, ptr: int) -> None:

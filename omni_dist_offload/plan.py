@@ -170,8 +170,13 @@ def pipeline_modules(target: Any) -> dict[str, nn.Module]:
         items: Iterable[tuple[str, Any]] = components.items()
     elif isinstance(target, nn.Module):
         items = target.named_children()
-    else:
+    elif hasattr(target, "__dict__"):
         items = vars(target).items()
+    else:
+        raise OffloadConfigError(
+            f"the target is a {type(target).__name__}, which holds no modules: pass a diffusers "
+            "pipeline, another object holding nn.Module components as attributes, or an nn.Module."
+        )
     return {name: mod for name, mod in items if isinstance(mod, nn.Module)}
 
 
@@ -200,7 +205,8 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
     plan = plan if plan is not None else getattr(target, "_offload_plan", None) or OffloadPlan()
     if not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(
-            f"plan must be an OffloadPlan, found {type(plan).__name__}."
+            f"plan must be an OffloadPlan, found {type(plan).__name__}: pass "
+            "omni_dist_offload.OffloadPlan(...), or None to use the pipeline's own _offload_plan."
         )
     modules = pipeline_modules(target)
     missing = [n for n in plan.encoder_block_attrs if n not in plan.encoder_component_types and plan.category_of(n) is None]

@@ -3,12 +3,17 @@ separate processes with torchrun's environment variables; writes its findings as
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import json
 import os
 import sys
 import time
 import types
+import warnings
+from dataclasses import asdict
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,8 +22,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 from omni_dist_offload import OffloadConfigError, apply_offload  # noqa: E402
+from omni_dist_offload import apply as apply_mod  # noqa: E402
 from omni_dist_offload import tiny  # noqa: E402
-from toys import ToyDiT  # noqa: E402
+from omni_dist_offload.hostmem import HostBuffer, HostPinner, PinMemoryError  # noqa: E402
+from toys import ToyDiT, assert_same, snapshot  # noqa: E402
 
 AG = {"mode": "layer", "components": ["dit", "text_encoder"],
       "layer_options": {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.01},
@@ -187,13 +194,201 @@ def host_groups(out: dict) -> None:
     handle.remove()
 
 
+# -- fault injection, shared with tests/test_faults.py ----------------------------------------
+@contextlib.contextmanager
+def failing_pin(fail_at: int | None):
+    """Make the pin path reachable on the CPU: with "pin_memory" set, every host buffer is
+    "pinned" (a flag, no cudaHostRegister) except the ``fail_at``-th, which fails the way an
+    exhausted memlock limit does."""
+    calls = itertools.count()
+
+    def pin(self: HostBuffer) -> None:
+        if next(calls) == fail_at:
+            raise PinMemoryError("could not page-lock 0.1 MiB of host memory (CUDA error 2)")
+        self.pinned = True
+
+    def for_device(cls, pin_memory: bool, on_failure: str, device: torch.device) -> HostPinner:
+        return cls(pin_memory, on_failure)
+
+    with mock.patch.object(HostBuffer, "pin", pin), \
+            mock.patch.object(HostPinner, "for_device", classmethod(for_device)):
+        yield
+
+
+@contextlib.contextmanager
+def failing_shard(fail_at: int):
+    """The ``fail_at``-th block's shard cannot be written: setup fails part-way through."""
+    calls = itertools.count()
+    real = apply_mod.write_shard
+
+    def write_shard(*args):
+        if next(calls) == fail_at:
+            raise RuntimeError(f"simulated failure writing shard {fail_at}")
+        return real(*args)
+
+    with mock.patch.object(apply_mod, "write_shard", write_shard):
+        yield
+
+
+@contextlib.contextmanager
+def interrupt(block: nn.Module, where: str, exc: type[BaseException] = KeyboardInterrupt):
+    """Raise ``exc`` once, from the block body or between the ring's pre-forward and the body."""
+    def raise_once(*args, **kwargs):
+        remove()
+        raise exc(f"simulated interrupt ({where})")
+
+    if where == "body":
+        block.forward = raise_once
+        remove = lambda: block.__dict__.pop("forward", None)  # noqa: E731
+    else:  # registered after apply_offload, so it runs after the ring's pre-forward
+        handle = block.register_forward_pre_hook(lambda m, a: raise_once())
+        remove = handle.remove
+    try:
+        yield
+    finally:
+        remove()
+
+
+def _unchanged(before: dict, model: nn.Module) -> bool | str:
+    try:
+        assert_same(before, model)
+        return True
+    except AssertionError as exc:
+        return str(exc)
+
+
+def _expect(out: dict, key: str, exc_type: type[BaseException], fn) -> None:
+    try:
+        fn()
+        out[key] = "no error"
+    except exc_type as exc:
+        out[key] = f"{type(exc).__name__}: {exc}"
+
+
+def setup_faults(out: dict) -> None:
+    """Setup fails part-way on every rank: each rank's model is left as it was; then a clean
+    apply works."""
+    cfg = dict(AG_DIT, pin_memory=True)
+    model = ToyDiT(4)
+    before = snapshot(model)
+    with failing_shard(2):
+        _expect(out, "shard_fault", RuntimeError, lambda: apply_offload(model, cfg))
+    out["shard_fault_unchanged"] = _unchanged(before, model)
+    with failing_pin(1):
+        _expect(out, "pin_fault", PinMemoryError, lambda: apply_offload(model, cfg))
+    out["pin_fault_unchanged"] = _unchanged(before, model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+        with failing_pin(1), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = apply_offload(model, dict(cfg, pin_failure="pageable"))
+        out["pageable_warnings"] = [str(w.message) for w in caught if "page-lock" in str(w.message)]
+        out["pageable_pinned"] = [s.pinned for s in handle.rings[0].transfer.shards]
+        out["pageable_transfer"] = handle.summary()[0]["weight_transfer"]
+        out["pageable_equal"] = all(torch.equal(model(x), ref) for _ in range(2))
+        handle.remove()
+    out["pageable_unchanged_after_remove"] = _unchanged(before, model)
+
+
+@torch.no_grad()
+def interrupts(out: dict) -> None:
+    """Every rank is interrupted at the same block (as a deterministic error would be): the
+    next forward is correct and the ranks stay in lockstep."""
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    before = snapshot(model)
+    handle = apply_offload(model, AG_DIT)
+    results = {}
+    for where in ("body", "pre-hook"):
+        model(x)
+        with interrupt(model.blocks[2], where):
+            try:
+                model(x)
+                results[where] = "not interrupted"
+            except KeyboardInterrupt:
+                results[where] = all(torch.equal(model(x), ref) for _ in range(2))
+    out["interrupts"] = results
+    handle.remove()
+    out["interrupts_unchanged_after_remove"] = _unchanged(before, model)
+
+
+def soak_short(out: dict) -> None:
+    """The CI-sized soak: 60 forwards alternating two shapes, allgather on gloo."""
+    from omni_dist_offload.soak import SoakOptions, run_soak
+
+    torch.set_num_threads(1)
+    result = run_soak(SoakOptions(model="tiny-wan", forwards=60, transfer="allgather", warmup=10,
+                                  rss_tolerance_mib=8, chunk_mib=0.01, collective_timeout_s=20))
+    out["soak"] = {**asdict(result), "passed": result.passed}
+
+
+def one_rank_setup_fault(out: dict) -> None:
+    """Only rank 1's setup fails: rank 1 is left as it was and raises; rank 0's first forward
+    cannot gather and raises within the collective timeout, naming the ring and block."""
+    cfg = dict(AG_DIT, pin_memory=True, collective_timeout_s=3)
+    model = ToyDiT(4)
+    before = snapshot(model)
+    if dist.get_rank() == 1:
+        with failing_pin(2):
+            _expect(out, "one_rank_fault", PinMemoryError, lambda: apply_offload(model, cfg))
+        out["one_rank_fault_unchanged"] = _unchanged(before, model)
+        _after_one_rank_fault()
+        return
+    with failing_pin(None):
+        handle = apply_offload(model, cfg)
+    t0 = time.monotonic()
+    with torch.no_grad():
+        _expect(out, "one_rank_fault", RuntimeError, lambda: model(torch.randn(2, 8)))
+    out["one_rank_fault_s"] = time.monotonic() - t0
+    _after_one_rank_fault()
+    del handle  # remove() is collective: with the other rank gone from the ring, drop the handle
+
+
+def _after_one_rank_fault() -> None:
+    # Rank 1 waits here until rank 0's gather has timed out, so the next scenario's collectives
+    # start together.
+    dist.barrier()
+
+
+def rank_dies(out: dict) -> None:
+    """Rank 1 exits (os._exit) in the middle of a forward: rank 0 raises within the timeout,
+    naming the ring and block. Runs last: the job is broken afterwards."""
+    cfg = dict(AG_DIT, collective_timeout_s=3)
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    handle = apply_offload(model, cfg)
+    with torch.no_grad():
+        model(x)
+        if dist.get_rank() == 1:
+            def die(module, args):
+                out["rank_dies"] = "exited in the pre-forward of blocks.2"
+                _write(out)
+                os._exit(1)
+            model.blocks[2].register_forward_pre_hook(die)
+        t0 = time.monotonic()
+        _expect(out, "rank_dies", RuntimeError, lambda: [model(x) for _ in range(3)])
+    out["rank_dies_s"] = time.monotonic() - t0
+    del handle
+
+
 SCENARIOS = {"parity": parity, "rss": rss, "fallback_gloo_not_allowed": fallback_gloo_not_allowed,
-             "mismatch": mismatch, "diverge": diverge, "host_groups": host_groups}
+             "mismatch": mismatch, "diverge": diverge, "host_groups": host_groups,
+             "setup_faults": setup_faults, "interrupts": interrupts, "soak_short": soak_short,
+             "one_rank_setup_fault": one_rank_setup_fault, "rank_dies": rank_dies}
+OUT_DIR = "."
+
+
+def _write(out: dict) -> None:
+    with open(os.path.join(OUT_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(out, f, default=str)
 
 
 def main() -> None:
-    global DEVICE
+    global DEVICE, OUT_DIR
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    OUT_DIR = out_dir
     if DEVICE.type == "cuda":
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
@@ -207,9 +402,8 @@ def main() -> None:
             SCENARIOS[name](out)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(out, f, default=str)
-    if "diverge" in names:
+    _write(out)
+    if {"diverge", "rank_dies"} & set(names):
         os._exit(0)  # the process group is broken on purpose: skip the teardown barrier
     dist.destroy_process_group()
 

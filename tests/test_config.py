@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from omni_dist_offload import LayerOptions, OffloadConfig, OffloadConfigError
+from omni_dist_offload import LayerOptions, OffloadConfig, OffloadConfigError, apply_offload
+from toys import ToyDiT, assert_same, snapshot
 
 
 def test_reference_shape_parses():
@@ -14,37 +15,71 @@ def test_reference_shape_parses():
     assert cfg.components == ("dit", "text_encoder")
     assert cfg.options_for("dit").weight_transfer == "allgather"
     assert cfg.options_for("text_encoder").weight_transfer == "rank-local"
-    assert cfg.pin_memory is True
+    assert cfg.pin_memory is True and cfg.pin_failure == "error"
     assert OffloadConfig.parse(cfg.to_dict()) == cfg
     assert OffloadConfig.parse(cfg) is cfg
 
 
+DIT_ONLY = {"mode": "layer", "components": ["dit"]}
+
+
+# Each case: the problem (key, value) and the fix (allowed values, an example, what to do).
 @pytest.mark.parametrize("raw, needles", [
-    ('{"mode": "layer", "components": ["dit"]', ["not valid JSON"]),
-    ("[1, 2]", ["JSON object"]),
-    ({"components": ["dit"]}, ["'mode'", "missing"]),
+    ('{"mode": "layer", "components": ["dit"]', ["not valid JSON", "pass an object such as"]),
+    ('{"mode": "layer", "components": ["dit"], "mode": "layer"}', ["'mode' twice", "keep one"]),
+    ("[1, 2]", ["must be a JSON object or dict", "found list"]),
+    (None, ["must be a JSON object or dict", "found NoneType"]),
+    ({"components": ["dit"]}, ["'mode'", "missing", '"mode": "layer"']),
     ({"mode": "block", "components": ["dit"]}, ["'mode'", "'block'", "['layer']"]),
-    ({"mode": "layer", "components": []}, ["'components'", "empty"]),
-    ({"mode": "layer", "components": "dit"}, ["'components'", "'dit'", "list"]),
-    ({"mode": "layer", "components": ["dit", "dit"]}, ["repeats", "dit"]),
+    ({"mode": 1, "components": ["dit"]}, ["'mode'", "value 1", "['layer']"]),
+    ({"mode": "layer", "components": []}, ["'components'", "empty", "list at least one of"]),
+    ({"mode": "layer", "components": "dit"}, ["'components'", "'dit'", "list", "['dit', 'text_encoder']"]),
+    ({"mode": "layer", "components": None}, ["'components'", "None", "['dit', 'text_encoder']"]),
+    ({"mode": "layer", "components": ["dit", "dit"]}, ["repeats", "dit", "list each component once"]),
     ({"mode": "layer", "components": ["vae"]}, ["'vae'", "['dit', 'text_encoder']"]),
-    ({"mode": "layer", "components": ["dit"], "extra": 1}, ["unknown key 'extra'"]),
+    ({"mode": "layer", "components": [3]}, ["value 3", "['dit', 'text_encoder']"]),
+    ({"mode": "layer", "components": ["dit"], "extra": 1}, ["unknown key 'extra'", "allowed keys are"]),
+    ({"mode": "layer", "pin_memroy": False}, ["unknown key 'pin_memroy'", "did you mean 'pin_memory'"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"text_encoder": {}}},
-     ["'text_encoder'", "not in 'components'"]),
+     ["'text_encoder'", "not in 'components'", "add it to 'components' or drop its options"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "nvlink"}}},
-     ["'weight_transfer'", "'nvlink'", "['rank-local', 'allgather']"]),
+     ["layer_options.dit", "'weight_transfer'", "'nvlink'", "['rank-local', 'allgather']"]),
+    ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": None}}},
+     ["'weight_transfer'", "None", "['rank-local', 'allgather']"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"chunk": 1}}},
-     ["unknown key 'chunk'", "layer_options.dit"]),
+     ["unknown key 'chunk'", "layer_options.dit", "did you mean 'chunk_mib'"]),
+    ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"chunk_mib": 0}}},
+     ["layer_options.dit", "'chunk_mib'", "found 0", "use e.g. 64"]),
+    ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"chunk_mib": "64"}}},
+     ["'chunk_mib'", "found '64'", "use e.g. 64"]),
+    ('{"mode": "layer", "layer_options": {"dit": {"chunk_mib": Infinity}}}', ["'chunk_mib'", "found inf"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": "allgather"}},
-     ["layer_options.dit", "'allgather'"]),
-    ({"mode": "layer", "components": ["dit"], "layer_options": []}, ["'layer_options'"]),
-    ({"mode": "layer", "components": ["dit"], "pin_memory": "yes"}, ["'pin_memory'", "'yes'"]),
+     ["layer_options.dit", "'allgather'", '{"weight_transfer": "rank-local"}']),
+    ({"mode": "layer", "components": ["dit"], "layer_options": []}, ["'layer_options'", "keyed by component"]),
+    ({"mode": "layer", "components": ["dit"], "pin_memory": "yes"}, ["'pin_memory'", "'yes'", "true or false"]),
+    ({"mode": "layer", "pin_failure": "warn"}, ["'pin_failure'", "'warn'", "['error', 'pageable']"]),
+    ({"mode": "layer", "collective_timeout_s": -1}, ["'collective_timeout_s'", "found -1", "use e.g. 600"]),
+    ({"mode": "layer", "collective_timeout_s": True}, ["'collective_timeout_s'", "found True"]),
+    ('{"mode": "layer", "collective_timeout_s": NaN}', ["'collective_timeout_s'", "found nan"]),
 ])
-def test_bad_configs_name_the_problem(raw, needles):
+def test_bad_configs_name_the_problem_and_change_nothing(raw, needles):
     with pytest.raises(OffloadConfigError) as info:
         OffloadConfig.parse(raw)
     for needle in needles:
         assert needle in str(info.value)
+    model = ToyDiT(2)
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError) as again:
+        apply_offload(model, raw)
+    assert str(again.value) == str(info.value)
+    assert_same(before, model)
+
+
+def test_layer_options_objects_are_checked_too():
+    with pytest.raises(OffloadConfigError, match="must be LayerOptions, found dict: build the config with"):
+        OffloadConfig(components=("dit",), layer_options={"dit": {"weight_transfer": "allgather"}})
+    with pytest.raises(OffloadConfigError, match="'chunk_mib' must be a positive number"):
+        LayerOptions(chunk_mib=float("inf"))
 
 
 def test_error_is_a_value_error():

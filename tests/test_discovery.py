@@ -91,14 +91,28 @@ def test_scan_finds_one_dominant_list_and_refuses_otherwise():
             self.big = nn.Linear(64, 64)
             self.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
 
-    with pytest.raises(OffloadConfigError, match=r"no transformer blocks found.*small \(2\)"):
-        discover(types.SimpleNamespace(transformer=Flat()), DIT)
+    flat = Flat()
+    before = snapshot(flat)
+    with pytest.raises(OffloadConfigError, match=r"no transformer blocks found.*small \(2\).*Declare them with "
+                                                 r"Flat._layerwise_offload_blocks_attrs"):
+        apply_offload(types.SimpleNamespace(transformer=flat), DIT)
+    assert_same(before, flat)
+
+
+def test_a_model_without_any_module_list_names_the_fix():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"no transformer blocks found\. ModuleLists seen: none\. "
+                                                 r"Declare them with Sequential\._layerwise_offload_blocks_attrs"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
 
 
 @pytest.mark.parametrize("attrs, needle", [
     (["nope"], "'nope' from Bad._layerwise_offload_blocks_attrs does not exist"),
     (["proj"], "is a Linear, not an nn.ModuleList"),
     (["empty"], "is empty"),
+    ([], "must be a non-empty list of dotted attribute paths such as ['blocks']"),
     ("blocks", "must be a non-empty list"),
 ])
 def test_bad_declarations(attrs, needle):
@@ -115,15 +129,24 @@ def test_bad_declarations(attrs, needle):
     with pytest.raises(OffloadConfigError) as info:
         apply_offload(model, DIT)
     assert needle in str(info.value)
+    if isinstance(attrs, list) and attrs:  # a wrong path: the message lists what there is to name
+        assert "ModuleLists seen: ['blocks (2)', 'empty (0)']. Fix the declaration" in str(info.value)
     assert_same(before, model)
 
 
 def test_component_missing_from_pipeline():
     pipe = types.SimpleNamespace(transformer=ToyDiT(2), vae=nn.Linear(2, 2))
-    with pytest.raises(OffloadConfigError, match=r"lists 'text_encoder'.*\['transformer', 'vae'\]"):
+    before = {name: snapshot(m) for name, m in vars(pipe).items()}
+    with pytest.raises(OffloadConfigError, match=r"lists 'text_encoder'.*\['transformer', 'vae'\]\)\. Remove "
+                                                 r"'text_encoder' from 'components', or declare the module"):
         apply_offload(pipe, BOTH)
-    with pytest.raises(OffloadConfigError, match="bare ToyDiT"):
-        apply_offload(ToyDiT(2), TE)
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    model = ToyDiT(2)
+    before_model = snapshot(model)
+    with pytest.raises(OffloadConfigError, match="bare ToyDiT.*list 'dit', or pass the pipeline"):
+        apply_offload(model, TE)
+    assert_same(before_model, model)
 
 
 def test_shared_tensors_are_rejected_naming_both_owners():
@@ -137,17 +160,39 @@ def test_shared_tensors_are_rejected_naming_both_owners():
 
     model = ToyDiT(3)
     model.proj_out.weight = model.blocks[1].lin.weight
-    with pytest.raises(OffloadConfigError, match=r"blocks\.1\.lin\.weight.*proj_out\.weight \(a resident module\)"):
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"blocks\.1\.lin\.weight.*proj_out\.weight \(a resident module\)"
+                                                 r".*Untie the weights \(clone one of them\)"):
         apply_offload(model, DIT)
+    assert_same(before, model)
 
     model = ToyDiT(3)  # distinct tensor objects over one storage count as shared too
     model.blocks[1].register_buffer("alias", model.proj_in.weight.detach()[0])
+    before = snapshot(model)
     with pytest.raises(OffloadConfigError, match="shared with"):
         apply_offload(model, DIT)
+    assert_same(before, model)
+
+    model = ToyDiT(3)  # a submodule shared by two blocks
+    model.blocks[2].norm = model.blocks[0].norm
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"module LayerNorm is shared by transformer\.blocks\.0 and "
+                                                 r"transformer\.blocks\.2.*Give each block its own copy"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
 
 
 def test_meta_tensors_are_rejected():
     with torch.device("meta"):
         model = ToyDiT(2)
-    with pytest.raises(OffloadConfigError, match="meta device"):
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match="meta device: load real weights before offloading"):
         apply_offload(model, DIT)
+    assert_same(before, model)
+
+    model = ToyDiT(3)  # one parameter left on meta, e.g. by a partial load
+    model.blocks[1].lin.bias = nn.Parameter(torch.empty(8, device="meta"))
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"blocks\.1\.lin\.bias is on the meta device"):
+        apply_offload(model, DIT)
+    assert_same(before, model)

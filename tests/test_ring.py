@@ -97,22 +97,40 @@ def test_two_dits_in_one_pipeline():
 @torch.no_grad()
 def test_remove_restores_everything_and_twice_is_harmless():
     model = OddDiT(3)
+    x = torch.randn(2, 8)
+    ref = model(x)
     before = snapshot(model)
     handle = apply_offload(model, DIT)
-    model(torch.randn(2, 8))
+    model(x)
     handle.remove()
     assert_same(before, model)
     for p in model.parameters():  # ordinary tensors, not views into a shared buffer
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     handle.remove()
     assert_same(before, model)
+    assert handle.summary() == []
+    # After remove() the model runs resident: no hooks, same output, nothing changes.
+    assert torch.equal(model(x), ref)
+    assert_same(before, model)
 
 
+@torch.no_grad()
 def test_apply_twice_is_an_error():
     model = ToyDiT(2)
+    x = torch.randn(2, 8)
+    ref = model(x)
     handle = apply_offload(model, DIT)
-    with pytest.raises(OffloadConfigError, match="already offloaded"):
+    streamed = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    summary = handle.summary()
+    with pytest.raises(OffloadConfigError, match="already offloaded: call remove"):
         apply_offload(model, DIT)
+    with pytest.raises(OffloadConfigError, match="already offloaded"):  # through a pipeline too
+        apply_offload(types.SimpleNamespace(transformer=model), DIT)
+    # The failed calls changed nothing: same tensors where they were, same hooks, same output.
+    assert {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()} == streamed
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks
+    assert handle.summary() == summary and torch.equal(model(x), ref)
     handle.remove()
     apply_offload(model, DIT).remove()  # after remove() it can be applied again
 
