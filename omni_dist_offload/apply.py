@@ -9,6 +9,7 @@ target is as it was.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
 from .hostmem import HostBuffer, HostPinner
-from .distributed import ComponentFacts, WeightGroup, resolve_weight_group
+from .distributed import ComponentFacts, WeightGroup, agree_on_setup, resolve_weight_group
 from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
 from .ranks import current_rank, rank_prefix
@@ -215,10 +216,22 @@ def apply_offload(
                 ring.enable_trace()
             ring.install_hooks()
         handle._mark()
-    except BaseException:
+    except BaseException as exc:
         handle._rollback()
+        if group is not None:  # tell the other ranks, which would otherwise wait in their first fill
+            with contextlib.suppress(Exception):
+                agree_on_setup(f"{type(exc).__name__}: {exc}", cfg.collective_timeout_s)
         raise
-    handle._originals = {}  # setup succeeded: drop the original storage of allgather blocks
+    if group is not None:
+        failed = agree_on_setup(None, cfg.collective_timeout_s)
+        if failed:
+            handle._rollback()  # still local: the original storage is kept until here
+            rank, error = failed[0]
+            raise RuntimeError(
+                f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
+                "allgather needs all of them. Fix the error on that rank and apply again."
+            )
+    handle._originals = {}  # setup succeeded everywhere: drop the original storage of allgather blocks
     _log_summary(handle, reason)
     return handle
 

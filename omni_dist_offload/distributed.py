@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .config import OffloadConfigError
 
-__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "WeightGroup", "resolve_weight_group"]
+__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "WeightGroup", "agree_on_setup", "resolve_weight_group"]
 
 logger = logging.getLogger("omni_dist_offload")
 
@@ -108,6 +108,14 @@ def resolve_weight_group(
         return WeightGroup(process_group, dist.get_rank(process_group),
                            dist.get_world_size(process_group), str(dist.get_backend(process_group)), ranks), None
     return _host_group(gathered, device, timeout_s), None
+
+
+def agree_on_setup(error: str | None, timeout_s: float) -> list[tuple[int, str]]:
+    """Every rank says whether its setup succeeded (``error`` None) or why not; returns the
+    failures, the same list on every rank. Collective over the default group."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dist.get_rank(), error), group=_exchange_group(timeout_s))
+    return [(rank, err) for rank, err in gathered if err is not None]
 
 
 def _exchange_group(timeout_s: float):

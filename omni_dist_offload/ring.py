@@ -60,7 +60,12 @@ class BlockRing:
         self._ready = [torch.cuda.Event() if self._cuda else None for _ in range(_NUM_SLOTS)]
         self._free = [torch.cuda.Event() if self._cuda else None for _ in range(_NUM_SLOTS)]
         self._slot_block = [_EMPTY] * _NUM_SLOTS
-        self._running_slot = [_EMPTY] * len(layouts)
+        # The block between its pre- and post-forward, and its slot (blocks do not nest).
+        self._current = _EMPTY
+        self._current_slot = _EMPTY
+        # The last forward was cut short (an exception, or an interrupt that skipped the
+        # post-forward): the next on-demand fetch is expected, not an ordering problem.
+        self._disrupted = False
         self._next = [(i + 1) % len(layouts) for i in range(len(layouts))]
         self._last_slot = _NUM_SLOTS - 1
         self._warm = False
@@ -90,6 +95,11 @@ class BlockRing:
 
     # -- per-block path: no host synchronisation, no allocation -------------------------
     def _pre_forward(self, i: int, module, args) -> None:
+        if self._current != _EMPTY:
+            # The last block's post-forward never ran: torch calls always_call hooks on
+            # Exception only, so a KeyboardInterrupt skips it. Release that block now.
+            self._release(self._current, self._current_slot)
+            self._disrupted = True
         slot = self._slot_of(i)
         if slot == _EMPTY:
             slot = self._fetch_missing(i)
@@ -102,7 +112,7 @@ class BlockRing:
         if tracer is not None:
             tracer.after_wait(i, stream)
         bind(self.layouts[i].entries, self._slot_views[slot][i])
-        self._running_slot[i] = slot
+        self._current, self._current_slot = i, slot
         nxt = self._next[i]
         if self._slot_of(nxt) == _EMPTY:
             self._fill(nxt, 1 - slot)
@@ -110,18 +120,21 @@ class BlockRing:
             self._warn_grad()
 
     def _post_forward(self, i: int, module, args, output) -> None:
-        slot = self._running_slot[i]
-        if slot == _EMPTY:  # the pre-forward did not complete (interrupted): nothing to release
+        if self._current != i:  # the pre-forward did not get as far as binding: nothing to release
             return
+        if self.tracer is not None:
+            self.tracer.after_compute(i, torch.cuda.current_stream(self.device) if self._cuda else None)
+        if output is None:  # torch passes no output when the block raised
+            self._disrupted = True
+        self._release(i, self._current_slot)
+
+    def _release(self, i: int, slot: int) -> None:
+        """Block ``i`` is done with ``slot``: mark the slot free on the compute stream and point
+        the block's tensors back at their parked storage."""
         if self._cuda:
-            stream = torch.cuda.current_stream(self.device)
-            self._free[slot].record(stream)
-            if self.tracer is not None:
-                self.tracer.after_compute(i, stream)
-        elif self.tracer is not None:
-            self.tracer.after_compute(i, None)
+            self._free[slot].record(torch.cuda.current_stream(self.device))
         bind(self.layouts[i].entries, self._parked[i])
-        self._running_slot[i] = _EMPTY
+        self._current = self._current_slot = _EMPTY
         self._last_slot = slot
 
     def _slot_of(self, block: int) -> int:
@@ -147,8 +160,9 @@ class BlockRing:
         self._slot_block[slot] = block
 
     def _fetch_missing(self, i: int) -> int:
-        """Block ``i`` was not prefetched: the first block ever, or blocks ran out of order."""
-        if self._warm and not self._warned_miss:
+        """Block ``i`` was not prefetched: the first block ever, the first after a forward that
+        was cut short, or blocks ran out of order (warned once)."""
+        if self._warm and not self._disrupted and not self._warned_miss:
             self._warned_miss = True
             warnings.warn(
                 f"{self.component.name}: block {self.layouts[i].name} ran but was not prefetched "
@@ -158,6 +172,7 @@ class BlockRing:
                 RuntimeWarning, stacklevel=4,
             )
         self._warm = True
+        self._disrupted = False
         nxt_slot = self._slot_of(self._next[i])
         slot = 1 - nxt_slot if nxt_slot != _EMPTY else 1 - self._last_slot
         self._fill(i, slot)
