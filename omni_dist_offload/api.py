@@ -311,8 +311,11 @@ def _load_pipeline(model: str, dtype: torch.dtype, load_kwargs: dict[str, Any]) 
 
     logger.info("%sloading %s (%s) on the host", rank_prefix(), model, _dtype_name(dtype))
     try:
+        # Weights come from safetensors only (no pickled .bin checkpoints), unless the caller
+        # passes use_safetensors=False in load_kwargs.
         return DiffusionPipeline.from_pretrained(
-            str(path) if path.is_dir() else model, **{_dtype_kwarg(): dtype}, **load_kwargs)
+            str(path) if path.is_dir() else model, **{_dtype_kwarg(): dtype},
+            **{"use_safetensors": True, **load_kwargs})
     except (OSError, ValueError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelLoadError(

@@ -247,7 +247,9 @@ def _weight_group(components, layouts, cfg, dev, process_group):
         return None, None, wants
     if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
         raise OffloadConfigError(
-            f"process_group must be a torch.distributed ProcessGroup, found {type(process_group).__name__}."
+            f"process_group must be a torch.distributed ProcessGroup, found "
+            f"{type(process_group).__name__}: pass a group from torch.distributed.new_group(ranks), "
+            "or None for one group per host."
         )
     group, reason = resolve_weight_group(wants, dev, process_group, cfg.collective_timeout_s)
     return group, reason, wants

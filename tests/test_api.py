@@ -133,3 +133,11 @@ def test_video_written_as_mp4_with_the_video_extra(tmp_path: Path) -> None:
     decoded = np.stack(imageio.mimread(saved.media))
     assert decoded.shape == (5, 32, 32, 3)
     assert np.abs(decoded.astype(int) - 128).max() <= 3
+
+
+def test_pickled_checkpoints_are_not_loaded(tmp_path: Path) -> None:
+    from omni_dist_offload.tiny import tiny_flux_pipeline
+
+    tiny_flux_pipeline().save_pretrained(tmp_path / "flux", safe_serialization=False)
+    with pytest.raises(ModelLoadError, match="could not load"):
+        Omni(str(tmp_path / "flux"), STREAM_ALL, progress=False)

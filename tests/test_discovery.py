@@ -196,3 +196,10 @@ def test_meta_tensors_are_rejected():
     with pytest.raises(OffloadConfigError, match=r"blocks\.1\.lin\.bias is on the meta device"):
         apply_offload(model, DIT)
     assert_same(before, model)
+
+
+def test_process_group_must_be_a_group():
+    with pytest.raises(OffloadConfigError, match=r"found str: pass a group from torch\.distributed\.new_group"):
+        apply_offload(ToyDiT(2), {"mode": "layer", "components": ["dit"],
+                                  "layer_options": {"dit": {"weight_transfer": "allgather"}}},
+                      process_group="world")
