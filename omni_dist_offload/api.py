@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .apply import OffloadHandle, apply_offload
+from .apply import OffloadHandle, apply_offload, resolve_device
 from .config import OffloadConfig
 from .outputs import GenerationResult, to_uint8
 from .ranks import current_rank, rank_prefix
@@ -261,18 +261,6 @@ class Omni:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """``None``: the current CUDA device (set per rank by ``dp.maybe_init_dist``), else the CPU."""
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

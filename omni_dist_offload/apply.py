@@ -28,7 +28,7 @@ from .sharding import layout_digest, plan_shards, sample_digest, write_shard
 from .trace import trace_enabled
 from .transfer import AllGatherTransfer, RankLocalTransfer
 
-__all__ = ["OffloadHandle", "apply_offload"]
+__all__ = ["OffloadHandle", "apply_offload", "resolve_device"]
 
 logger = logging.getLogger("omni_dist_offload")
 
@@ -177,7 +177,9 @@ def apply_offload(
     model and config.
     """
     cfg = OffloadConfig.parse(config)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
+    if dev.type not in ("cuda", "cpu"):
+        raise OffloadConfigError(f"device {dev} is not supported: use a CUDA device or 'cpu'.")
     modules = {"transformer": target} if is_bare_module(target) else pipeline_modules(target)
     for name, mod in modules.items():
         if getattr(mod, _STATE_ATTR, None) is not None:
@@ -342,7 +344,9 @@ def _log_summary(handle: OffloadHandle, reason: str | None) -> None:
         )
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``None``: the current CUDA device (per rank under torchrun), else the CPU; a bare
+    ``"cuda"`` becomes the current CUDA device."""
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
@@ -350,6 +354,4 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if dev.type not in ("cuda", "cpu"):
-        raise OffloadConfigError(f"device {dev} is not supported: use a CUDA device or 'cpu'.")
     return dev
