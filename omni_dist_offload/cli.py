@@ -6,6 +6,7 @@
         --prompt "a red fox in snow" --num-inference-steps 30 --output-dir out/
     omni-offload inspect --model tiny-flux
     omni-offload bench --preset wan-14b --frames 81 17 --json out.json --png out.png
+    omni-offload serve --model tiny-flux --port 8000     # HTTP service; see serve.py
 
 Under torchrun (``launch/generate.py``) prompts are split across ranks; see ``dp.py``.
 Bad flags, a bad config or an option the pipeline does not take: one line on stderr, exit
@@ -15,6 +16,7 @@ status 2, nothing written.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -36,6 +38,7 @@ from .config import OffloadConfig, OffloadConfigError
 from .dp import destroy_dist, maybe_init_dist, plan_jobs, run_jobs
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .ranks import current_rank, rank_prefix
+from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
 from .trace import summary_line
 
 __all__ = ["DEFAULT_OFFLOAD_CONFIG", "DEFAULT_PROMPT", "UsageError", "build_parser", "main"]
@@ -44,7 +47,7 @@ PROG = "omni-offload"
 DEFAULT_MODEL = "tiny-wan"
 DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
 DEFAULT_PROMPT = "a red fox running through snow"
-_COMMANDS = ("generate", "inspect", "bench")
+_COMMANDS = ("generate", "inspect", "bench", "serve")
 
 logger = logging.getLogger("omni_dist_offload")
 
@@ -76,12 +79,13 @@ class RunPlan:
     fps: int | None
     progress: bool
     as_json: bool
+    serve: ServeOptions | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Generate with layerwise-offloaded diffusion pipelines.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="{generate,inspect,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{generate,inspect,bench,serve}")
     generate = commands.add_parser("generate", help="generate images or videos (the default command)",
                                    description="Generate images or videos; with no flags, the "
                                    "built-in tiny-wan with its DiT and text encoder streamed.")
@@ -92,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   "the plan (components, blocks, bytes, transfer); generates nothing.")
     _add_model_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="print the plan as JSON")
+    serve = commands.add_parser("serve", help="answer generation requests over HTTP",
+                                description="Keep the offloaded pipeline warm and answer OpenAI-style "
+                                "image and video generation requests over HTTP; under torchrun rank 0 "
+                                "serves and every rank generates (docs/serving.md).")
+    _add_model_flags(serve)
+    add_serve_flags(serve)
     # Listed for --help only: main() hands bench's flags to bench.py, which parses its own.
     commands.add_parser("bench", add_help=False, help="time resident, diffusers group offloading "
                         "and streamed forwards side by side (omni-offload bench --help)")
@@ -187,7 +197,8 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         prompts=_prompts(ns) if generating else [], seed=getattr(ns, "seed", 0), sampling=sampling,
         output_dir=getattr(ns, "output_dir", Path("outputs")),
         video_format=getattr(ns, "video_format", "auto"), fps=getattr(ns, "fps", None),
-        progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False))
+        progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False),
+        serve=_serve_options(ns) if ns.command == "serve" else None)
 
 
 def _prompts(ns: argparse.Namespace) -> list[str]:
@@ -265,9 +276,24 @@ def _cmd_inspect(plan: RunPlan) -> int:
         destroy_dist(ctx)
 
 
+def _cmd_serve(plan: RunPlan) -> int:
+    _setup_logging()
+    factory = functools.partial(Omni, plan.model, plan.config, device=plan.device, dtype=plan.dtype,
+                                progress=False)
+    return run_serve(factory, plan.device, plan.serve or ServeOptions())
+
+
+def _serve_options(ns: argparse.Namespace) -> ServeOptions:
+    try:
+        return serve_options(ns)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 _COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
     "generate": _cmd_generate,
     "inspect": _cmd_inspect,
+    "serve": _cmd_serve,
 }
 
 

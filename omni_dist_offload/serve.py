@@ -1,0 +1,481 @@
+"""``omni-offload serve``: keep an offloaded pipeline warm and answer generation requests over HTTP.
+
+    omni-offload serve --model tiny-flux --port 8000
+    torchrun --nproc_per_node 8 -m omni_dist_offload.cli serve --model Wan-AI/Wan2.2-T2V-A14B-Diffusers \\
+        --diffusion-offload-config '{"mode":"layer","components":["dit"]}'
+
+Set-up (loading, consolidating, pinning) is paid once. Rank 0 runs the HTTP front-end (FastAPI
+under uvicorn, in a thread of its own: ``serve_http.py``) and every rank generates.
+
+[Note: waves]
+Requests become *slots*, one pipeline call each (a request with ``n`` images is ``n`` slots with
+seeds ``seed .. seed + n - 1``). Rank 0's main thread is the only thread that generates (the
+pipeline is not thread-safe): it takes the oldest queued slot and every queued slot with the same
+shape key (kind, size, frames, steps, negative prompt or not), up to one per rank, waiting up to
+``--wave-wait`` for a partly filled wave to fill, then pads it with repeats whose outputs are
+dropped. The ``allgather`` weight transfer needs this: every rank of a wave runs the same number
+of forwards at the same shapes, in lockstep. Rank 0 broadcasts the wave over a gloo group of its
+own (beside the NCCL one), each rank runs its slot and encodes the media, and ``gather_object``
+brings the bytes back to rank 0, which answers. A wave of ``None`` tells the other ranks to stop.
+
+On SIGTERM (or SIGINT) rank 0 stops taking requests (503), finishes the running wave, answers the
+slots still queued with 503, sends the stop wave and closes the server; all ranks exit 0. Other
+ranks ignore the signal and wait for rank 0's stop wave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import signal
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.distributed as dist
+
+from .dp import DistContext, destroy_dist, maybe_init_dist
+from .outputs import VIDEO_FORMATS, resolve_video_format
+from .ranks import rank_prefix
+
+if TYPE_CHECKING:
+    from .api import Omni
+    from .serve_http import ServeMetrics
+
+__all__ = [
+    "GenerationFailed",
+    "ModelLimits",
+    "QueueFull",
+    "ServeOptions",
+    "Service",
+    "ServiceUnavailable",
+    "Slot",
+    "SlotResult",
+    "WaveQueue",
+    "add_serve_flags",
+    "run_serve",
+    "serve_options",
+]
+
+logger = logging.getLogger("omni_dist_offload")
+
+_SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+# The wave group waits for the next wave for as long as the service is idle; the default
+# collective timeout (30 min) would end an idle service.
+_WAVE_GROUP_TIMEOUT = timedelta(days=365)
+# How often rank 0's generation loop looks for a stop request while the queue is empty.
+_POLL_S = 0.1
+
+
+class ServiceUnavailable(RuntimeError):
+    """The service is shutting down (HTTP 503)."""
+
+
+class QueueFull(ServiceUnavailable):
+    """More slots are queued than ``--max-queue`` allows (HTTP 503)."""
+
+
+class GenerationFailed(RuntimeError):
+    """The pipeline raised while generating a slot (HTTP 500); the message is the reason."""
+
+
+# -- flags -----------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class ServeOptions:
+    """``omni-offload serve`` flags other than the model's."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_n: int = 4
+    """Largest ``n`` of one request."""
+    max_frames: int = 121
+    """Largest ``num_frames`` of a video request."""
+    max_size: int = 2048
+    """Largest height or width, in pixels."""
+    max_steps: int = 100
+    """Largest ``num_inference_steps``."""
+    max_queue: int = 256
+    """Slots waiting at most; beyond it requests get 503."""
+    wave_wait_s: float = 0.1
+    """How long a wave that is not full waits for more slots of its shape (several ranks only)."""
+    output_dir: Path = Path("outputs")
+    """Where ``"response_format": "path"`` outputs and their JSON sidecars are written."""
+    video_format: Literal["mp4", "gif"] = "gif"
+    """Resolved from ``--video-format``: MP4 with the ``video`` extra, else GIF."""
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The serve subcommand's own flags (the model flags come from the CLI)."""
+    d = ServeOptions()
+    parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=d.port, help="TCP port (default: %(default)s)")
+    parser.add_argument("--max-n", type=_positive, default=d.max_n, metavar="N",
+                        help="largest n of one request (default: %(default)s)")
+    parser.add_argument("--max-frames", type=_positive, default=d.max_frames, metavar="N",
+                        help="largest num_frames of a video request (default: %(default)s)")
+    parser.add_argument("--max-size", type=_positive, default=d.max_size, metavar="PX",
+                        help="largest height or width (default: %(default)s)")
+    parser.add_argument("--max-steps", type=_positive, default=d.max_steps, metavar="N",
+                        help="largest num_inference_steps (default: %(default)s)")
+    parser.add_argument("--max-queue", type=_positive, default=d.max_queue, metavar="N",
+                        help="queued images or videos at most, then 503 (default: %(default)s)")
+    parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
+                        help="seconds a wave that is not full waits for more requests of its "
+                        "shape before it starts padded (several ranks; default: %(default)s)")
+    parser.add_argument("--output-dir", type=Path, default=d.output_dir,
+                        help="where response_format=path outputs go (default: %(default)s)")
+    parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
+                        help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
+
+
+def serve_options(ns: argparse.Namespace) -> ServeOptions:
+    """Check the serve flags and that the HTTP stack is installed; ``ValueError`` names the flag."""
+    missing = [name for name in _SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"serving needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         "not installed: pip install -e \".[serve]\" (or pip install "
+                         "'omni_dist_offload[serve]').")
+    if ns.wave_wait < 0:
+        raise ValueError(f"--wave-wait {ns.wave_wait}: give 0 or more seconds.")
+    if ns.output_dir.exists() and not ns.output_dir.is_dir():
+        raise ValueError(f"--output-dir {str(ns.output_dir)!r} is a file: give a folder.")
+    try:
+        video_format = resolve_video_format(ns.video_format)
+    except ValueError as exc:
+        raise ValueError(f"--video-format: {exc}") from None
+    return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
+                        max_size=ns.max_size, max_steps=ns.max_steps, max_queue=ns.max_queue,
+                        wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
+    return value
+
+
+# -- what the model accepts ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What a request may ask of this model, read from the pipeline once."""
+
+    model: str
+    kind: Literal["image", "video"]
+    size_multiple: int
+    """Height and width must be multiples of it: the VAE's spatial factor times the 2x2
+    patching (Flux packs latents 2x2, Wan's and SD3's DiTs patch 2x2)."""
+    frame_step: int
+    """Videos: ``num_frames - 1`` must be a multiple of it (the VAE's temporal factor)."""
+
+    @classmethod
+    def of(cls, omni: Omni) -> ModelLimits:
+        pipe = omni.pipeline
+        params = inspect.signature(pipe.__call__).parameters
+        spatial = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
+        return cls(model=omni.model, kind="video" if "num_frames" in params else "image",
+                   size_multiple=int(spatial) * 2,
+                   frame_step=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1))
+
+
+# -- slots and waves -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One pipeline call on one rank; sent to the ranks, so plain and picklable."""
+
+    kind: Literal["image", "video"]
+    prompt: str
+    seed: int
+    name: str
+    """Output stem: ``<request id>-<i>``."""
+    num_inference_steps: int | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    negative_prompt: str | None = None
+    fps: int | None = None
+    padding: bool = False
+    """A repeat that keeps a rank in lockstep; its output is dropped."""
+
+    @property
+    def shape_key(self) -> tuple[Any, ...]:
+        """Slots of one wave share it, so every rank runs the same forwards (see [Note: waves])."""
+        return (self.kind, self.height, self.width, self.num_frames, self.num_inference_steps,
+                self.negative_prompt is not None)
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments of ``Omni.generate``; ``None`` keeps the pipeline's default."""
+        return {"num_inference_steps": self.num_inference_steps, "height": self.height,
+                "width": self.width, "num_frames": self.num_frames,
+                "negative_prompt": self.negative_prompt}
+
+
+@dataclass(frozen=True, slots=True)
+class SlotResult:
+    """What a rank sends back for its slot: the encoded media and its sidecar, or the error."""
+
+    media: bytes = b""
+    suffix: str = ""
+    """``.png``, ``.mp4`` or ``.gif``."""
+    sidecar: bytes = b""
+    """The JSON sidecar ``GenerationResult.save`` wrote."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A queued slot on rank 0 and the future its HTTP request awaits (compared by identity)."""
+
+    slot: Slot
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class WaveQueue:
+    """Queued jobs in arrival order; ``next_wave`` takes up to one per rank of one shape."""
+
+    def __init__(self, max_jobs: int) -> None:
+        self._jobs: deque[Job] = deque()
+        self._max_jobs = max_jobs
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def depth(self) -> int:
+        return len(self._jobs)
+
+    def put(self, jobs: Sequence[Job]) -> None:
+        """Queue all of ``jobs`` or none: raises :class:`QueueFull` or :class:`ServiceUnavailable`."""
+        with self._cond:
+            if self._closed:
+                raise ServiceUnavailable("the service is shutting down: no new work is taken.")
+            if len(self._jobs) + len(jobs) > self._max_jobs:
+                raise QueueFull(f"{len(self._jobs)} images or videos are queued (--max-queue "
+                                f"{self._max_jobs}): retry later.")
+            self._jobs.extend(jobs)
+            self._cond.notify_all()
+
+    def next_wave(self, size: int, fill_wait_s: float, timeout_s: float) -> list[Job]:
+        """The oldest job and up to ``size - 1`` more of its shape, in arrival order.
+
+        Waits up to ``timeout_s`` for a first job (empty list if none came), then up to
+        ``fill_wait_s`` for the wave to fill."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._jobs or self._closed, timeout=timeout_s):
+                return []
+            if not self._jobs:
+                return []
+            key = self._jobs[0].slot.shape_key
+            deadline = time.monotonic() + fill_wait_s
+            while not self._closed and self._count(key) < size:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(timeout=left):
+                    break
+            wave = [job for job in self._jobs if job.slot.shape_key == key][:size]
+            for job in wave:
+                self._jobs.remove(job)
+            return wave
+
+    def close(self) -> list[Job]:
+        """Take no more jobs; returns those still queued."""
+        with self._cond:
+            self._closed = True
+            left, self._jobs = list(self._jobs), deque()
+            self._cond.notify_all()
+            return left
+
+    def _count(self, key: tuple[Any, ...]) -> int:
+        return sum(1 for job in self._jobs if job.slot.shape_key == key)
+
+
+# -- the service -----------------------------------------------------------------------------
+class Service:
+    """The warm pipeline, the wave queue and the loop that feeds the ranks."""
+
+    def __init__(self, omni: Omni, ctx: DistContext, options: ServeOptions,
+                 group: dist.ProcessGroup | None, metrics: ServeMetrics | None = None) -> None:
+        self.omni = omni
+        self.ctx = ctx
+        self.options = options
+        self.limits = ModelLimits.of(omni)
+        self.queue = WaveQueue(options.max_queue)
+        self.metrics = metrics
+        self.started = time.time()
+        self._group = group
+        self._stop = threading.Event()
+
+    # -- front-end side (any thread) ---------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self._stop.is_set()
+
+    def submit(self, slots: Sequence[Slot]) -> list[concurrent.futures.Future]:
+        """Queue the slots of one request; each future resolves to a :class:`SlotResult` or
+        raises :class:`GenerationFailed` / :class:`ServiceUnavailable`."""
+        if self.draining:
+            raise ServiceUnavailable("the service is shutting down: no new work is taken.")
+        jobs = [Job(slot) for slot in slots]
+        self.queue.put(jobs)
+        return [job.future for job in jobs]
+
+    def request_stop(self, *_: object) -> None:
+        """Stop after the running wave (a signal handler on rank 0)."""
+        if not self._stop.is_set():
+            logger.info("%sstopping: finishing the running wave, refusing new work", rank_prefix())
+        self._stop.set()
+
+    # -- rank 0 ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Rank 0's generation loop: waves until a stop is requested, then the stop wave."""
+        try:
+            while not self._stop.is_set():
+                wave = self.queue.next_wave(self.ctx.world_size, self.options.wave_wait_s, _POLL_S)
+                if wave:
+                    self._run_wave(wave)
+        finally:
+            for job in self.queue.close():
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(ServiceUnavailable(
+                        "the service shut down before this request ran: retry on a running service."))
+            if self.ctx.world_size > 1:
+                dist.broadcast_object_list([None], src=0, group=self._group)
+
+    def _run_wave(self, wave: list[Job]) -> None:
+        # A request whose client went away has cancelled its futures: its slots are not run.
+        wave = [job for job in wave if job.future.set_running_or_notify_cancel()]
+        if not wave:
+            return
+        start = time.perf_counter()
+        padding = [dataclasses.replace(wave[0].slot, padding=True)] * (self.ctx.world_size - len(wave))
+        try:
+            results = self._exchange([job.slot for job in wave] + padding)
+        except BaseException as exc:  # a collective failed: answer, then end the loop
+            for job in wave:
+                job.future.set_exception(GenerationFailed(f"the wave failed: {type(exc).__name__}: {exc}"))
+            raise
+        # Metrics first, so that a client reading /metrics after its answer sees its outputs.
+        elapsed = time.perf_counter() - start
+        if self.metrics is not None:
+            done = sum(1 for r in results[:len(wave)] if r.error is None)
+            self.metrics.wave_done(self.limits.kind, done, len(padding), elapsed, self.omni)
+        first = wave[0].slot
+        size = f"{first.width}x{first.height}" if first.width else "default size"
+        logger.info("%swave of %d %s(s) + %d padding (%s, steps %s) in %.2f s", rank_prefix(),
+                    len(wave), first.kind, len(padding), size, first.num_inference_steps or "default",
+                    elapsed)
+        for job, result in zip(wave, results, strict=False):
+            if result.error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(GenerationFailed(result.error))
+
+    def _exchange(self, slots: list[Slot]) -> list[SlotResult]:
+        """Send the wave to the ranks, run rank 0's slot, gather every rank's result."""
+        if self.ctx.world_size == 1:
+            return [run_slot(self.omni, slots[0], self.ctx, self.options.video_format)]
+        dist.broadcast_object_list([slots], src=0, group=self._group)
+        own = run_slot(self.omni, slots[0], self.ctx, self.options.video_format)
+        results: list[Any] = [None] * self.ctx.world_size
+        dist.gather_object(own, results, dst=0, group=self._group)
+        return results
+
+    # -- other ranks -------------------------------------------------------------------
+    def follow(self) -> None:
+        """Ranks other than 0: run this rank's slot of each wave until the stop wave."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=self._group)
+            if box[0] is None:
+                logger.info("%sstopped", rank_prefix())
+                return
+            result = run_slot(self.omni, box[0][self.ctx.rank], self.ctx, self.options.video_format)
+            dist.gather_object(result, None, dst=0, group=self._group)
+
+
+def run_slot(omni: Omni, slot: Slot, ctx: DistContext, video_format: str) -> SlotResult:
+    """Generate one slot with ``Omni.generate`` (so it equals ``omni-offload generate`` for the
+    same prompt and seed) and encode it the way ``GenerationResult.save`` writes files."""
+    try:
+        result = omni.generate(slot.prompt, seed=slot.seed, name=slot.name, fps=slot.fps,
+                               **slot.options())
+        if slot.padding:
+            return SlotResult()
+        result.metadata.update(rank=ctx.rank, world_size=ctx.world_size)
+        with tempfile.TemporaryDirectory(prefix="omni-serve-") as tmp:
+            saved = result.save(tmp, video_format=video_format)  # type: ignore[arg-type]
+            return SlotResult(media=saved.media.read_bytes(), suffix=saved.media.suffix,
+                              sidecar=saved.sidecar.read_bytes(), metadata=result.metadata)
+    except Exception as exc:  # noqa: BLE001 - reported to the client; the service goes on
+        logger.warning("%sslot %s (seed %d) failed: %s: %s", rank_prefix(), slot.name, slot.seed,
+                       type(exc).__name__, exc, exc_info=True)
+        return SlotResult(error=f"{type(exc).__name__}: {exc}")
+
+
+# -- entry point -----------------------------------------------------------------------------
+def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: ServeOptions) -> int:
+    """Join the ranks, build the pipeline with ``omni_factory()``, serve until SIGTERM."""
+    ctx = maybe_init_dist(device)
+    try:
+        omni = omni_factory()
+        try:
+            # Every rank creates the group, in the same order, after the pipeline's own groups.
+            group = (dist.new_group(backend="gloo", timeout=_WAVE_GROUP_TIMEOUT)
+                     if ctx.world_size > 1 else None)
+            if ctx.rank != 0:
+                signal.signal(signal.SIGTERM, _ignore_signal)
+                signal.signal(signal.SIGINT, _ignore_signal)
+                Service(omni, ctx, options, group).follow()
+                return 0
+            return _serve_rank0(omni, ctx, options, group)
+        finally:
+            omni.close()
+    finally:
+        destroy_dist(ctx)
+
+
+def _serve_rank0(omni: Omni, ctx: DistContext, options: ServeOptions,
+                 group: dist.ProcessGroup | None) -> int:
+    from .serve_http import HttpServer, ServeMetrics
+
+    service = Service(omni, ctx, options, group)
+    service.metrics = ServeMetrics(service)
+    server = HttpServer(service)
+    signal.signal(signal.SIGTERM, service.request_stop)
+    signal.signal(signal.SIGINT, service.request_stop)
+    if not server.start():
+        logger.error("%scould not listen on %s:%d (see the error above); stopping", rank_prefix(),
+                     options.host, options.port)
+        service.request_stop()
+        service.run()  # sends the stop wave
+        return 1
+    logger.info("%sserving %s (%ss) on http://%s:%d with %d rank(s)", rank_prefix(), omni.model,
+                service.limits.kind, options.host, options.port, ctx.world_size)
+    try:
+        service.run()
+    finally:
+        server.stop()
+    logger.info("%sstopped", rank_prefix())
+    return 0
+
+
+def _ignore_signal(signum: int, _frame: object) -> None:
+    logger.info("%s%s: waiting for rank 0's stop wave", rank_prefix(), signal.Signals(signum).name)

@@ -1,0 +1,425 @@
+"""``omni-offload serve``: real servers on loopback, real HTTP requests (urllib), one and two ranks."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from omni_dist_offload import Omni  # noqa: E402
+from omni_dist_offload.cli import main  # noqa: E402
+from omni_dist_offload.dp import DistContext  # noqa: E402
+from omni_dist_offload.serve import (  # noqa: E402
+    ModelLimits,
+    QueueFull,
+    ServeOptions,
+    Service,
+    Slot,
+    WaveQueue,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGES = "/v1/images/generations"
+VIDEOS = "/v1/videos/generations"
+CONFIG = '{"mode":"layer","components":["dit","text_encoder"]}'
+
+
+@pytest.fixture(autouse=True)
+def _restore_library_logger():
+    lib_logger = logging.getLogger("omni_dist_offload")
+    handlers, level = list(lib_logger.handlers), lib_logger.level
+    yield
+    lib_logger.handlers[:] = handlers
+    lib_logger.setLevel(level)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def call(port: int, path: str, body: object | bytes | None = None,
+         timeout: float = 120) -> tuple[int, dict | str]:
+    """``POST`` JSON (or raw bytes) when ``body`` is given, else ``GET``; (status, parsed body)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"} if data is not None else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    return status, (text if path == "/metrics" else json.loads(text))
+
+
+def decode(item: dict) -> np.ndarray:
+    """A response item's media as ``(frames, height, width, 3)`` uint8."""
+    raw = base64.b64decode(item["b64_json"]) if "b64_json" in item else Path(item["path"]).read_bytes()
+    if item["format"] == "mp4":
+        import imageio.v2 as imageio
+
+        return np.stack(imageio.mimread(io.BytesIO(raw), format="mp4"))
+    with Image.open(io.BytesIO(raw)) as image:
+        frames = []
+        for i in range(getattr(image, "n_frames", 1)):
+            image.seek(i)
+            frames.append(np.asarray(image.convert("RGB")))
+    return np.stack(frames)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of the Prometheus text; 0 when absent."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.match(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
+        if match and match[1] == name and ",".join(sorted((match[2] or "").split(","))) == wanted:
+            return float(match[3])
+    return 0.0
+
+
+class Server:
+    """``omni-offload serve`` as a subprocess (or two ranks under torchrun)."""
+
+    def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1) -> None:
+        self.port = free_port()
+        self.out_dir = tmp / "out"
+        cli = ["-m", "omni_dist_offload.cli", "serve", "--model", model, "--diffusion-offload-config",
+               CONFIG, "--port", str(self.port), "--output-dir", str(self.out_dir), "--video-format",
+               "gif", *flags]
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOG_RANK": "0,1"}
+        self.log = (tmp / "server.log").open("w+")
+        self.proc = subprocess.Popen([sys.executable, *(launcher if ranks > 1 else []), *cli], cwd=tmp,
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if call(self.port, "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"server did not come up:\n{self.output()}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def terminate(self, pid: int | None = None) -> int:
+        """SIGTERM (to ``pid``, default the process started) and the exit status."""
+        os.kill(pid or self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory) -> Server:
+    server = Server(tmp_path_factory.mktemp("flux"), "tiny-flux")
+    yield server
+    if server.proc.poll() is None:
+        rc = server.terminate()
+        assert rc == 0, server.output()
+        assert "stopped" in server.output()
+
+
+def reference(model: str, seeds: list[int], **options) -> list[np.ndarray]:
+    """``Omni.generate`` in this process, with the server's thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Omni(model, CONFIG, progress=False) as omni:
+            outs = [omni.generate("a red fox", seed=s, **options).frames for s in seeds]
+    finally:
+        torch.set_num_threads(threads)
+    return [o if o.ndim == 4 else o[None] for o in outs]
+
+
+# -- one rank --------------------------------------------------------------------------------
+def test_images_come_back_and_equal_omni_generate(flux) -> None:
+    status, body = call(flux.port, IMAGES, {"prompt": "a red fox", "n": 2, "seed": 5})
+    assert status == 200, body
+    assert [(d["seed"], d["format"], d["size"]) for d in body["data"]] == [
+        (5, "png", "16x16"), (6, "png", "16x16")]
+    images = [decode(d) for d in body["data"]]
+    for got, want in zip(images, reference("tiny-flux", [5, 6]), strict=True):
+        assert np.array_equal(got, want)  # bitwise, as omni-offload generate writes it
+    assert not np.array_equal(images[0], images[1])
+
+    status, body = call(flux.port, IMAGES, {"prompt": "a cat", "size": "32x24", "num_inference_steps": 1,
+                                            "negative_prompt": "blur", "seed": 1,
+                                            "response_format": "path", "model": "tiny-flux"})
+    assert status == 200, body
+    path = Path(body["data"][0]["path"])
+    assert path.parent == flux.out_dir.resolve() and path.suffix == ".png"
+    assert decode(body["data"][0]).shape == (1, 24, 32, 3)
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    assert (sidecar["prompt"], sidecar["seed"], sidecar["num_inference_steps"], sidecar["file"]) == (
+        "a cat", 1, 1, path.name)
+
+
+BAD_REQUESTS = {
+    "malformed JSON": (b'{"prompt": ', 400, None),
+    "not an object": (b"[1, 2]", 400, None),
+    "unknown field": ({"prompt": "x", "quality": "hd"}, 422, "quality"),
+    "missing prompt": ({"n": 1}, 422, "prompt"),
+    "wrong type": ({"prompt": "x", "n": "2"}, 422, "n"),
+    "n too large": ({"prompt": "x", "n": 5}, 422, "n"),
+    "size not a multiple": ({"prompt": "x", "size": "18x16"}, 422, "size"),
+    "size not WxH": ({"prompt": "x", "size": "large"}, 422, "size"),
+    "size too large": ({"prompt": "x", "size": "4096x4096"}, 422, "size"),
+    "too many steps": ({"prompt": "x", "num_inference_steps": 1000}, 422, "num_inference_steps"),
+    "url format": ({"prompt": "x", "response_format": "url"}, 422, "response_format"),
+    "other model": ({"prompt": "x", "model": "dall-e-3"}, 422, "model"),
+}
+
+
+def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> None:
+    before = call(flux.port, "/metrics")[1]
+    for case, (body, code, param) in BAD_REQUESTS.items():
+        status, answer = call(flux.port, IMAGES, body)
+        error = answer["error"]
+        assert (status, error["param"], error["code"]) == (code, param, code), (case, answer)
+        assert param is None or param in answer["error"]["message"], (case, answer)
+    status, answer = call(flux.port, VIDEOS, {"prompt": "x"})
+    assert status == 400 and "POST /v1/images/generations" in answer["error"]["message"]
+    assert call(flux.port, "/nope")[0] == 404
+    assert call(flux.port, IMAGES, {"prompt": "still up", "seed": 9})[0] == 200
+    after = call(flux.port, "/metrics")[1]
+    errors = sum(metric(after, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c)) -
+                 metric(before, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c))
+                 for c in (400, 422))
+    assert errors == len(BAD_REQUESTS)
+
+
+def test_health_models_and_metrics(flux) -> None:
+    assert call(flux.port, "/health") == (200, {"status": "ok", "model": "tiny-flux", "kind": "image",
+                                                 "world_size": 1, "queue_depth": 0})
+    status, models = call(flux.port, "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny-flux"
+    assert models["data"][0]["offload_config"]["components"] == ["dit", "text_encoder"]
+    before = call(flux.port, "/metrics")[1]
+    assert call(flux.port, IMAGES, {"prompt": "a dog", "n": 3})[0] == 200
+    after = call(flux.port, "/metrics")[1]
+    delta = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)  # noqa: E731
+    assert delta("omni_serve_outputs_total", kind="image") == 3
+    assert delta("omni_serve_requests_total", endpoint=IMAGES, code="200") == 1
+    assert delta("omni_serve_request_seconds_count", endpoint=IMAGES) == 1
+    assert delta("omni_serve_waves_total") == 3  # one rank: one slot a wave
+    assert metric(after, "omni_serve_queue_depth") == 0
+    assert metric(after, "omni_offload_num_blocks", component="transformer") == 5
+    assert metric(after, "omni_offload_host_bytes", component="transformer") > 0
+    assert "# TYPE omni_serve_request_seconds histogram" in after
+
+
+def test_load_50_requests_from_8_clients(flux, capsys) -> None:
+    def one(seed: int) -> tuple[int, int, float]:
+        start = time.perf_counter()
+        status, body = call(flux.port, IMAGES, {"prompt": "a red fox", "seed": seed})
+        return status, body["data"][0]["seed"] if status == 200 else -1, time.perf_counter() - start
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(1000, 1050)))
+    wall = time.perf_counter() - start
+    assert [status for status, _, _ in results] == [200] * 50
+    assert [seed for _, seed, _ in results] == list(range(1000, 1050))  # none lost, none swapped
+    p50, p90, p99 = np.percentile([t for _, _, t in results], [50, 90, 99])
+    with capsys.disabled():
+        print(f"\nserve load: 50 requests, 8 clients, {wall:.1f} s ({50 / wall:.1f} req/s); latency "
+              f"p50 {p50 * 1e3:.0f} ms, p90 {p90 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms")
+
+
+def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
+    server = Server(tmp_path, "tiny-wan", "--max-frames", "9")
+    try:
+        status, body = call(server.port, VIDEOS, {"prompt": "a red fox", "seed": 2, "num_frames": 9,
+                                                  "fps": 8, "size": "32x16"})
+        assert status == 200, body
+        item = body["data"][0]
+        assert (item["num_frames"], item["fps"], item["size"], item["format"]) == (9, 8, "32x16", "gif")
+        assert decode(item).shape == (9, 16, 32, 3)
+        for bad, param in (({"num_frames": 8}, "num_frames"), ({"num_frames": 13}, "num_frames"),
+                           ({"size": "24x16"}, "size"), ({"fps": 0}, "fps")):
+            status, answer = call(server.port, VIDEOS, {"prompt": "x", **bad})
+            assert (status, answer["error"]["param"]) == (422, param), answer
+        assert call(server.port, IMAGES, {"prompt": "x"})[0] == 400
+        status, body = call(server.port, VIDEOS, {"prompt": "a cat", "response_format": "path"})
+        assert status == 200 and Path(body["data"][0]["path"]).is_file()
+
+        # Four slow requests; SIGTERM while one runs and others wait.
+        slow = {"prompt": "a red fox", "num_inference_steps": 30}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(call, server.port, VIDEOS, {**slow, "seed": s}) for s in range(4)]
+            deadline = time.monotonic() + 60
+            while call(server.port, "/health")[1]["queue_depth"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert server.terminate() == 0, server.output()
+            codes = sorted(f.result()[0] for f in futures)
+        assert codes[0] == 200 and codes[-1] == 503 and set(codes) == {200, 503}, codes
+        assert "stopping: finishing the running wave" in server.output()
+    finally:
+        server.kill()
+
+
+# -- two ranks -------------------------------------------------------------------------------
+def test_two_ranks_answer_8_concurrent_requests_then_stop_on_sigterm(tmp_path) -> None:
+    server = Server(tmp_path, "tiny-flux", "--wave-wait", "0.5", ranks=2)
+    try:
+        seeds = list(range(100, 108))
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda s: call(server.port, IMAGES, {"prompt": "a red fox", "seed": s}),
+                                    seeds))
+        assert [status for status, _ in answers] == [200] * 8
+        assert len({body["id"] for _, body in answers}) == 8
+        assert [body["data"][0]["seed"] for _, body in answers] == seeds
+        for (_, body), want in zip(answers, reference("tiny-flux", seeds), strict=True):
+            assert np.array_equal(decode(body["data"][0]), want)  # each its own seed's image
+        text = call(server.port, "/metrics")[1]
+        assert metric(text, "omni_serve_outputs_total", kind="image") == 8
+        assert metric(text, "omni_serve_world_size") == 2
+        waves, padded = metric(text, "omni_serve_waves_total"), metric(text, "omni_serve_padded_slots_total")
+        assert 2 * waves - padded == 8
+        assert "[rank1]" in server.output() and "wave of 2 image(s) + 0 padding" in server.output()
+
+        # A lone request starts padded after --wave-wait.
+        assert call(server.port, IMAGES, {"prompt": "a cat", "seed": 1})[0] == 200
+        assert "wave of 1 image(s) + 1 padding" in server.output()
+
+        # SIGTERM to rank 0: it stops, sends the stop wave, and every rank (and torchrun) exits 0.
+        assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
+        assert re.search(r"^\[rank0\] stopped$", server.output(), re.M)
+        assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
+    finally:
+        server.kill()
+
+
+def _rank0_pid(launcher: int) -> int:
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    for pid in children:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if b"RANK=0" in env:
+            return int(pid)
+    raise AssertionError(f"no rank 0 among {children}")
+
+
+# -- in process: a failing generation, the queue, the flags ----------------------------------
+def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
+    from omni_dist_offload.serve_http import HttpServer, ServeMetrics
+
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    generate = omni.generate
+
+    def flaky(prompt: str, **kwargs):
+        if prompt == "fail":
+            raise RuntimeError("out of device memory (simulated)")
+        return generate(prompt, **kwargs)
+
+    omni.generate = flaky
+    service = Service(omni, DistContext(), ServeOptions(port=free_port()), None)
+    service.metrics = ServeMetrics(service)
+    server = HttpServer(service)
+    assert server.start()
+    loop = threading.Thread(target=service.run)
+    loop.start()
+    try:
+        status, body = call(service.options.port, IMAGES, {"prompt": "fail"})
+        assert status == 500 and "out of device memory (simulated)" in body["error"]["message"]
+        assert call(service.options.port, IMAGES, {"prompt": "a red fox"})[0] == 200
+        text = call(service.options.port, "/metrics")[1]
+        assert metric(text, "omni_serve_request_errors_total", endpoint=IMAGES, code="500") == 1
+        service.request_stop()
+        loop.join(timeout=10)
+        assert call(service.options.port, IMAGES, {"prompt": "late"})[0] == 503
+        assert call(service.options.port, "/health")[1]["status"] == "stopping"
+    finally:
+        service.request_stop()
+        loop.join(timeout=10)
+        server.stop()
+        omni.close()
+
+
+def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:
+    return Slot(kind="image", prompt="p", seed=seed, name=f"s{seed}", height=height, width=16,
+                num_inference_steps=steps)
+
+
+def test_wave_queue_groups_by_shape_in_arrival_order() -> None:
+    from omni_dist_offload.serve import Job
+
+    queue = WaveQueue(max_jobs=5)
+    queue.put([Job(_slot(0)), Job(_slot(1, height=32)), Job(_slot(2)), Job(_slot(3, steps=4))])
+    with pytest.raises(QueueFull, match="--max-queue 5"):
+        queue.put([Job(_slot(4)), Job(_slot(5))])
+    take = lambda: [j.slot.seed for j in queue.next_wave(2, 0.0, 0.0)]  # noqa: E731
+    assert [take(), take(), take(), take()] == [[0, 2], [1], [3], []]
+    start = time.monotonic()
+    queue.put([Job(_slot(6))])
+    assert [j.slot.seed for j in queue.next_wave(2, 0.2, 0.0)] == [6]  # waited, then went alone
+    assert time.monotonic() - start >= 0.2
+    queue.put([Job(_slot(7))])
+    assert [j.slot.seed for j in queue.close()] == [7]
+
+
+def test_model_limits() -> None:
+    with Omni("tiny-wan", None, progress=False) as wan, Omni("tiny-flux", None, progress=False) as flux:
+        assert ModelLimits.of(wan) == ModelLimits(model="tiny-wan", kind="video", size_multiple=16,
+                                                  frame_step=4)
+        assert ModelLimits.of(flux) == ModelLimits(model="tiny-flux", kind="image", size_multiple=4,
+                                                   frame_step=1)
+
+
+def test_missing_http_stack_is_one_line_naming_the_extra(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("omni_dist_offload.serve._SERVE_MODULES", ("fastapi", "no_such_module_for_serve"))
+    assert main(["serve", "--model", "tiny-flux"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no_such_module_for_serve" in lines[0]
+    assert 'pip install -e ".[serve]"' in lines[0]
+
+
+def test_serve_sh_runs_the_serve_command_under_torchrun(tmp_path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "torchrun"
+    fake.write_text('#!/usr/bin/env bash\necho "ARGS $*"\necho "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "TORCHRUN", "NCCL_NVLS_ENABLE")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", NGPU="2")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "serve.sh"), "--model", "tiny-flux"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "ARGS --nproc_per_node 2 --standalone -m omni_dist_offload.cli serve --model tiny-flux",
+        "NCCL_NVLS_ENABLE=0"]
