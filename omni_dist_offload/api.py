@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import logging
-import os
 import platform
 import time
 from collections.abc import Mapping

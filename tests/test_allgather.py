@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import types
 
 import pytest
 import torch

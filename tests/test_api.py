@@ -13,20 +13,11 @@ from PIL import Image
 from omni_dist_offload import Omni
 from omni_dist_offload.api import GenerationOptionError, ModelLoadError, resolve_dtype
 from omni_dist_offload.outputs import GenerationResult, mp4_available
+from media import read_frames
 
 STREAM_ALL = {"mode": "layer", "components": ["dit", "text_encoder"]}
 SIDECAR_KEYS = {"prompt", "seed", "model", "offload_config", "offload_summary", "height", "width",
                 "num_frames", "num_inference_steps", "timings", "versions", "file"}
-
-
-def read_frames(path: Path) -> np.ndarray:
-    """Decode a PNG or GIF with Pillow: ``(frames, height, width, 3)`` uint8."""
-    with Image.open(path) as image:
-        frames = []
-        for i in range(getattr(image, "n_frames", 1)):
-            image.seek(i)
-            frames.append(np.asarray(image.convert("RGB")))
-    return np.stack(frames)
 
 
 def test_builtin_flux_image_summary_and_files(tmp_path: Path) -> None:

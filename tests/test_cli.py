@@ -3,38 +3,17 @@
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from omni_dist_offload.cli import main
+from media import read_frames
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _restore_library_logger():
-    """The CLI configures the library logger; leave it as other tests expect."""
-    lib_logger = logging.getLogger("omni_dist_offload")
-    handlers, level = list(lib_logger.handlers), lib_logger.level
-    yield
-    lib_logger.handlers[:] = handlers
-    lib_logger.setLevel(level)
-
-
-def read_frames(path: Path) -> np.ndarray:
-    """Decode a PNG or GIF with Pillow: ``(frames, height, width, 3)`` uint8."""
-    with Image.open(path) as image:
-        frames = []
-        for i in range(getattr(image, "n_frames", 1)):
-            image.seek(i)
-            frames.append(np.asarray(image.convert("RGB")))
-    return np.stack(frames)
 
 
 def sidecar(path: Path) -> dict:

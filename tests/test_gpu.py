@@ -7,7 +7,7 @@ import torch
 
 from omni_dist_offload import apply_offload
 from omni_dist_offload import tiny
-from toys import OddDiT, ToyDiT
+from toys import OddDiT
 
 pytestmark = pytest.mark.gpu
 DIT = {"mode": "layer", "components": ["dit"]}

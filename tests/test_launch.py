@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -12,33 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from omni_dist_offload import Omni
 from omni_dist_offload.api import SamplingOptions
 from omni_dist_offload.cli import main
 from omni_dist_offload.dp import DistContext, maybe_init_dist, plan_jobs, run_jobs
+from media import read_frames
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red fox", "a cat on a boat", "a dog in the rain", "a bird over the sea"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_library_logger():
-    lib_logger = logging.getLogger("omni_dist_offload")
-    handlers, level = list(lib_logger.handlers), lib_logger.level
-    yield
-    lib_logger.handlers[:] = handlers
-    lib_logger.setLevel(level)
-
-
-def read_frames(path: Path) -> np.ndarray:
-    with Image.open(path) as image:
-        frames = []
-        for i in range(getattr(image, "n_frames", 1)):
-            image.seek(i)
-            frames.append(np.asarray(image.convert("RGB")))
-    return np.stack(frames)
 
 
 def test_plan_jobs_waves_seeds_and_padding() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import logging
 import os
 import re
 import signal
@@ -44,15 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos/generations"
 CONFIG = '{"mode":"layer","components":["dit","text_encoder"]}'
-
-
-@pytest.fixture(autouse=True)
-def _restore_library_logger():
-    lib_logger = logging.getLogger("omni_dist_offload")
-    handlers, level = list(lib_logger.handlers), lib_logger.level
-    yield
-    lib_logger.handlers[:] = handlers
-    lib_logger.setLevel(level)
 
 
 # -- helpers ---------------------------------------------------------------------------------
