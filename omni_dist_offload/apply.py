@@ -63,7 +63,7 @@ class OffloadHandle:
                 "module_class": type(comp.module).__name__,
                 "num_blocks": len(ring.layouts),
                 "weight_transfer": ring.transfer.name,
-                "fallback_reason": getattr(ring.transfer, "fallback_reason", None),
+                "fallback_reason": ring.transfer.fallback_reason,
                 "block_bytes": sum(layout.tensor_bytes for layout in ring.layouts),
                 "host_bytes": ring.transfer.host_bytes(),
                 "device_slot_bytes": sum(s.numel() for s in ring.slots),
@@ -128,17 +128,15 @@ class OffloadHandle:
 
     def _move_resident(self, streamed: set[int]) -> None:
         """Everything that does not stream goes to the device and stays there."""
-        done: dict[int, torch.Tensor] = {}
         for root in self._modules.values():
             for mod in root.modules():
                 for registry in (mod._parameters, mod._buffers):
                     for t in registry.values():
+                        # A tied tensor moves once: the second time it is already on the device.
                         if t is None or id(t) in streamed or t.device == self.device:
                             continue
-                        if id(t) not in done:  # a tied tensor moves once
-                            done[id(t)] = t
-                            self._undo_moves.append(functools.partial(_set_data, t, t.data))
-                            t.data = t.data.to(self.device)
+                        self._undo_moves.append(functools.partial(_set_data, t, t.data))
+                        t.data = t.data.to(self.device)
 
     def _mark(self) -> None:
         for mod in self._modules.values():
