@@ -9,9 +9,12 @@
 
 ``model`` is a built-in name (``tiny-wan``, ``tiny-flux``: random weights built in code, no
 downloads), a local diffusers folder (``save_pretrained`` output) or a hub id whose weights are
-cached. The pipeline is built on the host, then :func:`apply_offload` streams the selected
-components and moves everything else to the device; without a config the whole pipeline moves
-to the device.
+cached. With an offload config, a folder or cached snapshot is cold-started
+(``omni_dist_offload.coldstart``): streamed components are built without their weights and each
+block is read from the safetensors files straight into this rank's host buffer or shard, so no
+rank ever holds the whole model; everything else loads as usual. Otherwise the pipeline is built
+on the host, then :func:`apply_offload` streams the selected components and moves everything else
+to the device; without a config the whole pipeline moves to the device.
 """
 
 from __future__ import annotations
@@ -119,19 +122,30 @@ class Omni:
         dtype: torch.dtype | str | None = None,
         progress: bool = True,
         load_kwargs: Mapping[str, Any] | None = None,
+        cold_start: bool = True,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
-        denoising progress bars (on rank 0 only). ``load_kwargs`` go to ``from_pretrained``."""
+        denoising progress bars (on rank 0 only). ``load_kwargs`` go to ``from_pretrained``.
+        ``cold_start=False`` loads a folder whole before offloading it (the slower, memory-hungry
+        path; for comparison and debugging)."""
         self.model = model
         config = diffusion_offload_config
         self.config = None if config is None else OffloadConfig.parse(config)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.handle: OffloadHandle | None = None
+        self.cold_start = False
+        """Whether the streamed components were cold-started from their safetensors files."""
         start = time.perf_counter()
-        self.pipeline = _load_pipeline(model, self.dtype, dict(load_kwargs or {}))
-        loaded = time.perf_counter()
-        self._place()
+        cold = self._prepare_cold_start(dict(load_kwargs or {})) if cold_start else None
+        try:
+            self.pipeline = _load_pipeline(str(cold.folder) if cold else model, self.dtype,
+                                           {**(load_kwargs or {}), **(cold.components if cold else {})})
+            loaded = time.perf_counter()
+            self._place(cold)
+        finally:
+            if cold is not None:
+                cold.close()
         self.timings = SetupTimings(load_s=loaded - start, place_s=time.perf_counter() - loaded)
         self.set_progress(progress)
         self._signature = inspect.signature(self.pipeline.__call__)
@@ -141,7 +155,27 @@ class Omni:
                     self.timings.place_s)
 
     # -- setup -------------------------------------------------------------------------
-    def _place(self) -> None:
+    def _prepare_cold_start(self, load_kwargs: dict[str, Any]) -> Any:
+        """Build the streamed components of a folder without their weights, or None when the
+        ordinary load applies (no config, a built-in, nothing to cold-start)."""
+        if self.config is None or self.model in BUILTIN_MODELS:
+            return None
+        from .coldstart import cold_start_folder, prepare_cold_start
+
+        folder, reason = cold_start_folder(self.model, load_kwargs)
+        if folder is None:
+            logger.info("%sloading %s whole before offloading: %s", rank_prefix(), self.model, reason)
+            return None
+        cold = prepare_cold_start(folder, self.config, device=self.device, dtype=self.dtype)
+        if not cold.components:
+            cold.close()
+            return None
+        self.cold_start = True
+        logger.info("%scold start: %s built without block weights; their blocks are read from the "
+                    "safetensors files into host memory", rank_prefix(), sorted(cold.components))
+        return cold
+
+    def _place(self, cold: Any = None) -> None:
         """Stream the selected components; everything else (or all of it) goes to the device.
 
         Never ``pipeline.to(device)`` after ``apply_offload``: that would pull the streamed
@@ -154,7 +188,8 @@ class Omni:
                     "consolidating%s blocks", rank_prefix(), list(self.config.components),
                     self.model, format_bytes(total),
                     " and pinning" if self.config.pin_memory and self.device.type == "cuda" else "")
-        self.handle = apply_offload(self.pipeline, self.config, device=self.device)
+        self.handle = apply_offload(self.pipeline, self.config, device=self.device,
+                                    block_sources=cold.sources if cold else None)
 
     def set_progress(self, show: bool) -> None:
         """Show or hide denoising progress bars; never shown on ranks other than 0."""

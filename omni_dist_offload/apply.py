@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable, Mapping, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,9 +25,12 @@ from .layout import BlockLayout, bind, check_ownership, layout_block, restore_bl
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
 from .ranks import current_rank, rank_prefix
 from .ring import BlockRing
-from .sharding import layout_digest, plan_shards, sample_digest, write_shard
+from .sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
 from .trace import trace_enabled
 from .transfer import AllGatherTransfer, RankLocalTransfer
+
+if TYPE_CHECKING:
+    from .checkpoint import BlockSource
 
 __all__ = ["OffloadHandle", "apply_offload", "resolve_device"]
 
@@ -51,6 +55,8 @@ class OffloadHandle:
         self._originals: dict[int, list[list[torch.Tensor]]] = {}
         self._undo_moves: list[Callable[[], None]] = []
         self._removed = False
+        self.setup_seconds: dict[str, float] = {}
+        """Per streamed component: seconds spent filling and page-locking its host copy."""
 
     def summary(self) -> list[dict[str, Any]]:
         """One dict per streamed ring (see the README for the keys)."""
@@ -67,6 +73,7 @@ class OffloadHandle:
                 "block_bytes": sum(layout.tensor_bytes for layout in ring.layouts),
                 "host_bytes": ring.transfer.host_bytes(),
                 "device_slot_bytes": sum(s.numel() for s in ring.slots),
+                "setup_s": self.setup_seconds.get(comp.name),
             })
         return rows
 
@@ -160,6 +167,7 @@ def apply_offload(
     plan: OffloadPlan | None = None,
     process_group: Any | None = None,
     trace: bool | None = None,
+    block_sources: Mapping[str, BlockSource] | None = None,
 ) -> OffloadHandle:
     """Stream the blocks of ``target``'s selected components from host memory.
 
@@ -170,6 +178,10 @@ def apply_offload(
     ``trace`` records per-block timings (default: the ``OMNI_OFFLOAD_TRACE`` environment
     variable), read with ``handle.trace_report()``. Returns a handle with ``summary()`` and
     ``remove()``.
+
+    ``block_sources`` (component name -> :class:`~omni_dist_offload.checkpoint.BlockSource`)
+    fills the host copies of blocks whose tensors are placeholders from a checkpoint; the
+    cold-start loader (``omni_dist_offload.coldstart``) passes it.
 
     With ``weight_transfer: "allgather"`` this is collective: every rank calls it with the same
     model and config.
@@ -188,7 +200,8 @@ def apply_offload(
     components = discover(target, cfg, plan)
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
-    group, reason, wants = _weight_group(components, layouts, cfg, dev, process_group)
+    sources = dict(block_sources or {})
+    group, reason, wants = _weight_group(components, layouts, cfg, dev, process_group, sources)
 
     handle = OffloadHandle(target, modules, dev, cfg)
     pin = HostPinner.for_device(cfg.pin_memory, cfg.pin_failure, dev)
@@ -201,13 +214,17 @@ def apply_offload(
         comm_stream = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" and group is not None else None
         for comp in components:
             ls = layouts[comp.name]
+            source = sources.get(comp.name)
+            start = time.perf_counter()
             if comp.name in wants and group is not None:
                 chunk = _chunk_bytes(cfg, comp)
-                ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream, comm_stream)
+                ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream,
+                                                        comm_stream, source)
                 handle._originals[id(ring)] = originals
             else:
                 ring = _build_rank_local_ring(comp, ls, dev, pin, copy_stream,
-                                              reason if comp.name in wants else None)
+                                              reason if comp.name in wants else None, source)
+            handle.setup_seconds[comp.name] = time.perf_counter() - start
             handle.rings.append(ring)
         streamed = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
         handle._move_resident(streamed)
@@ -236,13 +253,16 @@ def apply_offload(
     return handle
 
 
-def _weight_group(components, layouts, cfg, dev, process_group):
+def _weight_group(components, layouts, cfg, dev, process_group, sources):
     """Decide, on every rank alike, whether the allgather components get a weight group."""
-    wants = {
-        c.name: ComponentFacts("allgather", _chunk_bytes(cfg, c), tuple(l.name for l in layouts[c.name]),
-                               tuple(layout_digest(layouts[c.name])), tuple(sample_digest(layouts[c.name])))
-        for c in components if cfg.options_for(c.category).weight_transfer == "allgather"
-    }
+    wants = {}
+    for c in components:
+        if cfg.options_for(c.category).weight_transfer != "allgather":
+            continue
+        source = sources.get(c.name)
+        samples = sample_digest(layouts[c.name], head=source.head if source is not None else None)
+        wants[c.name] = ComponentFacts("allgather", _chunk_bytes(cfg, c), tuple(l.name for l in layouts[c.name]),
+                                       tuple(layout_digest(layouts[c.name])), tuple(samples))
     if not wants:
         return None, None, wants
     if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
@@ -260,17 +280,22 @@ def _chunk_bytes(cfg: OffloadConfig, comp: StreamedComponent) -> int:
 
 
 def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                           pin: HostPinner, copy_stream, fallback_reason: str | None) -> BlockRing:
+                           pin: HostPinner, copy_stream, fallback_reason: str | None,
+                           source: BlockSource | None = None) -> BlockRing:
     """Consolidate block by block: each block's original storage is dropped as soon as its host
-    buffer holds it, so host memory is never doubled. A failure copies the done blocks back."""
+    buffer holds it, so host memory is never doubled. With a ``source``, placeholder tensors are
+    read from the checkpoint straight into the buffer. A failure copies the done blocks back."""
     buffers: list[HostBuffer] = []
     host_views: list[tuple[torch.Tensor, ...]] = []
     try:
         for layout in layouts:
             buf = HostBuffer(layout.nbytes)
             views = tuple(e.view_in(buf.tensor) for e in layout.entries)
-            for entry, view in zip(layout.entries, views):
-                view.copy_(entry.tensor.detach())
+            if source is not None:
+                source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
+            else:
+                for entry, view in zip(layout.entries, views):
+                    view.copy_(entry.tensor.detach())
             pin.pin(buf, comp.name, layout.name)
             bind(layout.entries, views)
             buffers.append(buf)
@@ -285,21 +310,27 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
 
 
 def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                          pin: HostPinner, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream):
+                          pin: HostPinner, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream,
+                          source: BlockSource | None = None):
     """Keep this rank's shard of every block. Returns the ring and the blocks' original storage,
-    which the caller drops once the whole setup has succeeded."""
+    which the caller drops once the whole setup has succeeded. With a ``source``, only this
+    rank's byte ranges are read from the checkpoint, straight into the shard."""
     plans = [plan_shards(l.nbytes, group.size, group.rank, chunk_bytes) for l in layouts]
-    image = torch.empty(max(l.nbytes for l in layouts), dtype=torch.uint8)
+    # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
+    image = torch.empty(max(l.nbytes for l in layouts) if source is None else 0, dtype=torch.uint8)
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     shards: list[HostBuffer] = []
     originals: list[list[torch.Tensor]] = []
     try:
         for layout, shard_plan in zip(layouts, plans):
             shard = HostBuffer(shard_plan.shard_nbytes)
-            block_image = image[: layout.nbytes]
-            for entry in layout.entries:
-                entry.view_in(block_image).copy_(entry.tensor.detach())
-            write_shard(shard_plan, block_image, shard.tensor)
+            if source is not None:
+                source.fill(layout, shard_pieces(shard_plan), shard.tensor)
+            else:
+                block_image = image[: layout.nbytes]
+                for entry in layout.entries:
+                    entry.view_in(block_image).copy_(entry.tensor.detach())
+                write_shard(shard_plan, block_image, shard.tensor)
             pin.pin(shard, comp.name, layout.name)
             shards.append(shard)
             originals.append([e.tensor.data for e in layout.entries])

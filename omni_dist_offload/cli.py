@@ -80,6 +80,7 @@ class RunPlan:
     progress: bool
     as_json: bool
     serve: ServeOptions | None = None
+    cold_start: bool = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +122,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--no-cold-start", action="store_true",
+                        help="load a model folder whole before offloading it, instead of reading "
+                        "each streamed block from the safetensors files into host memory")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +202,8 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         output_dir=getattr(ns, "output_dir", Path("outputs")),
         video_format=getattr(ns, "video_format", "auto"), fps=getattr(ns, "fps", None),
         progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False),
-        serve=_serve_options(ns) if ns.command == "serve" else None)
+        serve=_serve_options(ns) if ns.command == "serve" else None,
+        cold_start=not getattr(ns, "no_cold_start", False))
 
 
 def _prompts(ns: argparse.Namespace) -> list[str]:
@@ -279,7 +284,7 @@ def _cmd_inspect(plan: RunPlan) -> int:
 def _cmd_serve(plan: RunPlan) -> int:
     _setup_logging()
     factory = functools.partial(Omni, plan.model, plan.config, device=plan.device, dtype=plan.dtype,
-                                progress=False)
+                                progress=False, cold_start=plan.cold_start)
     return run_serve(factory, plan.device, plan.serve or ServeOptions())
 
 
@@ -298,7 +303,8 @@ _COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
 
 
 def _load(plan: RunPlan) -> Omni:
-    return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress)
+    return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress,
+                cold_start=plan.cold_start)
 
 
 # -- the plan table ------------------------------------------------------------------------
@@ -320,6 +326,7 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "resident_bytes": _tensor_bytes(module) - block_bytes,
             "weight_transfer": ring.get("weight_transfer"),
             "fallback_reason": ring.get("fallback_reason"),
+            "setup_s": ring.get("setup_s"),
         })
     return rows
 
@@ -327,11 +334,12 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
     header = ["component", "category", "class", "blocks", "streamed", "host", "slots", "resident",
-              "transfer", "fallback"]
+              "transfer", "setup", "fallback"]
     table = [header] + [[
         r["component"], r["category"], r["module_class"], str(r["num_blocks"]),
         _fmt_bytes(r["block_bytes"]), _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
-        _fmt_bytes(r["resident_bytes"]), r["weight_transfer"] or "-", r["fallback_reason"] or "-",
+        _fmt_bytes(r["resident_bytes"]), r["weight_transfer"] or "-", _fmt_setup(r),
+        r["fallback_reason"] or "-",
     ] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     numeric = {3, 4, 5, 6, 7}
@@ -351,6 +359,16 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
         f"weights on the device: {_fmt_bytes(device_bytes)} (resident + slots); "
         f"in host memory on this rank: {_fmt_bytes(host_bytes)}",
     ])
+
+
+def _fmt_setup(row: dict[str, Any]) -> str:
+    """Seconds to fill and page-lock the ring's host copy, and the block bytes made ready per
+    second (on this rank; with allgather each rank reads only its shard of those bytes)."""
+    seconds = row.get("setup_s")
+    if seconds is None:
+        return "-"
+    rate = row["block_bytes"] / seconds / 1e9 if seconds > 0 else float("inf")
+    return f"{seconds:.2f}s@{rate:.1f}GB/s"
 
 
 def _tensor_bytes(module: Any) -> int:

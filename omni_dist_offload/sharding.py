@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .layout import ALIGNMENT, BlockLayout
+from .layout import ALIGNMENT, BlockLayout, TensorEntry
 
-__all__ = ["ShardPlan", "layout_digest", "plan_shards", "sample_digest", "write_shard"]
+__all__ = ["ShardPlan", "layout_digest", "plan_shards", "sample_digest", "shard_pieces", "write_shard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +55,26 @@ def plan_shards(nbytes: int, world: int, rank: int, chunk_bytes: int) -> ShardPl
     return ShardPlan(world, rank, tuple(chunks))
 
 
+def shard_pieces(plan: ShardPlan) -> list[tuple[int, int, int]]:
+    """This rank's pieces of the block: (offset in the block image, bytes, offset in the shard)."""
+    pieces = []
+    pos = 0
+    for offset, c in plan.chunks:
+        pieces.append((offset + plan.rank * c, c, pos))
+        pos += c
+    return pieces
+
+
 def write_shard(plan: ShardPlan, image: torch.Tensor, shard: torch.Tensor) -> None:
     """Copy this rank's pieces of a full block image (``uint8``, any length up to the padded
     size) into its host shard, zero-filling what lies past the image."""
-    pos = 0
-    for offset, c in plan.chunks:
-        start = offset + plan.rank * c
+    for start, c, pos in shard_pieces(plan):
         piece = shard[pos : pos + c]
         have = max(0, min(c, image.numel() - start))
         if have:
             piece[:have].copy_(image[start : start + have])
         if have < c:
             piece[have:].zero_()
-        pos += c
 
 
 def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
@@ -83,17 +90,22 @@ def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
     return out
 
 
-def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64) -> list[str]:
+def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64,
+                  head: Callable[[TensorEntry, int], torch.Tensor] | None = None) -> list[str]:
     """One short digest per block of the first bytes of every tensor: cheap evidence that all
     ranks hold the same weights (ranks that built random weights without a common seed would
-    otherwise assemble blocks from different models, silently)."""
+    otherwise assemble blocks from different models, silently). ``head(entry, k)`` returns an
+    entry's first ``k`` elements in row-major order (default: read from the tensor itself; a
+    checkpoint-backed entry reads them from its file)."""
     out = []
     for layout in layouts:
         pieces = []
         for e in layout.entries:
-            flat = e.tensor.detach().reshape(-1)
             k = max(1, sample_bytes // max(1, e.tensor.element_size()))
-            pieces.append(flat[:k].contiguous().view(torch.uint8).reshape(-1))
+            first = head(e, k) if head is not None else None
+            if first is None:
+                first = e.tensor.detach().reshape(-1)[:k]
+            pieces.append(first.contiguous().view(torch.uint8).reshape(-1))
         sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8)
         out.append(hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16])
     return out

@@ -369,7 +369,92 @@ def rank_dies(out: dict) -> None:
     del handle
 
 
-SCENARIOS = {"parity": parity, "rss": rss, "fallback_gloo_not_allowed": fallback_gloo_not_allowed,
+@torch.no_grad()
+def cold_start(out: dict) -> None:
+    """Cold start with allgather from the folder in OMNI_TEST_FOLDER against the ordinary load:
+    bitwise equal outputs, host bytes = this rank's shard, peak RSS within host copy + one block."""
+    from diffusers import DiffusionPipeline
+    from omni_dist_offload.coldstart import load_offloaded
+
+    folder = os.environ["OMNI_TEST_FOLDER"]
+    cfg = dict(AG, layer_options={"dit": {"weight_transfer": "allgather", "chunk_mib": 0.02},
+                                  "text_encoder": {"weight_transfer": "allgather"}})
+    dtype = torch.bfloat16
+    ref = DiffusionPipeline.from_pretrained(folder, dtype=dtype)
+    handle = apply_offload(ref, cfg)
+    x = tiny.wan_transformer_inputs(ref.transformer, batch=1)
+    x = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in x.items()}
+    t = tiny.text_encoder_inputs(ref.text_encoder)
+    expect = (ref.transformer(**x)[0], ref.text_encoder(**t).last_hidden_state)
+    handle.remove()
+    del ref, handle
+    gc.collect()
+    pipe, handle = load_offloaded(folder, cfg, device="cpu", dtype=dtype)
+    got = (pipe.transformer(**x)[0], pipe.text_encoder(**t).last_hidden_state)
+    out["cold_start"] = {"equal": all(torch.equal(a, b) for a, b in zip(got, expect)),
+                         "summary": handle.summary()}
+    handle.remove()
+
+
+def _peak_reset() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS, and return that."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss()
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@torch.no_grad()
+def cold_start_rss(out: dict) -> None:
+    """Peak host memory of a cold start (fp32 checkpoint, bf16 run) against the ordinary load of
+    the same DiT (OMNI_TEST_BIG_FOLDER, a pipeline folder holding only the transformer)."""
+    from diffusers import WanTransformer3DModel
+    from omni_dist_offload.coldstart import load_offloaded, prepare_cold_start
+
+    big = os.environ["OMNI_TEST_BIG_FOLDER"]
+    cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 60,
+           "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+    dtype = torch.bfloat16
+    warm, handle = load_offloaded(os.environ["OMNI_TEST_FOLDER"], cfg, device="cpu", dtype=dtype)  # imports, pools
+    handle.remove()
+    del warm, handle
+    dist.barrier()
+    base = _peak_reset()
+    cold = prepare_cold_start(big, cfg, device=torch.device("cpu"), dtype=dtype, threads=2)
+    model = cold.components["transformer"]
+    handle = apply_offload(types.SimpleNamespace(transformer=model), cfg, block_sources=cold.sources)
+    cold.close()
+    peak_cold = _peak() - base
+    row = handle.summary()[0]
+    nonblock = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("blocks."))
+    x = tiny.wan_transformer_inputs(model, batch=1)
+    y_cold = model(**x)[0]
+    handle.remove()
+    del model, handle, cold
+    dist.barrier()
+    base = _peak_reset()
+    model = WanTransformer3DModel.from_pretrained(big, subfolder="transformer", dtype=dtype)
+    handle = apply_offload(types.SimpleNamespace(transformer=model), cfg)
+    peak_ordinary = _peak() - base
+    y_ordinary = model(**x)[0]
+    handle.remove()
+    out["cold_start_rss"] = {
+        "peak_cold": peak_cold, "peak_ordinary": peak_ordinary, "host_bytes": row["host_bytes"],
+        "block_bytes": row["block_bytes"], "max_block": row["device_slot_bytes"] // 2,  # a slot holds the largest block
+        "nonblock_bytes": nonblock, "device_slot_bytes": row["device_slot_bytes"], "transfer": row["weight_transfer"],
+        "equal": torch.equal(y_cold, y_ordinary),
+    }
+
+
+SCENARIOS = {"cold_start_rss": cold_start_rss, "cold_start": cold_start, "parity": parity, "rss": rss, "fallback_gloo_not_allowed": fallback_gloo_not_allowed,
              "mismatch": mismatch, "diverge": diverge, "host_groups": host_groups,
              "setup_faults": setup_faults, "interrupts": interrupts, "soak_short": soak_short,
              "one_rank_setup_fault": one_rank_setup_fault, "rank_dies": rank_dies}

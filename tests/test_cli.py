@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,11 +88,13 @@ def test_inspect_prints_the_plan_table(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("component"))
     assert header.split() == ["component", "category", "class", "blocks", "streamed", "host",
-                              "slots", "resident", "transfer", "fallback"]
+                              "slots", "resident", "transfer", "setup", "fallback"]
     rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in
             (["transformer"], ["text_encoder"], ["text_encoder_2"], ["vae"])}
     assert rows["transformer"][1:4] == ["dit", "FluxTransformer2DModel", "5"]
-    assert rows["transformer"][-2:] == ["rank-local", "-"]
+    assert rows["transformer"][-3] == "rank-local" and rows["transformer"][-1] == "-"
+    assert re.fullmatch(r"\d+\.\d\ds@\d+\.\dGB/s", rows["transformer"][-2])  # fill+pin time, rate
+    assert rows["vae"][-2] == "-"
     assert rows["text_encoder_2"][1:4] == ["text_encoder", "T5EncoderModel", "3"]
     assert rows["vae"][1:4] == ["resident", "AutoencoderKL", "0"]
     assert any(line.startswith("weights on the device:") for line in lines)

@@ -1,0 +1,323 @@
+"""Reading tensors out of safetensors files by byte range, without loading whole files.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
+dtype, shape and byte range, then the raw bytes, row-major. :class:`SafetensorsCheckpoint`
+parses the headers of a single file or of the shards an index JSON names, and reads any element
+range of any tensor with positional reads (``os.preadv``) straight into the caller's buffer. No
+file is memory-mapped: pages of a mapping would count in this process's resident set for as long
+as the mapping lives, and 8 ranks mapping one checkpoint would each appear to hold all of it.
+Reads are safe to run from several threads at once; each converts the dtype itself when the
+checkpoint's differs from the run dtype (through a small scratch buffer, so conversion never
+holds more than ``_SCRATCH_BYTES`` per thread).
+
+:class:`BlockSource` fills a streamed block's host buffer (or this rank's shard of it) from such
+a checkpoint, for blocks whose tensors were built as placeholders and never materialised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from .layout import BlockLayout, TensorEntry
+
+__all__ = ["BlockSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "find_weight_files", "placeholder"]
+
+#: safetensors dtype names.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    **({"F8_E4M3": torch.float8_e4m3fn} if hasattr(torch, "float8_e4m3fn") else {}),
+    **({"F8_E5M2": torch.float8_e5m2} if hasattr(torch, "float8_e5m2") else {}),
+}
+
+#: Weight file names of diffusers models, then transformers models: single file, index of shards.
+WEIGHT_NAMES: tuple[tuple[str, str], ...] = (
+    ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json"),
+    ("model.safetensors", "model.safetensors.index.json"),
+)
+
+#: Checkpoint bytes one conversion step reads into its scratch buffer.
+_SCRATCH_BYTES = 4 * 2**20
+
+#: Bytes one positional read asks for at most (Linux caps a read at 2 GiB - 4 KiB).
+_READ_BYTES = 1 << 30
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, malformed, or does not match the model."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one tensor lives: its file, dtype, shape and absolute byte range."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def find_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of one model folder: the shards its index names, or its one file."""
+    for single, index in WEIGHT_NAMES:
+        if (folder / index).is_file():
+            try:
+                weight_map = json.loads((folder / index).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{folder / index}: not a safetensors index ({exc}); "
+                                      "it needs a 'weight_map' of tensor name -> file.") from exc
+            files = sorted({folder / name for name in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{folder / index} names shard(s) that do not exist: {missing}; "
+                                      "download or copy the complete checkpoint.")
+            return files
+        if (folder / single).is_file():
+            return [folder / single]
+    raise CheckpointError(
+        f"{folder} has no safetensors weights (looked for {[n for pair in WEIGHT_NAMES for n in pair]}); "
+        "save the model with safe_serialization (the default of save_pretrained)."
+    )
+
+
+class SafetensorsCheckpoint:
+    """The tensors of one model's safetensors files, read by element range."""
+
+    def __init__(self, files: Iterable[Path]) -> None:
+        self.files = [Path(f) for f in files]
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in self.files:
+            for name, info in _read_header(path).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"tensor {name!r} appears in both {self.tensors[name].path} "
+                                          f"and {path}: the checkpoint is inconsistent.")
+                self.tensors[name] = info
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @classmethod
+    def from_folder(cls, folder: Path | str) -> SafetensorsCheckpoint:
+        return cls(find_weight_files(Path(folder)))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint ({self._where()})") from None
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading -----------------------------------------------------------------------
+    def read_into(self, name: str, dst: torch.Tensor, start: int = 0) -> None:
+        """Fill ``dst`` (a contiguous CPU tensor of the run dtype) with the tensor's elements
+        ``[start, start + dst.numel())`` in row-major order, converting the dtype if needed."""
+        info = self.info(name)
+        count = dst.numel()
+        if start < 0 or start + count > info.numel:
+            raise CheckpointError(f"{name}: elements [{start}, {start + count}) are outside its "
+                                  f"{info.numel} elements")
+        if not dst.is_contiguous() or dst.device.type != "cpu":
+            raise ValueError("read_into needs a contiguous CPU destination")
+        src_size = info.dtype.itemsize
+        offset = info.start + start * src_size
+        if info.dtype == dst.dtype:
+            self._pread(info.path, dst.view(-1).view(torch.uint8), offset)
+            return
+        # Convert through a per-thread scratch buffer, a slice at a time: copy_ rounds exactly as
+        # tensor.to(dtype) does, which is what the libraries' own loaders call.
+        per = max(1, _SCRATCH_BYTES // src_size)
+        scratch = self._scratch()
+        flat = dst.view(-1)
+        for lo in range(0, count, per):
+            n = min(per, count - lo)
+            raw = scratch[: n * src_size]
+            self._pread(info.path, raw, offset + lo * src_size)
+            flat[lo : lo + n].copy_(raw.view(info.dtype))
+
+    def load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """One whole tensor on the host, in ``dtype``."""
+        info = self.info(name)
+        out = torch.empty(info.shape, dtype=dtype)
+        self.read_into(name, out)
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _pread(self, path: Path, dst: torch.Tensor, offset: int) -> None:
+        """Read ``dst.numel()`` bytes at ``offset`` into ``dst`` (uint8), looping over short reads."""
+        view = memoryview(dst.numpy()).cast("B")
+        fd = self._fd(path)
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done : done + _READ_BYTES]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}; "
+                                      "the file is truncated, download it again.")
+            done += got
+
+    def _scratch(self) -> torch.Tensor:
+        """This thread's conversion buffer, allocated once: allocating and freeing megabytes per
+        read would raise glibc's mmap threshold and leave freed scratch in its heaps, which
+        shows up as tens of MB of resident memory that is never given back."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None:
+            buf = self._local.scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
+        return buf
+
+    def _where(self) -> str:
+        return ", ".join(str(f) for f in self.files[:3]) + (" ..." if len(self.files) > 3 else "")
+
+
+def _read_header(path: Path) -> Mapping[str, TensorInfo]:
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 * 2**20:
+                raise ValueError(f"header length {length} is implausible")
+            header = json.loads(f.read(length))
+        size = path.stat().st_size
+    except (OSError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); download it again.") from exc
+    base = 8 + length
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta.get('dtype')!r}, which "
+                                  f"this loader does not read (it reads {sorted(DTYPES)}).")
+        begin, end = meta["data_offsets"]
+        info = TensorInfo(path, dtype, tuple(meta["shape"]), base + begin, base + end)
+        if info.stop - info.start != info.numel * dtype.itemsize or info.stop > size:
+            raise CheckpointError(f"{path}: tensor {name!r} has a byte range that does not match its "
+                                  "shape and dtype or lies past the end of the file; the file is damaged.")
+        out[name] = info
+    return out
+
+
+#: Destination bytes of one read task; a large tensor is split so threads share it.
+_TASK_BYTES = 64 * 2**20
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of ``shape`` and ``dtype`` backed by one element: what a block tensor is
+    before its bytes are read. Floats read NaN, so a placeholder used by mistake shows up."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((), fill, dtype=dtype).expand(tuple(shape))
+
+
+class BlockSource:
+    """Fills the streamed blocks of one component from its checkpoint.
+
+    ``keys`` maps ``id(tensor)`` of every placeholder to its checkpoint key; tensors of a block
+    that are not placeholders (buffers computed at construction, absent from checkpoints) are
+    copied from the tensor itself. A placeholder's bytes are the checkpoint tensor's elements in
+    row-major order, in the placeholder's dtype, which is the order :func:`layout_block` gives a
+    contiguous tensor.
+    """
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint, keys: Mapping[int, str], threads: int) -> None:
+        self.checkpoint = checkpoint
+        self.keys = dict(keys)
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def owns(self, entry: TensorEntry) -> bool:
+        return id(entry.tensor) in self.keys
+
+    def head(self, entry: TensorEntry, count: int) -> torch.Tensor | None:
+        """The first ``count`` elements of a placeholder entry (None for other entries)."""
+        key = self.keys.get(id(entry.tensor))
+        if key is None:
+            return None
+        out = torch.empty(min(count, entry.tensor.numel()), dtype=entry.dtype)
+        self.checkpoint.read_into(key, out)
+        return out
+
+    def fill(self, layout: BlockLayout, pieces: Sequence[tuple[int, int, int]], dst: torch.Tensor) -> None:
+        """Write the block image's bytes ``[offset, offset + n)`` to ``dst[at : at + n]`` for every
+        ``(offset, n, at)`` in ``pieces``; bytes past the block's end are zero. Reads run on
+        ``threads`` threads; only the byte ranges asked for are read."""
+        tasks = []
+        for lo, n, at in pieces:
+            hi = lo + n
+            for e in layout.entries:
+                a, b = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+                if a >= b:
+                    continue
+                out = dst[at + a - lo : at + b - lo]
+                key = self.keys.get(id(e.tensor))
+                if key is None:
+                    tasks.append((_copy_storage_bytes, (e, a - e.offset, out)))
+                    continue
+                size = e.dtype.itemsize
+                first = (a - e.offset) // size
+                step = max(size, _TASK_BYTES // size * size)
+                for s in range(0, b - a, step):
+                    part = out[s : s + step]
+                    tasks.append((self.checkpoint.read_into, (key, part.view(e.dtype), first + s // size)))
+            if hi > layout.nbytes:
+                dst[at + max(0, layout.nbytes - lo) : at + n].zero_()
+        if self.threads == 1 or len(tasks) == 1:
+            for fn, args in tasks:
+                fn(*args)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="omni-offload-read")
+        for future in [self._pool.submit(fn, *args) for fn, args in tasks]:
+            future.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
+    """Bytes ``[start, start + len(out))`` of a real tensor as the block buffer stores it."""
+    image = torch.empty(entry.nbytes, dtype=torch.uint8)
+    shifted = TensorEntry(entry.name, entry.tensor, 0, entry.nbytes, entry.dtype, entry.storage_shape,
+                          entry.inverse_perm, entry.origin)
+    shifted.view_in(image).copy_(entry.tensor.detach())
+    out.copy_(image[start : start + out.numel()])

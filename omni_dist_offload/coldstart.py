@@ -1,0 +1,333 @@
+"""Cold start: build streamed components without their weights, then read each block's bytes from
+the safetensors files straight into this rank's host buffer.
+
+The ordinary way to offload a pipeline loads the whole model into host memory first, so every
+rank of a host pays for the complete model at start-up before sharding gives memory back (8 ranks
+x a 28 GB DiT = 224 GB). Here a streamed component (a diffusers DiT or a transformers text
+encoder of a diffusers pipeline folder) is built on the ``meta`` device with the dtypes its
+library's ``from_pretrained`` would give it; its non-block tensors are read from the checkpoint
+and put on the device; its block tensors become one-element placeholders whose bytes
+:func:`~omni_dist_offload.apply.apply_offload` reads from the checkpoint block by block, into the
+full host buffer (rank-local) or into only this rank's shard (allgather). Peak host memory is the
+final host copy plus a little scratch: no block is ever held twice. Dtype conversion (an fp32
+checkpoint run in bf16) happens per read, in place.
+
+    from omni_dist_offload.coldstart import load_offloaded
+
+    pipe, handle = load_offloaded("/models/Wan2.2-T2V-A14B-Diffusers",
+                                  {"mode": "layer", "components": ["dit", "text_encoder"]},
+                                  dtype=torch.bfloat16)
+
+The result is bitwise identical to ``DiffusionPipeline.from_pretrained`` followed by
+``apply_offload``: the dtype of every tensor follows the library's own rules (diffusers: floating
+tensors in the run dtype except modules in ``_keep_in_fp32_modules``; transformers: the library's
+own meta load), conversion rounds as ``tensor.to(dtype)`` does, and buffers that checkpoints do
+not hold are computed by the model's constructor as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from .checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint, placeholder
+from .config import OffloadConfig
+from .plan import OffloadPlan, _resolve_component
+from .ranks import rank_prefix
+
+__all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "prepare_cold_start"]
+
+logger = logging.getLogger("omni_dist_offload")
+
+#: ``from_pretrained`` keyword arguments the cold-start path honours as the ordinary path does
+#: (any other, e.g. ``variant`` or ``quantization_config``, selects the ordinary path).
+COMPATIBLE_LOAD_KWARGS = frozenset({"use_safetensors", "local_files_only", "revision", "cache_dir", "token"})
+
+
+@dataclass
+class ColdStart:
+    """Streamed components built without their block weights, and the sources that fill them."""
+
+    folder: Path
+    components: dict[str, nn.Module] = field(default_factory=dict)
+    """Pipeline attribute -> module, to pass to ``DiffusionPipeline.from_pretrained``."""
+    sources: dict[str, BlockSource] = field(default_factory=dict)
+    """Pipeline attribute -> the source ``apply_offload(block_sources=...)`` reads blocks from."""
+
+    def close(self) -> None:
+        """Close the checkpoint files and reader threads (the blocks are in host memory by then)."""
+        for source in self.sources.values():
+            source.close()
+            source.checkpoint.close()
+
+
+def cold_start_folder(model: str, load_kwargs: Mapping[str, Any] | None = None) -> tuple[Path | None, str | None]:
+    """The local diffusers folder ``model`` names, or None and the reason the cold start does not
+    apply (then the caller loads the ordinary way)."""
+    extra = sorted(set(load_kwargs or {}) - COMPATIBLE_LOAD_KWARGS)
+    if extra:
+        return None, f"load options {extra} need the ordinary loader"
+    if load_kwargs and load_kwargs.get("use_safetensors") is False:
+        return None, "use_safetensors=False was asked for"
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, local_files_only=True,
+                                          revision=(load_kwargs or {}).get("revision"),
+                                          cache_dir=(load_kwargs or {}).get("cache_dir")))
+        except Exception:  # noqa: BLE001 - not cached, or not a hub id: the ordinary loader says why
+            return None, f"{model!r} is not a local folder nor a cached hub snapshot"
+    if not (path / "model_index.json").is_file():
+        return None, f"{path} has no model_index.json"
+    return path, None
+
+
+def prepare_cold_start(
+    folder: Path | str,
+    config: OffloadConfig | Mapping[str, Any] | str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    plan: OffloadPlan | None = None,
+    threads: int | None = None,
+) -> ColdStart:
+    """Build every streamed component of the pipeline folder without reading its block weights.
+
+    Components whose library is neither diffusers nor transformers, or that have no safetensors
+    weights, are left to the ordinary loader. Raises :class:`CheckpointError` for a tensor the
+    checkpoint lacks or holds with another shape."""
+    folder = Path(folder)
+    cfg = OffloadConfig.parse(config)
+    index = json.loads((folder / "model_index.json").read_text())
+    plan = plan if plan is not None else _pipeline_plan(index.get("_class_name"))
+    threads = threads or default_threads()
+    cold = ColdStart(folder)
+    with ExitStack() as undo:
+        undo.callback(cold.close)
+        for name, spec in index.items():
+            if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2:
+                continue
+            category = plan.category_of(name)
+            if category not in cfg.components:
+                continue
+            library, class_name = spec
+            sub = folder / name
+            builder = _BUILDERS.get(library)
+            if builder is None or not _has_safetensors(sub):
+                logger.info("%s%s (%s.%s): loaded the ordinary way (%s)", rank_prefix(), name, library,
+                            class_name, "no safetensors weights" if builder else "library not supported")
+                continue
+            checkpoint = SafetensorsCheckpoint.from_folder(sub)
+            try:
+                module, dtype_of, fresh_buffers = builder(class_name, sub, dtype, checkpoint)
+                keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of, fresh_buffers)
+            except BaseException:
+                checkpoint.close()
+                raise
+            cold.components[name] = module
+            cold.sources[name] = BlockSource(checkpoint, keys, threads)
+        undo.pop_all()
+    return cold
+
+
+def load_offloaded(
+    model: str | Path,
+    config: OffloadConfig | Mapping[str, Any] | str,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    process_group: Any | None = None,
+    plan: OffloadPlan | None = None,
+    threads: int | None = None,
+    trace: bool | None = None,
+    **load_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load a diffusers pipeline folder (or cached hub snapshot) with its streamed components
+    cold-started, and offload it. Returns ``(pipeline, handle)``. Collective under allgather,
+    like :func:`~omni_dist_offload.apply.apply_offload`."""
+    from .api import _dtype_kwarg
+    from .apply import apply_offload, resolve_device
+
+    dev = resolve_device(device)
+    folder, reason = cold_start_folder(str(model), load_kwargs)
+    if folder is None:
+        raise CheckpointError(f"cannot cold-start {model!r}: {reason}.")
+    cold = prepare_cold_start(folder, config, device=dev, dtype=dtype, plan=plan, threads=threads)
+    try:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(
+            str(folder), **{_dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
+        handle = apply_offload(pipe, config, device=dev, plan=plan, process_group=process_group,
+                               trace=trace, block_sources=cold.sources)
+    finally:
+        cold.close()
+    return pipe, handle
+
+
+def default_threads() -> int:
+    """Reader threads per rank: the host's cores shared among the ranks on it, at most 8."""
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(8, (os.cpu_count() or 1) // local_world))
+
+
+# -- building components on the meta device ----------------------------------------------------
+DtypeOf = Callable[[str, torch.Tensor, torch.dtype], torch.dtype]
+"""(state-dict name, meta tensor, checkpoint dtype) -> the dtype the library would load it in."""
+
+
+def _diffusers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkpoint: SafetensorsCheckpoint):
+    import diffusers
+    from accelerate import init_empty_weights
+
+    cls = getattr(diffusers, class_name, None)
+    if cls is None:
+        raise CheckpointError(f"{folder}: diffusers has no class {class_name!r} (model_index.json); "
+                              "upgrade diffusers or fix the folder.")
+    config = cls.load_config(folder)
+    # Parameters on meta, buffers real: what diffusers' own from_pretrained builds before loading,
+    # so buffers the checkpoint does not hold (RoPE tables) are computed as usual.
+    with init_empty_weights(include_buffers=False):
+        module = cls.from_config(config)
+    keep = cls._keep_in_fp32_modules
+    keep = [] if keep is None else [keep] if isinstance(keep, str) else list(keep)
+
+    def dtype_of(name: str, tensor: torch.Tensor, stored: torch.dtype) -> torch.dtype:
+        # diffusers' load_model_dict_into_meta: floating tensors take the run dtype, or fp32 in
+        # a module named in _keep_in_fp32_modules; others keep the checkpoint's dtype.
+        if not stored.is_floating_point:
+            return stored
+        return torch.float32 if any(k in name.split(".") for k in keep) else dtype
+
+    module.eval()
+    module.register_to_config(_name_or_path=str(folder))
+    return module, dtype_of, None
+
+
+def _transformers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkpoint: SafetensorsCheckpoint):
+    import transformers
+    from accelerate import init_empty_weights
+
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        raise CheckpointError(f"{folder}: transformers has no class {class_name!r} (model_index.json); "
+                              "upgrade transformers or fix the folder.")
+    # The library's own meta load: its dtype rules, tied weights and key names, no tensor data.
+    module = cls.from_pretrained(folder, dtype=dtype, device_map="meta")
+    module.eval()
+
+    def fresh_buffers() -> dict[str, torch.Tensor]:
+        # Buffers no checkpoint holds (rotary tables, position ids) come out of meta loading as
+        # meta; the constructor computes them, as an ordinary load does.
+        with init_empty_weights(include_buffers=False):
+            skeleton = cls._from_config(module.config, dtype=dtype)
+        return dict(skeleton.named_buffers())
+
+    def dtype_of(name: str, tensor: torch.Tensor, stored: torch.dtype) -> torch.dtype:
+        return tensor.dtype
+
+    return module, dtype_of, fresh_buffers
+
+
+_BUILDERS = {"diffusers": _diffusers_builder, "transformers": _transformers_builder}
+
+
+def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
+                 checkpoint: SafetensorsCheckpoint, device: torch.device, dtype_of: DtypeOf,
+                 fresh_buffers: Callable[[], dict[str, torch.Tensor]] | None) -> dict[int, str]:
+    """Give every tensor of ``module`` real storage but its block tensors: those become
+    placeholders, and the returned map says which checkpoint key fills each. Non-block tensors are
+    read and put on ``device``; a tensor shared by several names stays one object."""
+    comp = _resolve_component(name, category, module, plan)
+    in_block = {id(t) for _, block in comp.blocks for t in [*block.parameters(), *block.buffers()]}
+    names: dict[int, list[str]] = {}
+    for qual, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(qual)
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    keys: dict[int, str] = {}
+    done: dict[int, torch.Tensor] = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
+    fresh: dict[str, torch.Tensor] | None = None
+    for mod in module.modules():
+        for registry in (mod._parameters, mod._buffers):
+            for attr, t in list(registry.items()):
+                if t is None:
+                    continue
+                if id(t) in done:
+                    registry[attr] = done[id(t)]
+                    continue
+                quals = names[id(t)]
+                key = _checkpoint_key(quals, checkpoint, prefix)
+                if key is None and not t.is_meta:
+                    continue  # a buffer the constructor computed: apply_offload places it
+                if key is None:
+                    if registry is mod._buffers and fresh_buffers is not None:
+                        fresh = fresh if fresh is not None else fresh_buffers()
+                        value = next((fresh[q] for q in quals if q in fresh and not fresh[q].is_meta), None)
+                        if value is not None:
+                            new = value.to(t.dtype).to(device if id(t) not in in_block else "cpu")
+                            done[id(t)] = registry[attr] = new
+                            continue
+                    missing.append(quals[0])
+                    continue
+                info = checkpoint.info(key)
+                if tuple(info.shape) != tuple(t.shape):
+                    mismatched.append(f"{quals[0]} (model {tuple(t.shape)}, checkpoint {tuple(info.shape)})")
+                    continue
+                target = dtype_of(quals[0], t, info.dtype)
+                if id(t) in in_block:
+                    data = placeholder(t.shape, target)
+                else:
+                    data = checkpoint.load(key, target).to(device)
+                new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                if id(t) in in_block:
+                    keys[id(new)] = key
+                done[id(t)] = registry[attr] = new
+    where = f"{name} ({type(module).__name__}, {checkpoint._where()})"
+    if missing:
+        raise CheckpointError(
+            f"{where}: the checkpoint has no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} in all): the files do not belong to this model class and config, or "
+            "are incomplete. Download the complete checkpoint."
+        )
+    if mismatched:
+        raise CheckpointError(
+            f"{where}: tensor shapes differ between the model config and the checkpoint: "
+            f"{mismatched[:5]}{' ...' if len(mismatched) > 5 else ''}. The config.json and the "
+            "weights come from different models."
+        )
+    return keys
+
+
+def _checkpoint_key(quals: list[str], checkpoint: SafetensorsCheckpoint, prefix: str) -> str | None:
+    for qual in quals:
+        for key in (qual, f"{prefix}.{qual}" if prefix else None,
+                    qual.removeprefix(f"{prefix}.") if prefix and qual.startswith(f"{prefix}.") else None):
+            if key is not None and key in checkpoint:
+                return key
+    return None
+
+
+def _pipeline_plan(class_name: str | None) -> OffloadPlan:
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None) if class_name else None
+    plan = getattr(cls, "_offload_plan", None)
+    return plan if isinstance(plan, OffloadPlan) else OffloadPlan()
+
+
+def _has_safetensors(folder: Path) -> bool:
+    from .checkpoint import WEIGHT_NAMES
+
+    return any((folder / n).is_file() for pair in WEIGHT_NAMES for n in pair)

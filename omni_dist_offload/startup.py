@@ -1,0 +1,221 @@
+"""Start-up time and peak host memory: cold start against loading whole, and against diffusers
+group offloading's setup.
+
+    # a Wan-14B-size pipeline folder with random weights (40 blocks of 703 MB in bf16: 28 GB)
+    python -m omni_dist_offload.startup write /tmp/wan14b --blocks 40 --dtype bf16
+    # each measurement in a fresh process, so its peak RSS is its own
+    torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.startup load /tmp/wan14b \\
+        --mode cold --transfer allgather
+    torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.startup load /tmp/wan14b \\
+        --mode ordinary --transfer allgather
+    python -m omni_dist_offload.startup load /tmp/wan14b --mode peer    # group offloading setup
+    # the folder is a runnable Wan pipeline (tiny text encoder and VAE, full-size DiT)
+    NGPU=2 launch/generate.sh --model /tmp/wan14b --height 480 --width 832 --num-frames 17 \
+        --num-inference-steps 4 --prompt "a fox" --prompt "a cat"
+
+``cold``: :class:`~omni_dist_offload.Omni`'s cold start (streamed blocks read from the
+safetensors files into this rank's host buffer or shard). ``ordinary``: ``from_pretrained``
+then :func:`~omni_dist_offload.apply_offload`. ``peer``: ``from_pretrained``, then diffusers'
+``enable_group_offload`` (block_level, one block per group, use_stream) on the DiT, timed alone.
+Every rank prints one JSON line: seconds to ready, the DiT's fill-and-pin seconds and GB/s, peak
+and final RSS, and a digest of one small DiT forward (equal digests: bitwise equal weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["main", "write_folder"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+_SHARD_BYTES = 5 * 2**30
+
+
+def write_folder(folder: Path, blocks: int, dtype: torch.dtype, preset: str = "wan-14b", seed: int = 0) -> int:
+    """A Wan pipeline folder: the tiny text encoder, VAE and tokenizer, and a DiT of the benchmark
+    preset (Wan-14B-size blocks by default) with ``blocks`` blocks of random weights in ``dtype``,
+    sharded as diffusers shards. Returns the DiT's bytes. Tensors are made one at a time (on the
+    GPU when there is one), never all at once."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from .bench import PRESETS
+    from .tiny import TINY_TEXT_DIM, tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(seed=seed)
+    # Everything but the DiT the ordinary way (model_index.json, configs, the small parts).
+    pipe.save_pretrained(folder)
+    # The tiny text encoder's width, so the folder runs as a pipeline (omni-offload generate).
+    config = dict(PRESETS[preset].block_config(blocks), text_dim=TINY_TEXT_DIM)
+    with init_empty_weights():
+        meta = WanTransformer3DModel(**config)
+    dit = folder / "transformer"
+    for f in dit.glob("diffusion_pytorch_model*"):
+        f.unlink()
+    meta.save_config(dit)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+    files: list[list[str]] = []
+    total = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            files.append(list(shard))
+            save_file(shard, dit / f"part-{len(files):05d}.safetensors", metadata={"format": "pt"})
+            shard, shard_bytes = {}, 0
+
+    for name, t in meta.state_dict().items():
+        value = (torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+        shard[name] = value.cpu()
+        shard_bytes += value.numel() * value.element_size()
+        total += value.numel() * value.element_size()
+        if shard_bytes >= _SHARD_BYTES:
+            flush()
+    flush()
+    weight_map = {}
+    for i, names in enumerate(files, 1):
+        final = f"diffusion_pytorch_model-{i:05d}-of-{len(files):05d}.safetensors"
+        (dit / f"part-{i:05d}.safetensors").rename(dit / final)
+        weight_map.update(dict.fromkeys(names, final))
+    (dit / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return total
+
+
+def _peak_rss() -> tuple[int, int]:
+    peak = rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+            elif line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    return peak, rss
+
+
+@torch.no_grad()
+def _digest(transformer: Any, device: torch.device) -> str:
+    """Digest of one small forward of the DiT: equal digests mean equal weights, bitwise."""
+    from .tiny import wan_transformer_inputs
+
+    x = wan_transformer_inputs(transformer, batch=1, num_frames=1, height=8, width=8)
+    x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in x.items()}
+    out = transformer(**x)[0]
+    return hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def _load(args: argparse.Namespace) -> dict[str, Any]:
+    from .api import Omni, _dtype_kwarg
+    from .apply import resolve_device
+
+    device = resolve_device(None)
+    dtype = _DTYPES[args.run_dtype]
+    config = {"mode": "layer", "components": ["dit"],
+              "layer_options": {"dit": {"weight_transfer": args.transfer}}}
+    start = time.perf_counter()
+    row: dict[str, Any] = {"mode": args.mode, "transfer": args.transfer}
+    if args.mode in ("cold", "ordinary"):
+        omni = Omni(str(args.folder), config, device=device, dtype=dtype, progress=False,
+                    cold_start=args.mode == "cold")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row["ready_s"] = time.perf_counter() - start
+        summary = omni.summary()[0]
+        row.update(load_s=omni.timings.load_s, place_s=omni.timings.place_s,
+                   dit_fill_s=summary["setup_s"], dit_bytes=summary["block_bytes"],
+                   host_bytes=summary["host_bytes"], weight_transfer=summary["weight_transfer"],
+                   cold_start=omni.cold_start)
+        transformer = omni.pipeline.transformer
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(str(args.folder), **{_dtype_kwarg(): dtype})
+        loaded = time.perf_counter()
+        for name, module in pipe.components.items():
+            if isinstance(module, torch.nn.Module) and name != "transformer":
+                module.to(device)
+        transformer = pipe.transformer
+        blocks = sum(t.numel() * t.element_size() for t in transformer.blocks.parameters())
+        begin = time.perf_counter()
+        transformer.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                         offload_type="block_level", num_blocks_per_group=1,
+                                         use_stream=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row.update(load_s=loaded - start, dit_fill_s=time.perf_counter() - begin, dit_bytes=blocks,
+                   ready_s=time.perf_counter() - start)
+    row["dit_fill_gbps"] = row["dit_bytes"] / row["dit_fill_s"] / 1e9
+    row["peak_rss_gib"], row["rss_gib"] = (v / 2**30 for v in _peak_rss())
+    row["digest"] = _digest(transformer, device)
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.startup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write", help="write a Wan-14B-size pipeline folder with random weights")
+    w.add_argument("folder", type=Path)
+    w.add_argument("--blocks", type=int, default=40)
+    w.add_argument("--preset", default="wan-14b", choices=["wan-14b", "wan-1.3b", "tiny-wan"],
+                   help="block size, from the benchmark presets")
+    w.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="checkpoint dtype")
+    ld = sub.add_parser("load", help="load it one way and report time and memory")
+    ld.add_argument("folder", type=Path)
+    ld.add_argument("--mode", required=True, choices=["cold", "ordinary", "peer"])
+    ld.add_argument("--transfer", default="rank-local", choices=["rank-local", "allgather"])
+    ld.add_argument("--run-dtype", default="bf16", choices=sorted(_DTYPES))
+    ld.add_argument("--json", type=Path, default=None, help="append this rank's row here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.command == "write":
+        if rank == 0:
+            start = time.perf_counter()
+            total = write_folder(args.folder, args.blocks, _DTYPES[args.dtype], args.preset)
+            print(json.dumps({"wrote": str(args.folder), "dit_bytes": total,
+                              "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+        return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
+    try:
+        row = {"rank": rank, "world": world, **_load(args)}
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    line = json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    print(line, flush=True)
+    if args.json is not None:
+        with open(args.json, "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Cold start: streamed blocks read from safetensors straight into host buffers or shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, WanTransformer3DModel
+from safetensors.torch import load_file, save_file
+
+from omni_dist_offload import Omni, apply_offload, tiny
+from omni_dist_offload.checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint
+from omni_dist_offload.coldstart import load_offloaded, prepare_cold_start
+from omni_dist_offload.layout import layout_block
+from omni_dist_offload.sharding import plan_shards, shard_pieces, write_shard
+from test_allgather import launch
+
+BOTH = {"mode": "layer", "components": ["dit", "text_encoder"]}
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-wan")
+    tiny.tiny_wan_pipeline().save_pretrained(folder, max_shard_size="40KB")  # several shards + index
+    return folder
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-flux")
+    tiny.tiny_flux_pipeline().save_pretrained(folder)  # single files
+    return folder
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**module.state_dict(), **dict(module.named_buffers())}
+
+
+def _assert_same_module(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = _state(a), _state(b)
+    assert set(sa) == set(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].cpu(), sb[k].cpu()), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wan_pipeline_matches_ordinary_load(wan_folder, dtype):
+    """Sharded fp32 checkpoint, run in fp32 and bf16 (conversion while reading): the pipeline's
+    output and every tensor equal the ordinary load's, ties and computed buffers included."""
+    ref = DiffusionPipeline.from_pretrained(wan_folder, dtype=dtype)
+    ref_handle = apply_offload(ref, BOTH, device="cpu")
+    pipe, handle = load_offloaded(wan_folder, BOTH, device="cpu", dtype=dtype)
+    rows = {r["component"]: r for r in handle.summary()}
+    assert set(rows) == {"transformer", "text_encoder"} and all(r["setup_s"] > 0 for r in rows.values())
+    kwargs = dict(prompt="a fox", num_inference_steps=2, output_type="np", **{
+        k: v for k, v in tiny.TINY_WAN_DEFAULTS.items() if k != "num_inference_steps"})
+    out = pipe(generator=torch.Generator().manual_seed(1), **kwargs).frames
+    expect = ref(generator=torch.Generator().manual_seed(1), **kwargs).frames
+    assert (out == expect).all()
+    te = pipe.text_encoder
+    assert te.shared.weight is te.encoder.embed_tokens.weight
+    handle.remove()
+    ref_handle.remove()
+    for name in ("transformer", "text_encoder"):
+        _assert_same_module(getattr(pipe, name), getattr(ref, name))
+
+
+def test_flux_single_files_through_omni(flux_folder):
+    """Single-file checkpoints, two text encoders (CLIP with a computed position_ids buffer, T5),
+    through Omni: same image as the ordinary load."""
+    cfg = {"mode": "layer", "components": ["dit", "text_encoder"]}
+    cold = Omni(str(flux_folder), cfg, device="cpu", progress=False)
+    plain = Omni(str(flux_folder), cfg, device="cpu", progress=False, cold_start=False)
+    assert cold.cold_start and not plain.cold_start
+    assert {r["component"] for r in cold.summary()} == {"transformer", "text_encoder", "text_encoder_2"}
+    a = cold.generate("a red fox", seed=3, num_inference_steps=2, height=32, width=32)
+    b = plain.generate("a red fox", seed=3, num_inference_steps=2, height=32, width=32)
+    assert (a.frames == b.frames).all()
+    cold.close()
+    plain.close()
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        _assert_same_module(getattr(cold.pipeline, name), getattr(plain.pipeline, name))
+
+
+def _copy_folder(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_tensor_is_named(wan_folder, tmp_path):
+    folder = _copy_folder(wan_folder, tmp_path / "broken")
+    index = json.loads((folder / "transformer/diffusion_pytorch_model.safetensors.index.json").read_text())
+    victim = "blocks.1.ffn.net.0.proj.weight"
+    shard = folder / "transformer" / index["weight_map"][victim]
+    tensors = load_file(shard)
+    del tensors[victim]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no tensor for \['blocks\.1\.ffn\.net\.0\.proj\.weight'\]"):
+        load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+
+
+def test_mismatched_shape_is_named(wan_folder, tmp_path):
+    folder = _copy_folder(wan_folder, tmp_path / "other-config")
+    config_path = folder / "transformer/config.json"
+    config = json.loads(config_path.read_text())
+    config["ffn_dim"] = 64
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.ffn\.net\.0\.proj\.weight \(model \(64, 24\), checkpoint \(48, 24\)\)"):
+        load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+
+
+def test_truncated_file_is_an_error(wan_folder, tmp_path):
+    folder = _copy_folder(wan_folder, tmp_path / "truncated")
+    shard = sorted((folder / "transformer").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="damaged|truncated"):
+        load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+
+
+class _CountingCheckpoint(SafetensorsCheckpoint):
+    def __init__(self, files):
+        super().__init__(files)
+        self.bytes_read = 0
+
+    def read_into(self, name, dst, start=0):
+        self.bytes_read += dst.numel() * self.info(name).dtype.itemsize
+        super().read_into(name, dst, start)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_fill_reads_only_its_ranges(wan_folder, world):
+    """Each rank's shard, filled from the checkpoint, equals the shard cut from the whole block
+    image, and the rank reads no more checkpoint bytes than its shard holds."""
+    model = WanTransformer3DModel.from_pretrained(wan_folder, subfolder="transformer")
+    cold = prepare_cold_start(wan_folder, {"mode": "layer", "components": ["dit"]},
+                              device=torch.device("cpu"), dtype=torch.float32, threads=3)
+    source = cold.sources["transformer"]
+    counting = _CountingCheckpoint(source.checkpoint.files)
+    source = BlockSource(counting, source.keys, threads=3)
+    cold_blocks = cold.components["transformer"].blocks
+    for i, (block, cold_block) in enumerate(zip(model.blocks, cold_blocks)):
+        full = layout_block(i, f"blocks.{i}", block)
+        layout = layout_block(i, f"blocks.{i}", cold_block)
+        image = torch.zeros(full.nbytes, dtype=torch.uint8)
+        for e in full.entries:
+            e.view_in(image).copy_(e.tensor.detach())
+        for rank in range(world):
+            plan = plan_shards(layout.nbytes, world, rank, chunk_bytes=4096)
+            want = torch.empty(plan.shard_nbytes, dtype=torch.uint8)
+            write_shard(plan, image, want)
+            got = torch.full((plan.shard_nbytes,), 7, dtype=torch.uint8)
+            before = counting.bytes_read
+            source.fill(layout, shard_pieces(plan), got)
+            assert counting.bytes_read - before <= plan.shard_nbytes
+            # Alignment gaps between tensors are never read; compare the tensor bytes and the tail.
+            mask = torch.zeros(full.nbytes + world * 4096, dtype=torch.bool)
+            for e in full.entries:
+                mask[e.offset : e.offset + e.nbytes] = True
+            mask[full.nbytes :] = True
+            keep = torch.empty(plan.shard_nbytes, dtype=torch.bool)
+            write_shard(plan, mask.view(torch.uint8), keep.view(torch.uint8))
+            assert torch.equal(got[keep], want[keep]), (i, rank)
+    source.close()
+    cold.close()
+
+
+def test_cli_cold_start_and_opt_out(wan_folder, tmp_path):
+    from omni_dist_offload.cli import main
+
+    for flag in ([], ["--no-cold-start"]):
+        out = tmp_path / ("cold" if not flag else "plain")
+        rc = main(["generate", "--model", str(wan_folder), "--prompt", "a cat", "--num-inference-steps", "2",
+                   "--height", "32", "--width", "32", "--num-frames", "5", "--no-progress",
+                   "--output-dir", str(out), *flag])
+        assert rc == 0
+    sidecars = [json.loads(next(p.glob("*.json")).read_text()) for p in (tmp_path / "cold", tmp_path / "plain")]
+    assert sidecars[0]["offload_summary"][0]["component"] == "transformer"
+    frames = [sorted(p.glob("*.gif")) or sorted(p.glob("*.mp4")) for p in (tmp_path / "cold", tmp_path / "plain")]
+    assert frames[0][0].read_bytes() == frames[1][0].read_bytes()
+
+
+@pytest.fixture(scope="module")
+def big_folder(tmp_path_factory) -> Path:
+    """A pipeline folder holding one Wan DiT of 6 blocks of 17 MB (fp32 checkpoint)."""
+    folder = tmp_path_factory.mktemp("wan-big")
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64,
+                                  in_channels=16, out_channels=16, text_dim=tiny.TINY_TEXT_DIM, freq_dim=32,
+                                  ffn_dim=2048, num_layers=6, cross_attn_norm=True,
+                                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    model.save_pretrained(folder / "transformer", max_shard_size="30MB")
+    (folder / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "WanTransformer3DModel"]}))
+    return folder
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_peak_host_memory_and_allgather_parity(tmp_path, wan_folder, big_folder, world):
+    """Real processes (gloo): cold start with allgather equals the ordinary load bitwise, and peak
+    host memory during start-up stays within this rank's final host copy plus one block (plus
+    the non-block tensors and scratch), far below the ordinary load's."""
+    os.environ["OMNI_TEST_FOLDER"] = str(wan_folder)
+    os.environ["OMNI_TEST_BIG_FOLDER"] = str(big_folder)
+    try:
+        results = launch(tmp_path, "cold_start,cold_start_rss", world, world)
+    finally:
+        del os.environ["OMNI_TEST_FOLDER"], os.environ["OMNI_TEST_BIG_FOLDER"]
+    for r in results:
+        assert r["cold_start"]["equal"]
+        rows = r["cold_start"]["summary"]
+        assert all(row["weight_transfer"] == ("allgather" if world > 1 else "rank-local") for row in rows)
+        m = r["cold_start_rss"]
+        assert m["equal"] and m["transfer"] == ("allgather" if world > 1 else "rank-local")
+        if world > 1:
+            assert m["host_bytes"] <= m["block_bytes"] / world + 6 * 4096 * world
+        # On the CPU the "device" is host memory too: the non-block tensors and the ring's two
+        # slots count here. Slack: reader scratch (2 threads x 4 MiB), allocator and interpreter.
+        slack = 16 * 2**20
+        device = m["nonblock_bytes"] + m["device_slot_bytes"]
+        bound = m["host_bytes"] + m["max_block"] + device + slack
+        assert m["peak_cold"] <= bound, (m, (m["peak_cold"] - m["host_bytes"] - device) / 2**20)
+        assert m["peak_ordinary"] > m["peak_cold"] + m["block_bytes"] / 2, m
