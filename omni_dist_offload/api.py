@@ -335,7 +335,15 @@ def _load_pipeline(model: str, dtype: torch.dtype, load_kwargs: dict[str, Any]) 
     try:
         # Weights come from safetensors only (no pickled .bin checkpoints), unless the caller
         # passes use_safetensors=False in load_kwargs.
-        return DiffusionPipeline.from_pretrained(
+        loader = DiffusionPipeline
+        if path.is_dir() and any(isinstance(v, nn.Module) for v in load_kwargs.values()):
+            # Components passed in must go through the concrete class: DiffusionPipeline's own
+            # from_pretrained treats components with a default (WanPipeline's transformer) as
+            # plain options, loads them from disk anyway and then drops them.
+            from .coldstart import pipeline_class
+
+            loader = pipeline_class(path)
+        return loader.from_pretrained(
             str(path) if path.is_dir() else model, **{_dtype_kwarg(): dtype},
             **{"use_safetensors": True, **load_kwargs})
     except (OSError, ValueError) as exc:

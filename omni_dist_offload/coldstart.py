@@ -43,7 +43,7 @@ from .config import OffloadConfig
 from .plan import OffloadPlan, _resolve_component
 from .ranks import rank_prefix
 
-__all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "prepare_cold_start"]
+__all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "pipeline_class", "prepare_cold_start"]
 
 logger = logging.getLogger("omni_dist_offload")
 
@@ -164,9 +164,7 @@ def load_offloaded(
         raise CheckpointError(f"cannot cold-start {model!r}: {reason}.")
     cold = prepare_cold_start(folder, config, device=dev, dtype=dtype, plan=plan, threads=threads)
     try:
-        from diffusers import DiffusionPipeline
-
-        pipe = DiffusionPipeline.from_pretrained(
+        pipe = pipeline_class(folder).from_pretrained(
             str(folder), **{_dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
         handle = apply_offload(pipe, config, device=dev, plan=plan, process_group=process_group,
                                trace=trace, block_sources=cold.sources)
@@ -317,6 +315,20 @@ def _checkpoint_key(quals: list[str], checkpoint: SafetensorsCheckpoint, prefix:
             if key is not None and key in checkpoint:
                 return key
     return None
+
+
+def pipeline_class(folder: Path) -> Any:
+    """The diffusers pipeline class a folder's model_index.json names (DiffusionPipeline if
+    unknown). Passing prebuilt components needs it: ``DiffusionPipeline.from_pretrained`` loads
+    optional components (WanPipeline's ``transformer``) from disk even when they are passed."""
+    import diffusers
+
+    try:
+        name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    return cls if isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline) else diffusers.DiffusionPipeline
 
 
 def _pipeline_plan(class_name: str | None) -> OffloadPlan:

@@ -6,11 +6,13 @@ import json
 import os
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from diffusers import DiffusionPipeline, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
+from transformers import UMT5EncoderModel
 
 from omni_dist_offload import Omni, apply_offload, tiny
 from omni_dist_offload.checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint
@@ -51,9 +53,17 @@ def _assert_same_module(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def test_wan_pipeline_matches_ordinary_load(wan_folder, dtype):
     """Sharded fp32 checkpoint, run in fp32 and bf16 (conversion while reading): the pipeline's
     output and every tensor equal the ordinary load's, ties and computed buffers included."""
-    ref = DiffusionPipeline.from_pretrained(wan_folder, dtype=dtype)
+    # disable_mmap: the ordinary load would otherwise leave fp32 resident tensors inside the
+    # memory-mapped file at unaligned addresses, and CPU GEMMs round differently by alignment
+    # (on a GPU every resident tensor is a fresh, aligned device allocation either way).
+    ref = DiffusionPipeline.from_pretrained(wan_folder, dtype=dtype, disable_mmap=True)
     ref_handle = apply_offload(ref, BOTH, device="cpu")
-    pipe, handle = load_offloaded(wan_folder, BOTH, device="cpu", dtype=dtype)
+    # A cold start never loads a streamed component whole (diffusers would, for a component
+    # passed to DiffusionPipeline.from_pretrained that has a default).
+    with mock.patch.object(WanTransformer3DModel, "from_pretrained", side_effect=AssertionError("loaded whole")), \
+         mock.patch.object(UMT5EncoderModel, "from_pretrained", wraps=UMT5EncoderModel.from_pretrained) as te_load:
+        pipe, handle = load_offloaded(wan_folder, BOTH, device="cpu", dtype=dtype)
+    assert [c.kwargs.get("device_map") for c in te_load.call_args_list] == ["meta"]
     rows = {r["component"]: r for r in handle.summary()}
     assert set(rows) == {"transformer", "text_encoder"} and all(r["setup_s"] > 0 for r in rows.values())
     kwargs = dict(prompt="a fox", num_inference_steps=2, output_type="np", **{
@@ -73,8 +83,10 @@ def test_flux_single_files_through_omni(flux_folder):
     """Single-file checkpoints, two text encoders (CLIP with a computed position_ids buffer, T5),
     through Omni: same image as the ordinary load."""
     cfg = {"mode": "layer", "components": ["dit", "text_encoder"]}
-    cold = Omni(str(flux_folder), cfg, device="cpu", progress=False)
-    plain = Omni(str(flux_folder), cfg, device="cpu", progress=False, cold_start=False)
+    with mock.patch("diffusers.FluxTransformer2DModel.from_pretrained", side_effect=AssertionError("loaded whole")):
+        cold = Omni(str(flux_folder), cfg, device="cpu", progress=False)
+    plain = Omni(str(flux_folder), cfg, device="cpu", progress=False, cold_start=False,
+                 load_kwargs={"disable_mmap": True})  # aligned resident tensors, as above
     assert cold.cold_start and not plain.cold_start
     assert {r["component"] for r in cold.summary()} == {"transformer", "text_encoder", "text_encoder_2"}
     a = cold.generate("a red fox", seed=3, num_inference_steps=2, height=32, width=32)
