@@ -192,16 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"wrote": str(args.folder), "dit_bytes": total,
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
         return 0
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        import torch.distributed as dist
+    from .bench import _init_distributed
 
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        else:
-            dist.init_process_group("gloo")
+    _, world, rank = _init_distributed()
     try:
         row = {"rank": rank, "world": world, **_load(args)}
     finally:

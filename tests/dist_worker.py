@@ -66,12 +66,17 @@ def _to(batch: dict) -> dict:
     return {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def _rss() -> int:
+def _status(field: str) -> int:
+    """A memory figure of /proc/self/status (VmRSS, VmHWM), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss() -> int:
+    return _status("VmRSS")
 
 
 @torch.no_grad()
@@ -405,11 +410,7 @@ def _peak_reset() -> int:
 
 
 def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status("VmHWM")
 
 
 @torch.no_grad()
