@@ -184,9 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
     if args.command == "write":
-        if rank == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             start = time.perf_counter()
             total = write_folder(args.folder, args.blocks, _DTYPES[args.dtype], args.preset)
             print(json.dumps({"wrote": str(args.folder), "dit_bytes": total,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .distributed import WeightGroup
 from .hostmem import HostBuffer
-from .sharding import ShardPlan
+from .sharding import ShardPlan, shard_pieces
 
 __all__ = ["AllGatherTransfer", "RankLocalTransfer", "WeightTransfer"]
 
@@ -114,11 +114,8 @@ class AllGatherTransfer:
 
     @staticmethod
     def _chunk_table(plan: ShardPlan) -> tuple[tuple[int, int, int, int], ...]:
-        rows, pos = [], 0
-        for offset, c in plan.chunks:
-            rows.append((offset, offset + plan.rank * c, c, pos))
-            pos += c
-        return tuple(rows)
+        return tuple((offset, start, c, pos)
+                     for (offset, _), (start, c, pos) in zip(plan.chunks, shard_pieces(plan), strict=True))
 
     def host_bytes(self) -> int:
         return sum(s.nbytes for s in self.shards)

@@ -163,14 +163,19 @@ def mismatch(out: dict) -> None:
         out["value_mismatch"] = str(exc)
 
 
-def diverge(out: dict) -> None:
-    """Rank 1 stops taking part after one forward: rank 0 must raise within the timeout."""
-    cfg = dict(AG_DIT, collective_timeout_s=4)
+def _toy_after_one_forward(timeout_s: float):
+    """A ToyDiT streamed with allgather and a short collective timeout, after one good forward."""
     model = ToyDiT(4)
     x = torch.randn(2, 8)
-    handle = apply_offload(model, cfg)
+    handle = apply_offload(model, dict(AG_DIT, collective_timeout_s=timeout_s))
     with torch.no_grad():
         model(x)
+    return model, x, handle
+
+
+def diverge(out: dict) -> None:
+    """Rank 1 stops taking part after one forward: rank 0 must raise within the timeout."""
+    model, x, handle = _toy_after_one_forward(timeout_s=4)
     if dist.get_rank() == 1:
         time.sleep(12)
         out["diverge"] = "idle"
@@ -356,12 +361,8 @@ def _after_one_rank_fault() -> None:
 def rank_dies(out: dict) -> None:
     """Rank 1 exits (os._exit) in the middle of a forward: rank 0 raises within the timeout,
     naming the ring and block. Runs last: the job is broken afterwards."""
-    cfg = dict(AG_DIT, collective_timeout_s=3)
-    model = ToyDiT(4)
-    x = torch.randn(2, 8)
-    handle = apply_offload(model, cfg)
+    model, x, handle = _toy_after_one_forward(timeout_s=3)
     with torch.no_grad():
-        model(x)
         if dist.get_rank() == 1:
             def die(module, args):
                 out["rank_dies"] = "exited in the pre-forward of blocks.2"
@@ -377,7 +378,7 @@ def rank_dies(out: dict) -> None:
 @torch.no_grad()
 def cold_start(out: dict) -> None:
     """Cold start with allgather from the folder in OMNI_TEST_FOLDER against the ordinary load:
-    bitwise equal outputs, host bytes = this rank's shard, peak RSS within host copy + one block."""
+    bitwise equal DiT and text-encoder outputs, and the summary (cold_start_rss checks memory)."""
     from diffusers import DiffusionPipeline
     from omni_dist_offload.coldstart import load_offloaded
 
