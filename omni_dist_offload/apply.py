@@ -239,6 +239,8 @@ def apply_offload(
             with contextlib.suppress(Exception):
                 agree_on_setup(f"{type(exc).__name__}: {exc}", cfg.collective_timeout_s)
         raise
+    finally:
+        pin.close()
     if group is not None:
         failed = agree_on_setup(None, cfg.collective_timeout_s)
         if failed:
@@ -296,13 +298,16 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
             else:
                 for entry, view in zip(layout.entries, views):
                     view.copy_(entry.tensor.detach())
-            pin.pin(buf, comp.name, layout.name)
+            pin.pin_later(buf, comp.name, layout.name)
             bind(layout.entries, views)
             buffers.append(buf)
             host_views.append(views)
+        pin.wait()
         transfer = RankLocalTransfer(buffers, copy_stream, fallback_reason)
         return BlockRing(comp, layouts, transfer, device, host_views)
     except BaseException:
+        with contextlib.suppress(BaseException):
+            pin.wait()  # no registration may still be running on a buffer released below
         restore_blocks(layouts[: len(host_views)], host_views, None)
         for buf in buffers:
             buf.release()
@@ -331,15 +336,18 @@ def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout
                 for entry in layout.entries:
                     entry.view_in(block_image).copy_(entry.tensor.detach())
                 write_shard(shard_plan, block_image, shard.tensor)
-            pin.pin(shard, comp.name, layout.name)
+            pin.pin_later(shard, comp.name, layout.name)
             shards.append(shard)
             originals.append([e.tensor.data for e in layout.entries])
             bind(layout.entries, [_placeholder(e, placeholders) for e in layout.entries])
         del image
+        pin.wait()
         transfer = AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)
         parked = [[e.tensor.data for e in layout.entries] for layout in layouts]
         return BlockRing(comp, layouts, transfer, device, parked), originals
     except BaseException:
+        with contextlib.suppress(BaseException):
+            pin.wait()  # as in _build_rank_local_ring
         for layout, data in zip(layouts, originals):
             bind(layout.entries, data)
         for shard in shards:

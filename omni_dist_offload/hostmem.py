@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -102,6 +103,8 @@ class HostPinner:
         self.on_failure = on_failure
         self.stopped_at: str | None = None
         """``"<component> block <name>"`` where pinning failed under ``"pageable"``, else None."""
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
 
     @classmethod
     def for_device(cls, pin_memory: bool, on_failure: str, device: torch.device) -> HostPinner:
@@ -132,6 +135,42 @@ class HostPinner:
             )
             return False
         return True
+
+
+    def pin_later(self, buffer: HostBuffer, component: str, block: str) -> None:
+        """:meth:`pin` on a background thread, so page-locking one block overlaps filling the
+        next (``cudaHostRegister`` releases the GIL; it ran at 10 GB/s on an H200 host, about as
+        fast as a block is filled). One thread, in order: the ``"pageable"`` policy still stops
+        at the first failure. :meth:`wait` returns when all are done and raises the first error."""
+        if not self.enabled or self.stopped_at is not None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="omni-offload-pin")
+        self._pending.append(self._pool.submit(self.pin, buffer, component, block))
+
+    def wait(self) -> None:
+        """Wait for every :meth:`pin_later`; raise the first failure (after all have finished,
+        so the caller can release every buffer safely)."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once all are done
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Wait for queued pins (errors dropped: the caller is already unwinding or done) and
+        stop the background thread."""
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001
+            pass
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _unregister(tensor: torch.Tensor, ptr: int) -> None:

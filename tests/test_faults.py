@@ -5,6 +5,7 @@ and no rank hangs."""
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 import warnings
 from unittest import mock
@@ -84,6 +85,24 @@ def test_pin_failure_is_an_error_that_changes_nothing(fail_at, component, block)
     for fix in ("ulimit -l", '"pin_failure": "pageable"', '"pin_memory": false'):
         assert fix in msg
     _assert_pipeline_same(before, pipe)
+
+
+def test_pinning_runs_beside_filling(monkeypatch):
+    """Page-locking runs on its own thread, in block order, so block k pins while block k+1 is
+    filled; setup returns only when every block is pinned."""
+    seen = []
+
+    def pin(self: HostBuffer) -> None:
+        seen.append(threading.current_thread().name)
+        self.pinned = True
+
+    monkeypatch.setattr(HostBuffer, "pin", pin)
+    monkeypatch.setattr(HostPinner, "for_device", classmethod(lambda cls, p, f, d: cls(p, f)))
+    pipe = _pipeline()
+    handle = apply_offload(pipe, PINNED)
+    assert len(seen) == 5 and all(name.startswith("omni-offload-pin") for name in seen)
+    assert all(b.pinned for ring in handle.rings for b in ring.transfer.buffers)
+    handle.remove()
 
 
 @torch.no_grad()
