@@ -201,6 +201,12 @@ def apply_offload(
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
     sources = dict(block_sources or {})
+    if stray := sorted(set(sources) - {c.name for c in components}):
+        raise OffloadConfigError(
+            f"block_sources has sources for {stray}, which do not stream under this config (streamed: "
+            f"{[c.name for c in components]}): their placeholder weights would never be read. Pass the "
+            "same config to prepare_cold_start and apply_offload."
+        )
     group, reason, wants = _weight_group(components, layouts, cfg, dev, process_group, sources)
 
     handle = OffloadHandle(target, modules, dev, cfg)

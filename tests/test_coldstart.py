@@ -13,9 +13,9 @@ from diffusers import DiffusionPipeline, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 from transformers import UMT5EncoderModel
 
-from omni_dist_offload import Omni, apply_offload, tiny
+from omni_dist_offload import OffloadConfigError, Omni, apply_offload, tiny
 from omni_dist_offload.checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint
-from omni_dist_offload.coldstart import load_offloaded, prepare_cold_start
+from omni_dist_offload.coldstart import load_offloaded, pipeline_class, prepare_cold_start
 from omni_dist_offload.layout import layout_block
 from omni_dist_offload.sharding import plan_shards, shard_pieces, write_shard
 from test_allgather import launch
@@ -102,6 +102,19 @@ def _copy_folder(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst)
     return dst
+
+
+def test_source_for_a_component_that_does_not_stream_is_an_error(wan_folder):
+    cold = prepare_cold_start(wan_folder, BOTH, device=torch.device("cpu"), dtype=torch.float32)
+    pipe = pipeline_class(wan_folder).from_pretrained(wan_folder, dtype=torch.float32, **cold.components)
+    assert pipe.transformer is cold.components["transformer"]
+    placeholders = [p.data_ptr() for p in pipe.transformer.blocks.parameters()]
+    with pytest.raises(OffloadConfigError, match=r"block_sources has sources for \['transformer'\]"):
+        apply_offload(pipe, {"mode": "layer", "components": ["text_encoder"]}, device="cpu",
+                      block_sources=cold.sources)
+    assert [p.data_ptr() for p in pipe.transformer.blocks.parameters()] == placeholders
+    assert not hasattr(pipe.text_encoder, "_omni_offload_handle")
+    cold.close()
 
 
 def test_missing_tensor_is_named(wan_folder, tmp_path):
