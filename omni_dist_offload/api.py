@@ -134,6 +134,7 @@ class Omni:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.handle: OffloadHandle | None = None
+        self._progress = progress
         self.cold_start = False
         """Whether the streamed components were cold-started from their safetensors files."""
         start = time.perf_counter()
@@ -189,7 +190,7 @@ class Omni:
                     self.model, format_bytes(total),
                     " and pinning" if self.config.pin_memory and self.device.type == "cuda" else "")
         self.handle = apply_offload(self.pipeline, self.config, device=self.device,
-                                    block_sources=cold.sources if cold else None)
+                                    block_sources=cold.sources if cold else None, progress=self._progress)
 
     def set_progress(self, show: bool) -> None:
         """Show or hide denoising progress bars; never shown on ranks other than 0."""

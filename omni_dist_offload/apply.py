@@ -168,6 +168,7 @@ def apply_offload(
     process_group: Any | None = None,
     trace: bool | None = None,
     block_sources: Mapping[str, BlockSource] | None = None,
+    progress: bool = False,
 ) -> OffloadHandle:
     """Stream the blocks of ``target``'s selected components from host memory.
 
@@ -181,7 +182,8 @@ def apply_offload(
 
     ``block_sources`` (component name -> :class:`~omni_dist_offload.checkpoint.BlockSource`)
     fills the host copies of blocks whose tensors are placeholders from a checkpoint; the
-    cold-start loader (``omni_dist_offload.coldstart``) passes it.
+    cold-start loader (``omni_dist_offload.coldstart``) passes it. ``progress`` shows a bar per
+    streamed component while its blocks are filled and page-locked (rank 0 only).
 
     With ``weight_transfer: "allgather"`` this is collective: every rank calls it with the same
     model and config.
@@ -222,14 +224,16 @@ def apply_offload(
             ls = layouts[comp.name]
             source = sources.get(comp.name)
             start = time.perf_counter()
-            if comp.name in wants and group is not None:
-                chunk = _chunk_bytes(cfg, comp)
-                ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream,
-                                                        comm_stream, source)
-                handle._originals[id(ring)] = originals
-            else:
-                ring = _build_rank_local_ring(comp, ls, dev, pin, copy_stream,
-                                              reason if comp.name in wants else None, source)
+            with _setup_bar(progress, comp, len(ls)) as bar:
+                step = bar.update if bar is not None else _no_step
+                if comp.name in wants and group is not None:
+                    chunk = _chunk_bytes(cfg, comp)
+                    ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream,
+                                                            comm_stream, source, step)
+                    handle._originals[id(ring)] = originals
+                else:
+                    ring = _build_rank_local_ring(comp, ls, dev, pin, copy_stream,
+                                                  reason if comp.name in wants else None, source, step)
             handle.setup_seconds[comp.name] = time.perf_counter() - start
             handle.rings.append(ring)
         streamed = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
@@ -283,13 +287,26 @@ def _weight_group(components, layouts, cfg, dev, process_group, sources):
     return group, reason, wants
 
 
+def _setup_bar(enabled: bool, comp: StreamedComponent, blocks: int) -> Any:
+    """A progress bar over a component's blocks during setup, on rank 0; else no bar."""
+    if not enabled or current_rank() != 0:
+        return contextlib.nullcontext(None)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=blocks, desc=f"{comp.name}: filling and page-locking blocks", unit="block", leave=False)
+
+
+def _no_step(n: int = 1) -> None:
+    pass
+
+
 def _chunk_bytes(cfg: OffloadConfig, comp: StreamedComponent) -> int:
     return int(cfg.options_for(comp.category).chunk_mib * 2**20)
 
 
 def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
                            pin: HostPinner, copy_stream, fallback_reason: str | None,
-                           source: BlockSource | None = None) -> BlockRing:
+                           source: BlockSource | None = None, step: Callable[[int], Any] = _no_step) -> BlockRing:
     """Consolidate block by block: each block's original storage is dropped as soon as its host
     buffer holds it, so host memory is never doubled. With a ``source``, placeholder tensors are
     read from the checkpoint straight into the buffer. A failure copies the done blocks back."""
@@ -308,6 +325,7 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
             bind(layout.entries, views)
             buffers.append(buf)
             host_views.append(views)
+            step(1)
         pin.wait()
         transfer = RankLocalTransfer(buffers, copy_stream, fallback_reason)
         return BlockRing(comp, layouts, transfer, device, host_views)
@@ -322,7 +340,7 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
 
 def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
                           pin: HostPinner, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream,
-                          source: BlockSource | None = None):
+                          source: BlockSource | None = None, step: Callable[[int], Any] = _no_step):
     """Keep this rank's shard of every block. Returns the ring and the blocks' original storage,
     which the caller drops once the whole setup has succeeded. With a ``source``, only this
     rank's byte ranges are read from the checkpoint, straight into the shard."""
@@ -346,6 +364,7 @@ def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout
             shards.append(shard)
             originals.append([e.tensor.data for e in layout.entries])
             bind(layout.entries, [_placeholder(e, placeholders) for e in layout.entries])
+            step(1)
         del image
         pin.wait()
         transfer = AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)

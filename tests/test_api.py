@@ -132,3 +132,14 @@ def test_pickled_checkpoints_are_not_loaded(tmp_path: Path) -> None:
     tiny_flux_pipeline().save_pretrained(tmp_path / "flux", safe_serialization=False)
     with pytest.raises(ModelLoadError, match="could not load"):
         Omni(str(tmp_path / "flux"), STREAM_ALL, progress=False)
+
+
+def test_setup_shows_a_bar_per_streamed_component(capsys) -> None:
+    """Long setups show progress: a bar per streamed component while its blocks are filled and
+    page-locked; none when progress is off."""
+    config = {"mode": "layer", "components": ["dit", "text_encoder"]}
+    Omni("tiny-wan", config, device="cpu", progress=True).close()
+    err = capsys.readouterr().err
+    assert "transformer: filling and page-locking blocks" in err and "text_encoder: filling" in err
+    Omni("tiny-wan", config, device="cpu", progress=False).close()
+    assert "filling and page-locking" not in capsys.readouterr().err
