@@ -11,6 +11,7 @@ on :meth:`HostBuffer.release`.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -136,7 +137,6 @@ class HostPinner:
             return False
         return True
 
-
     def pin_later(self, buffer: HostBuffer, component: str, block: str) -> None:
         """:meth:`pin` on a background thread, so page-locking one block overlaps filling the
         next (``cudaHostRegister`` releases the GIL; it ran at 10 GB/s on an H200 host, about as
@@ -164,10 +164,8 @@ class HostPinner:
     def close(self) -> None:
         """Wait for queued pins (errors dropped: the caller is already unwinding or done) and
         stop the background thread."""
-        try:
+        with contextlib.suppress(BaseException):
             self.wait()
-        except BaseException:  # noqa: BLE001
-            pass
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

@@ -46,7 +46,7 @@ def launch(tmp_path, scenarios: str, world: int, local_world: int, allow_gloo: b
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_parity_shards_and_uneven_blocks(tmp_path, world):
     results = launch(tmp_path, "parity", world, world)
     for r in results:
