@@ -27,7 +27,7 @@ from .ranks import current_rank, rank_prefix
 from .ring import BlockRing
 from .sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
 from .trace import trace_enabled
-from .transfer import AllGatherTransfer, RankLocalTransfer
+from .transfer import AllGatherTransfer, CopyEngineGatherTransfer, RankLocalTransfer
 
 if TYPE_CHECKING:
     from .checkpoint import BlockSource
@@ -69,6 +69,7 @@ class OffloadHandle:
                 "module_class": type(comp.module).__name__,
                 "num_blocks": len(ring.layouts),
                 "weight_transfer": ring.transfer.name,
+                "gather": getattr(ring.transfer, "gather", None),
                 "fallback_reason": ring.transfer.fallback_reason,
                 "block_bytes": sum(layout.tensor_bytes for layout in ring.layouts),
                 "host_bytes": ring.transfer.host_bytes(),
@@ -229,7 +230,9 @@ def apply_offload(
                 if comp.name in wants and group is not None:
                     chunk = _chunk_bytes(cfg, comp)
                     ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream,
-                                                            comm_stream, source, step)
+                                                            comm_stream, source, step,
+                                                            _gather_of(cfg, comp, group, dev),
+                                                            cfg.collective_timeout_s)
                     handle._originals[id(ring)] = originals
                 else:
                     ring = _build_rank_local_ring(comp, ls, dev, pin, copy_stream,
@@ -273,7 +276,8 @@ def _weight_group(components, layouts, cfg, dev, process_group, sources):
             continue
         source = sources.get(c.name)
         samples = sample_digest(layouts[c.name], head=source.head if source is not None else None)
-        wants[c.name] = ComponentFacts("allgather", _chunk_bytes(cfg, c), tuple(l.name for l in layouts[c.name]),
+        wants[c.name] = ComponentFacts("allgather", _chunk_bytes(cfg, c), cfg.options_for(c.category).gather,
+                                       tuple(l.name for l in layouts[c.name]),
                                        tuple(layout_digest(layouts[c.name])), tuple(samples))
     if not wants:
         return None, None, wants
@@ -284,7 +288,28 @@ def _weight_group(components, layouts, cfg, dev, process_group, sources):
             "or None for one group per host."
         )
     group, reason = resolve_weight_group(wants, dev, process_group, cfg.collective_timeout_s)
+    if group is not None and group.peer_copy_reason is not None and dev.type == "cuda":
+        # Every rank sees the same gathered facts, so every rank raises alike.
+        for name, facts in wants.items():
+            if facts.gather == "copy-engine":
+                raise OffloadConfigError(
+                    f"{name}: gather 'copy-engine' cannot run here: {group.peer_copy_reason}. Use "
+                    "\"gather\": \"auto\" (falls back to NCCL) or \"nccl\"."
+                )
+        if current_rank() == 0 and any(f.gather == "auto" for f in wants.values()):
+            logger.info("%sallgather rebuilds blocks with NCCL, not the copy engines: %s",
+                        rank_prefix(), group.peer_copy_reason)
     return group, reason, wants
+
+
+def _gather_of(cfg: OffloadConfig, comp: StreamedComponent, group: WeightGroup, dev: torch.device) -> str:
+    """The gather an allgather ring uses: see ``LayerOptions.gather``."""
+    asked = cfg.options_for(comp.category).gather
+    if dev.type != "cuda":
+        return "nccl"  # the collective path; on the CPU that is gloo's all-gather
+    if asked == "auto":
+        return "copy-engine" if group.peer_copy_reason is None else "nccl"
+    return asked
 
 
 def _setup_bar(enabled: bool, comp: StreamedComponent, blocks: int) -> Any:
@@ -340,7 +365,8 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
 
 def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
                           pin: HostPinner, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream,
-                          source: BlockSource | None = None, step: Callable[[int], Any] = _no_step):
+                          source: BlockSource | None = None, step: Callable[[int], Any] = _no_step,
+                          gather: str = "nccl", timeout_s: float = 600.0):
     """Keep this rank's shard of every block. Returns the ring and the blocks' original storage,
     which the caller drops once the whole setup has succeeded. With a ``source``, only this
     rank's byte ranges are read from the checkpoint, straight into the shard."""
@@ -367,7 +393,10 @@ def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout
             step(1)
         del image
         pin.wait()
-        transfer = AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)
+        if gather == "copy-engine":
+            transfer = CopyEngineGatherTransfer(shards, plans, group, copy_stream, comm_stream, timeout_s, comp.name)
+        else:
+            transfer = AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)
         parked = [[e.tensor.data for e in layout.entries] for layout in layouts]
         return BlockRing(comp, layouts, transfer, device, parked), originals
     except BaseException:
@@ -401,7 +430,8 @@ def _log_summary(handle: OffloadHandle, reason: str | None) -> None:
         logger.info(
             "%sstreaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
             rank_prefix(), row["component"], row["module_class"], row["category"],
-            row["num_blocks"], row["block_bytes"] / 2**20, row["weight_transfer"],
+            row["num_blocks"], row["block_bytes"] / 2**20,
+            row["weight_transfer"] + (f" ({row['gather']} gather)" if row["gather"] else ""),
             row["host_bytes"] / 2**20, row["device_slot_bytes"] / 2**20,
         )
 

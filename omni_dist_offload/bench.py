@@ -9,7 +9,9 @@ one preset at one block count and one input shape; per case, in one process, the
   num_blocks_per_group=1, use_stream=True)`` (``use_stream=False`` without CUDA, which diffusers
   requires; the output says so), undone after each pass;
 * ``rank-local``: ``apply_offload`` streaming every DiT block over this rank's own link;
-* ``allgather``: the same with per-rank host shards all-gathered block by block (world size > 1).
+* ``allgather``: the same with per-rank host shards all-gathered block by block (world size > 1),
+  with the default gather (the copy engines where the GPUs can map each other's memory);
+* ``allgather-nccl`` (only when asked for): allgather with NCCL's all-gather kernels.
 
 **Drift.** Variants run in a mirrored order, each streamed pass applying its offload once and
 removing it after::
@@ -70,7 +72,10 @@ __all__ = ["PRESETS", "VARIANTS", "BenchOptions", "CaseResult", "main", "run_cas
            "tracing_unavailable"]
 
 #: Streamed variants, in the order of the first half of the schedule.
-VARIANTS = ("peer", "rank-local", "allgather")
+VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl")
+#: Variants that exist only under torchrun with several ranks.
+_MULTI_RANK = ("allgather", "allgather-nccl")
+DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
 RESIDENT = "resident"
 
 
@@ -161,7 +166,7 @@ class BenchOptions:
     bandwidth: float | None = None
     """Pinned host-to-device bytes/s; None on the CPU (the floor is then the resident time)."""
     world: int = 1
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     trace_variant: str | None = None
     """Run one more, traced, forward of this variant for ``--timeline``."""
 
@@ -177,6 +182,8 @@ class _Pass:
     host_bytes: int = 0
     transfer: str = RESIDENT
     note: str = ""
+    outside_allocator_bytes: int = 0
+    """Device memory the variant holds outside PyTorch's allocator (added to ``peak_mib``)."""
 
 
 # -- models and inputs ---------------------------------------------------------------------
@@ -313,7 +320,7 @@ def floor_ms(resident_ms: float, compute_ms: Sequence[float], block_bytes: Seque
 def schedule(variants: Sequence[str], world: int = 1) -> list[str]:
     """Mirrored order: resident, the streamed variants, the same reversed, resident again (see
     the module docstring: each variant's two passes share a mean position, so drift cancels)."""
-    streamed = [v for v in VARIANTS if v in variants and (v != "allgather" or world > 1)]
+    streamed = [v for v in VARIANTS if v in variants and (v not in _MULTI_RANK or world > 1)]
     return [RESIDENT, *streamed, *reversed(streamed), RESIDENT]
 
 
@@ -321,6 +328,8 @@ def _offload_config(variant: str) -> dict[str, Any]:
     dit: dict[str, Any] = {"mode": "layer", "components": ["dit"]}
     if variant == "allgather":
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather"}}
+    elif variant == "allgather-nccl":
+        dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "gather": "nccl"}}
     return dit
 
 
@@ -414,7 +423,7 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
         _reset_peak(opts.device)
         times, out = _timed(forward, opts.device, opts.warmup, opts.repeats)
         equal = bool(torch.equal(out, reference))
-        peak = _peak(opts.device)
+        peak = _peak(opts.device) + info.get("outside_allocator_bytes", 0) / 2**20
         del out
     finally:
         undo()
@@ -432,7 +441,13 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device) -> tupl
     handle = _apply_ours(model, variant, device)
     (row,) = handle.summary()
     note = f"fell back to {row['weight_transfer']}: {row['fallback_reason']}" if row["fallback_reason"] else ""
-    return handle.remove, {"host_bytes": row["host_bytes"], "transfer": row["weight_transfer"], "note": note}
+    if row.get("gather"):
+        note = f"gather: {row['gather']}" + (f"; {note}" if note else "")
+    # The copy-engine gather's slots are CUDA symmetric memory, allocated outside PyTorch's
+    # caching allocator, whose peak the table reports: count them on top.
+    outside = row["device_slot_bytes"] if row.get("gather") == "copy-engine" else 0
+    return handle.remove, {"host_bytes": row["host_bytes"], "transfer": row["weight_transfer"], "note": note,
+                           "outside_allocator_bytes": outside}
 
 
 # -- one case ------------------------------------------------------------------------------
@@ -446,7 +461,7 @@ class CaseRun:
 
 def run_case(preset_name: str, blocks: int, shape: tuple[int, ...], *, device: torch.device,
              dtype: torch.dtype, warmup: int, repeats: int, bandwidth: float | None,
-             world: int = 1, variants: tuple[str, ...] = VARIANTS) -> list[CaseResult]:
+             world: int = 1, variants: tuple[str, ...] = DEFAULT_VARIANTS) -> list[CaseResult]:
     """All variants of one case in this process; ``shape`` is (frames, height, width) for video
     presets and (px,) for image presets."""
     opts = BenchOptions(device=device, dtype=dtype, warmup=warmup, repeats=repeats,
@@ -538,7 +553,7 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
     from .distributed import ComponentFacts, resolve_weight_group
     from .hostmem import HostBuffer
     from .sharding import plan_shards
-    from .transfer import AllGatherTransfer, RankLocalTransfer
+    from .transfer import AllGatherTransfer, CopyEngineGatherTransfer, RankLocalTransfer
 
     nbytes = int(mib * 2**20) // 256 * 256
     copy_stream, comm_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
@@ -556,19 +571,30 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
 
     results = [{"variant": "rank-local", "chunk_mib": None,
                 "ms": timed(RankLocalTransfer([full], copy_stream), nbytes)}]
-    facts = {"block": ComponentFacts("allgather", 0, ("block",), ("x",))}
+    facts = {"block": ComponentFacts("allgather", 0, "auto", ("block",), ("x",))}
     group, reason = resolve_weight_group(facts, device, None, 600.0)
     if group is None:
         results[0]["allgather"] = f"not run: {reason}"
         return results
+    gathers = ["nccl"] + (["copy-engine"] if group.peer_copy_reason is None else [])
     for chunk in chunks_mib:
         plan = plan_shards(nbytes, group.size, group.rank, int(chunk * 2**20) if chunk else nbytes)
         shard = HostBuffer(plan.shard_nbytes)
         shard.tensor.copy_(full.tensor[: plan.shard_nbytes])
         shard.pin()
-        transfer = AllGatherTransfer([shard], [plan], group, copy_stream, comm_stream)
-        results.append({"variant": "allgather", "chunk_mib": chunk or "whole block",
-                        "ms": timed(transfer, plan.padded_nbytes)})
+        for gather in gathers:
+            if gather == "copy-engine":
+                transfer = CopyEngineGatherTransfer([shard], [plan], group, copy_stream, comm_stream, 600.0)
+            else:
+                transfer = AllGatherTransfer([shard], [plan], group, copy_stream, comm_stream)
+            dst = transfer.make_slots(plan.padded_nbytes, 1, device)[0]
+            ms = statistics.median(_time(lambda: (transfer.fill(0, dst, after, ready),
+                                                  torch.cuda.current_stream(device).wait_event(ready)),
+                                         device, warmup, repeats))
+            results.append({"variant": "allgather", "gather": gather, "chunk_mib": chunk or "whole block", "ms": ms})
+            del dst
+            if gather == "copy-engine":
+                transfer.close()
         shard.release()
     full.release()
     for r in results:
@@ -654,7 +680,7 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="instead of model cases, time moving one block of this size (CUDA)")
     p.add_argument("--chunk-mib", type=float, nargs="+", default=[16, 32, 64, 128, 0],
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
                    help="offloaded variants beside resident (allgather runs only under torchrun)")
     p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed forwards per pass")
     p.add_argument("--repeats", type=_positive_int, default=5,
@@ -663,7 +689,7 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
     p.add_argument("--png", default=None, metavar="PATH", help="draw the overhead chart here (rank 0)")
     p.add_argument("--timeline", default=None, metavar="PATH",
                    help="draw one traced forward of the first case here (rank 0)")
-    p.add_argument("--timeline-variant", default=None, choices=["rank-local", "allgather"],
+    p.add_argument("--timeline-variant", default=None, choices=["rank-local", "allgather", "allgather-nccl"],
                    help="variant traced for --timeline (default: allgather under torchrun, else rank-local)")
     return p
 

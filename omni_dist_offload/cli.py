@@ -325,10 +325,18 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "device_slot_bytes": ring.get("device_slot_bytes", 0),
             "resident_bytes": _tensor_bytes(module) - block_bytes,
             "weight_transfer": ring.get("weight_transfer"),
+            "gather": ring.get("gather"),
             "fallback_reason": ring.get("fallback_reason"),
             "setup_s": ring.get("setup_s"),
         })
     return rows
+
+
+def _fmt_transfer(row: dict[str, Any]) -> str:
+    """``allgather (copy-engine)``, ``rank-local``, or ``-`` for a resident module."""
+    if not row["weight_transfer"]:
+        return "-"
+    return f"{row['weight_transfer']} ({row['gather']})" if row.get("gather") else row["weight_transfer"]
 
 
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
@@ -338,7 +346,7 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     table = [header] + [[
         r["component"], r["category"], r["module_class"], str(r["num_blocks"]),
         _fmt_bytes(r["block_bytes"]), _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
-        _fmt_bytes(r["resident_bytes"]), r["weight_transfer"] or "-", _fmt_setup(r),
+        _fmt_bytes(r["resident_bytes"]), _fmt_transfer(r), _fmt_setup(r),
         r["fallback_reason"] or "-",
     ] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]

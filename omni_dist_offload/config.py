@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping
 
 __all__ = [
     "COMPONENTS",
+    "GATHERS",
     "PIN_FAILURES",
     "WEIGHT_TRANSFERS",
     "LayerOptions",
@@ -25,12 +26,15 @@ __all__ = [
 COMPONENTS: tuple[str, ...] = ("dit", "text_encoder")
 #: How a block's weights reach the device.
 WEIGHT_TRANSFERS: tuple[str, ...] = ("rank-local", "allgather")
+#: How allgather moves shards between the GPUs of a host.
+GATHERS: tuple[str, ...] = ("auto", "copy-engine", "nccl")
 #: What setup does when host memory cannot be page-locked.
 PIN_FAILURES: tuple[str, ...] = ("error", "pageable")
 _MODES: tuple[str, ...] = ("layer",)
 
 WeightTransfer = Literal["rank-local", "allgather"]
 PinFailure = Literal["error", "pageable"]
+Gather = Literal["auto", "copy-engine", "nccl"]
 
 
 class OffloadConfigError(ValueError):
@@ -53,8 +57,16 @@ class LayerOptions:
     """allgather only: a block moves in chunks of this many MiB (gathered size), so one chunk's
     all-gather overlaps the next chunk's host-to-device copy."""
 
+    gather: Gather = "auto"
+    """allgather only: how the other ranks' shards reach this GPU. ``"copy-engine"``: peer
+    copies over NVLink out of CUDA symmetric memory, on the copy engines, so rebuilding a block
+    takes no SMs from the model. ``"nccl"``: NCCL's all-gather kernels. ``"auto"``: copy-engine
+    where every GPU of the weight group can reach the others' memory, else nccl (and on the CPU,
+    gloo's all-gather)."""
+
     def __post_init__(self) -> None:
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
+        _check_choice("gather", self.gather, GATHERS, "layer_options.<component>")
         if not _is_positive_number(self.chunk_mib):
             raise OffloadConfigError(
                 f"layer_options.<component> key 'chunk_mib' must be a positive number of MiB, "
@@ -204,7 +216,8 @@ class OffloadConfig:
             "mode": self.mode,
             "components": list(self.components),
             "layer_options": {
-                name: {"weight_transfer": opts.weight_transfer, "chunk_mib": opts.chunk_mib}
+                name: {"weight_transfer": opts.weight_transfer, "chunk_mib": opts.chunk_mib,
+                       "gather": opts.gather}
                 for name, opts in self.layer_options.items()
             },
             "pin_memory": self.pin_memory,

@@ -46,6 +46,9 @@ class WeightGroup:
     size: int
     backend: str
     ranks: tuple[int, ...]
+    peer_copy_reason: str | None = "not a CUDA group"
+    """None when every GPU of the group can map every other's memory (the copy-engine gather
+    can run); otherwise why not."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ComponentFacts:
 
     transfer: str
     chunk_bytes: int
+    gather: str
     block_names: tuple[str, ...]
     block_digests: tuple[str, ...]
     """Per block: the layout (names, dtypes, shapes, offsets)."""
@@ -69,6 +73,13 @@ class _RankFacts:
     device_index: int | None
     backend: str
     allow_gloo: bool
+    device_uuid: str | None = None
+    """The GPU's UUID: unlike its index, unique on the host whatever CUDA_VISIBLE_DEVICES is."""
+    peer_uuids: tuple[str, ...] = ()
+    """The GPUs this rank's GPU can map memory of (peer access), by UUID."""
+    symmetric_memory: bool = False
+    stream_memops: bool = False
+    """The CUDA driver has stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32)."""
     components: dict[str, ComponentFacts] = field(default_factory=dict)
 
 
@@ -96,6 +107,7 @@ def resolve_weight_group(
         backend=str(dist.get_backend()),
         allow_gloo=os.environ.get(ALLOW_GLOO_ENV, "0") == "1",
         components=components,
+        **_gpu_facts(device),
     )
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, facts, group=_exchange_group(timeout_s))
@@ -106,7 +118,8 @@ def resolve_weight_group(
     if process_group is not None:
         ranks = tuple(dist.get_process_group_ranks(process_group))
         return WeightGroup(process_group, dist.get_rank(process_group),
-                           dist.get_world_size(process_group), str(dist.get_backend(process_group)), ranks), None
+                           dist.get_world_size(process_group), str(dist.get_backend(process_group)), ranks,
+                           _peer_copy_reason([f for f in gathered if f.rank in ranks])), None
     return _host_group(gathered, device, timeout_s), None
 
 
@@ -138,11 +151,11 @@ def _check_same_layout(gathered: list[_RankFacts]) -> None:
             )
         for name, mine in other.components.items():
             theirs = ref.components[name]
-            if (mine.transfer, mine.chunk_bytes) != (theirs.transfer, theirs.chunk_bytes):
+            if (mine.transfer, mine.chunk_bytes, mine.gather) != (theirs.transfer, theirs.chunk_bytes, theirs.gather):
                 raise OffloadConfigError(
                     f"{name}: rank {other.rank} asks for {mine.transfer} (chunk {mine.chunk_bytes} "
-                    f"bytes), rank 0 for {theirs.transfer} (chunk {theirs.chunk_bytes} bytes): use "
-                    "the same config on every rank."
+                    f"bytes, gather {mine.gather}), rank 0 for {theirs.transfer} (chunk "
+                    f"{theirs.chunk_bytes} bytes, gather {theirs.gather}): use the same config on every rank."
                 )
             for i in range(max(len(mine.block_digests), len(theirs.block_digests))):
                 a = mine.block_digests[i] if i < len(mine.block_digests) else None
@@ -191,13 +204,14 @@ def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> s
             return (f"host {node} runs a single rank ({ranks[0].rank}): a weight group needs at "
                     "least two ranks on one host")
         if device_type == "cuda":
-            seen: dict[int | None, int] = {}
+            seen: dict[str | int | None, int] = {}
             for f in ranks:
-                if f.device_index in seen:
-                    return (f"ranks {seen[f.device_index]} and {f.rank} on host {node} share "
+                key = f.device_uuid or f.device_index
+                if key in seen:
+                    return (f"ranks {seen[key]} and {f.rank} on host {node} share "
                             f"cuda:{f.device_index}: give every rank its own GPU "
                             "(torch.cuda.set_device(LOCAL_RANK))")
-                seen[f.device_index] = f.rank
+                seen[key] = f.rank
     return None
 
 
@@ -215,9 +229,50 @@ def _host_group(gathered: list[_RankFacts], device: torch.device, timeout_s: flo
         group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                                pg_options=options)
         if me in ranks:
-            mine = WeightGroup(group, ranks.index(me), len(ranks), backend, tuple(ranks))
+            mine = WeightGroup(group, ranks.index(me), len(ranks), backend, tuple(ranks),
+                               _peer_copy_reason([f for f in gathered if f.rank in ranks]))
     assert mine is not None
     return mine
+
+
+def _gpu_facts(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = _uuid(index)
+    peers = tuple(_uuid(j) for j in range(torch.cuda.device_count())
+                  if j != index and torch.cuda.can_device_access_peer(index, j))
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symmetric = callable(getattr(symm_mem, "empty", None)) and callable(getattr(symm_mem, "rendezvous", None))
+    except ImportError:
+        symmetric = False
+    from .transfer import StreamMemOps
+
+    return {"device_uuid": uuid, "peer_uuids": peers, "symmetric_memory": symmetric,
+            "stream_memops": StreamMemOps.available()}
+
+
+def _uuid(index: int) -> str:
+    return str(getattr(torch.cuda.get_device_properties(index), "uuid", f"cuda:{index}"))
+
+
+def _peer_copy_reason(ranks: list[_RankFacts]) -> str | None:
+    """Why the copy-engine gather cannot run on this weight group, or None when it can: every
+    GPU must reach every other's memory directly, and torch must have symmetric memory."""
+    if any(f.device_type != "cuda" for f in ranks):
+        return "the weight group is not on CUDA devices"
+    for f in ranks:
+        if not f.symmetric_memory:
+            return f"rank {f.rank}'s torch has no CUDA symmetric memory (torch.distributed._symmetric_memory)"
+        if not f.stream_memops:
+            return f"rank {f.rank}'s CUDA driver has no stream memory operations (cuStreamWaitValue32)"
+        for g in ranks:
+            if g is not f and g.device_uuid not in f.peer_uuids:
+                return (f"rank {f.rank}'s GPU cannot map rank {g.rank}'s GPU memory (no peer access, or the "
+                        "GPU is hidden from it by CUDA_VISIBLE_DEVICES)")
+    return None
 
 
 def _nccl_options():

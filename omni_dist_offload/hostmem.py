@@ -23,6 +23,8 @@ from .config import PIN_FAILURES
 __all__ = ["HostBuffer", "HostPinner", "PinMemoryError"]
 
 _PAGE = 4096
+#: Threads that page-lock host buffers during setup (``pin_failure: "error"``).
+PIN_THREADS = 4
 
 _PIN_ADVICE = (
     "raise the memlock limit (ulimit -l; in a container --ulimit memlock=-1), free host memory, "
@@ -55,9 +57,13 @@ class HostBuffer:
 
     def __init__(self, nbytes: int) -> None:
         rounded = -(-nbytes // _PAGE) * _PAGE
-        raw = torch.empty(rounded + _PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % _PAGE
+        huge = nbytes >= _HUGE_PAGE and _huge_pages_wanted()
+        align = _HUGE_PAGE if huge else _PAGE
+        raw = torch.empty(rounded + align, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % align
         self.tensor = raw[start : start + nbytes]
+        if huge:
+            _advise_huge_pages(self.tensor.data_ptr(), rounded)
         self.pinned = False
         self._finalizer: weakref.finalize | None = None
 
@@ -138,14 +144,17 @@ class HostPinner:
         return True
 
     def pin_later(self, buffer: HostBuffer, component: str, block: str) -> None:
-        """:meth:`pin` on a background thread, so page-locking one block overlaps filling the
-        next (``cudaHostRegister`` releases the GIL; it ran at 10 GB/s on an H200 host, about as
-        fast as a block is filled). One thread, in order: the ``"pageable"`` policy still stops
-        at the first failure. :meth:`wait` returns when all are done and raises the first error."""
+        """:meth:`pin` on a background thread, so page-locking overlaps filling the next blocks
+        (``cudaHostRegister`` releases the GIL). Registration scales with threads (on an H200
+        host: 10.3 GB/s from one thread, 18.9 GB/s from eight), so under ``"error"`` up to
+        :data:`PIN_THREADS` pin at once; under ``"pageable"`` one thread pins in order, so the
+        policy still stops at the first failure. :meth:`wait` returns when all are done and
+        raises the first error."""
         if not self.enabled or self.stopped_at is not None:
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="omni-offload-pin")
+            threads = PIN_THREADS if self.on_failure == "error" else 1
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="omni-offload-pin")
         self._pending.append(self._pool.submit(self.pin, buffer, component, block))
 
     def wait(self) -> None:
@@ -169,6 +178,27 @@ class HostPinner:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+_HUGE_PAGE = 2 << 20
+#: Set to 0 to keep host buffers on 4 KiB pages.
+HUGE_PAGES_ENV = "OMNI_OFFLOAD_HUGE_PAGES"
+
+
+def _huge_pages_wanted() -> bool:
+    import os
+    import sys
+
+    return sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages before the buffer is first touched: filling 28 GB then
+    takes 512 times fewer page faults. Advice only: ignored where THP is off."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
 
 
 def _unregister(tensor: torch.Tensor, ptr: int) -> None:

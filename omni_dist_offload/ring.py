@@ -47,7 +47,7 @@ class BlockRing:
         slot_bytes = max(sizes)
         # The slots are allocated once and reused for every block of every step: the per-block
         # path allocates nothing and never returns memory to the allocator mid-forward.
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_NUM_SLOTS)]
+        self.slots = transfer.make_slots(slot_bytes, _NUM_SLOTS, device)
         # What a block's tensors point at between uses: views into its host buffer (rank-local)
         # or shape-keeping placeholders (allgather, where this rank holds only a shard).
         self._parked = [tuple(v) for v in parked]

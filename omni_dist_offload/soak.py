@@ -68,6 +68,8 @@ class SoakOptions:
     allocated_tolerance_mib: float = 0.0
     """Device memory allocated between forwards may move this much from its warm-up value."""
     chunk_mib: float = 64.0
+    gather: Literal["auto", "copy-engine", "nccl"] = "auto"
+    """allgather only: ``LayerOptions.gather``."""
     collective_timeout_s: float = 600.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
@@ -210,7 +212,8 @@ def _build(opts: SoakOptions) -> tuple[nn.Module, list[dict[str, Any]]]:
 
 def _offload_config(opts: SoakOptions) -> dict[str, Any]:
     return {"mode": "layer", "components": ["dit"],
-            "layer_options": {"dit": {"weight_transfer": opts.transfer, "chunk_mib": opts.chunk_mib}},
+            "layer_options": {"dit": {"weight_transfer": opts.transfer, "chunk_mib": opts.chunk_mib,
+                                      "gather": opts.gather}},
             "collective_timeout_s": opts.collective_timeout_s}
 
 
@@ -310,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rss-tolerance-mib", type=float, default=64.0)
     p.add_argument("--allocated-tolerance-mib", type=float, default=0.0)
     p.add_argument("--chunk-mib", type=float, default=64.0, help="allgather chunk size")
+    p.add_argument("--gather", default="auto", choices=["auto", "copy-engine", "nccl"],
+                   help="allgather: how shards move between GPUs (LayerOptions.gather)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="allgather collective timeout")
     p.add_argument("--device", default=None, help="default: this rank's GPU, else the CPU")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
@@ -332,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        shapes=tuple(args.shapes) if args.shapes else None, warmup=args.warmup,
                        report_every=args.report_every, rss_tolerance_mib=args.rss_tolerance_mib,
                        allocated_tolerance_mib=args.allocated_tolerance_mib, chunk_mib=args.chunk_mib,
+                       gather=args.gather,
                        collective_timeout_s=args.timeout_s, device=device, dtype=dtype)
     try:
         _check_options(opts)

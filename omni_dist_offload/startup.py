@@ -158,6 +158,10 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
         row.update(load_s=loaded - start, dit_fill_s=time.perf_counter() - begin, dit_bytes=blocks,
                    ready_s=time.perf_counter() - start)
     row["dit_fill_gbps"] = row["dit_bytes"] / row["dit_fill_s"] / 1e9
+    if args.mode != "peer":  # this project's host buffers: transparent huge pages asked for or not
+        from .hostmem import _huge_pages_wanted
+
+        row["huge_pages"] = _huge_pages_wanted()
     row["peak_rss_gib"], row["rss_gib"] = (v / 2**30 for v in _peak_rss())
     row["digest"] = _digest(transformer, device)
     return row

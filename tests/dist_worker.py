@@ -34,6 +34,10 @@ AG = {"mode": "layer", "components": ["dit", "text_encoder"],
 AG_DIT = {"mode": "layer", "components": ["dit"],
           "layer_options": {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.01}},
           "collective_timeout_s": 20}
+if os.environ.get("OMNI_TEST_GATHER"):  # GPU tests pick the gather (copy-engine or nccl)
+    for _cfg in (AG, AG_DIT):
+        for _opts in _cfg["layer_options"].values():
+            _opts["gather"] = os.environ["OMNI_TEST_GATHER"]
 
 
 class UnevenBlock(nn.Module):

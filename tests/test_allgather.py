@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from omni_dist_offload import apply_offload
-from omni_dist_offload.distributed import _RankFacts, _fallback_reason
+from omni_dist_offload import OffloadConfigError
+from omni_dist_offload.distributed import (ComponentFacts, _check_same_layout, _gpu_facts, _peer_copy_reason,
+                                           _RankFacts, _fallback_reason)
 from omni_dist_offload.sharding import plan_shards, write_shard
 from toys import ToyDiT
 
@@ -141,6 +143,44 @@ def test_every_fallback_reason(facts, needle):
         assert reason is None
     else:
         assert needle in reason
+
+
+def _gpu(rank, uuid, peers, symm=True, memops=True, index=None):
+    return _RankFacts(rank, "h", "cuda", rank if index is None else index, "nccl", False,
+                      device_uuid=uuid, peer_uuids=tuple(peers), symmetric_memory=symm, stream_memops=memops)
+
+
+def test_two_ranks_on_one_gpu_index_but_different_gpus_is_not_sharing():
+    # Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES per rank): both say cuda:0, but the
+    # UUIDs tell the GPUs apart.
+    assert _fallback_reason([_gpu(0, "GPU-a", [], index=0), _gpu(1, "GPU-b", [], index=0)], None) is None
+    assert "share cuda:0" in _fallback_reason([_gpu(0, "GPU-a", [], index=0), _gpu(1, "GPU-a", [], index=0)], None)
+
+
+@pytest.mark.parametrize("facts, needle", [
+    ([_gpu(0, "a", ["b", "c"]), _gpu(1, "b", ["a", "c"]), _gpu(2, "c", ["a", "b"])], None),
+    ([_gpu(0, "a", ["b"]), _gpu(1, "b", [])], "rank 1's GPU cannot map rank 0's GPU memory"),
+    ([_gpu(0, "a", ["b"]), _gpu(1, "b", ["a"], symm=False)], "rank 1's torch has no CUDA symmetric memory"),
+    ([_gpu(0, "a", ["b"], memops=False), _gpu(1, "b", ["a"])], "rank 0's CUDA driver has no stream memory"),
+    ([_facts(0, dtype="cpu", backend="gloo"), _facts(1, dtype="cpu", backend="gloo")], "not on CUDA devices"),
+])
+def test_copy_engine_gather_needs_peer_access_everywhere(facts, needle):
+    reason = _peer_copy_reason(facts)
+    assert reason is None if needle is None else needle in reason
+
+
+def test_cpu_ranks_report_no_gpu_facts():
+    assert _gpu_facts(torch.device("cpu")) == {}
+
+
+def test_ranks_asking_for_different_gathers_is_an_error():
+    def facts(rank, gather):
+        comp = ComponentFacts("allgather", 1 << 20, gather, ("b0",), ("d0",))
+        return _RankFacts(rank, "h", "cuda", rank, "nccl", False, components={"dit": comp})
+
+    _check_same_layout([facts(0, "auto"), facts(1, "auto")])
+    with pytest.raises(OffloadConfigError, match="gather nccl.*gather auto.*same config on every rank"):
+        _check_same_layout([facts(0, "auto"), facts(1, "nccl")])
 
 
 @pytest.mark.parametrize("nbytes, world, chunk", [(1, 2, 1 << 20), (1000, 2, 1 << 20), (70_000, 4, 4096),

@@ -34,10 +34,14 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
-    assert schedule(bench.VARIANTS, world=1) == [
+    assert schedule(bench.DEFAULT_VARIANTS, world=1) == [
         "resident", "peer", "rank-local", "rank-local", "peer", "resident"]
-    assert schedule(bench.VARIANTS, world=2) == [
+    assert schedule(bench.DEFAULT_VARIANTS, world=2) == [
         "resident", "peer", "rank-local", "allgather", "allgather", "rank-local", "peer", "resident"]
+    assert schedule(bench.VARIANTS, world=2) == [
+        "resident", "peer", "rank-local", "allgather", "allgather-nccl",
+        "allgather-nccl", "allgather", "rank-local", "peer", "resident"]
+    assert schedule(bench.VARIANTS, world=1) == schedule(bench.DEFAULT_VARIANTS, world=1)
     # The order is fixed whatever order the flags name them in.
     assert schedule(["allgather", "rank-local"], world=2) == [
         "resident", "rank-local", "allgather", "allgather", "rank-local", "resident"]

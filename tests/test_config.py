@@ -16,8 +16,18 @@ def test_reference_shape_parses():
     assert cfg.options_for("dit").weight_transfer == "allgather"
     assert cfg.options_for("text_encoder").weight_transfer == "rank-local"
     assert cfg.pin_memory is True and cfg.pin_failure == "error"
+    assert cfg.options_for("dit").gather == "auto"
     assert OffloadConfig.parse(cfg.to_dict()) == cfg
     assert OffloadConfig.parse(cfg) is cfg
+
+
+def test_gather_choice_round_trips():
+    for gather in ("auto", "copy-engine", "nccl"):
+        cfg = OffloadConfig.parse({"mode": "layer", "components": ["dit"],
+                                   "layer_options": {"dit": {"weight_transfer": "allgather", "gather": gather}}})
+        assert cfg.options_for("dit").gather == gather
+        assert cfg.to_dict()["layer_options"]["dit"]["gather"] == gather
+        assert OffloadConfig.parse(cfg.to_dict()) == cfg
 
 
 DIT_ONLY = {"mode": "layer", "components": ["dit"]}
@@ -53,6 +63,10 @@ DIT_ONLY = {"mode": "layer", "components": ["dit"]}
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"chunk_mib": "64"}}},
      ["'chunk_mib'", "found '64'", "use e.g. 64"]),
     ('{"mode": "layer", "layer_options": {"dit": {"chunk_mib": Infinity}}}', ["'chunk_mib'", "found inf"]),
+    ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"gather": "nvlink"}}},
+     ["layer_options.dit", "'gather'", "'nvlink'", "['auto', 'copy-engine', 'nccl']"]),
+    ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"gathr": "nccl"}}},
+     ["unknown key 'gathr'", "did you mean 'gather'"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": "allgather"}},
      ["layer_options.dit", "'allgather'", '{"weight_transfer": "rank-local"}']),
     ({"mode": "layer", "components": ["dit"], "layer_options": []}, ["'layer_options'", "keyed by component"]),

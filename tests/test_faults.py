@@ -88,8 +88,8 @@ def test_pin_failure_is_an_error_that_changes_nothing(fail_at, component, block)
 
 
 def test_pinning_runs_beside_filling(monkeypatch):
-    """Page-locking runs on its own thread, in block order, so block k pins while block k+1 is
-    filled; setup returns only when every block is pinned."""
+    """Page-locking runs on background threads, so block k pins while block k+1 is filled;
+    setup returns only when every block is pinned."""
     seen = []
 
     def pin(self: HostBuffer) -> None:
@@ -103,6 +103,43 @@ def test_pinning_runs_beside_filling(monkeypatch):
     assert len(seen) == 5 and all(name.startswith("omni-offload-pin") for name in seen)
     assert all(b.pinned for ring in handle.rings for b in ring.transfer.buffers)
     handle.remove()
+
+
+def test_pin_threads_follow_the_failure_policy():
+    """Under "error" several threads pin at once (registration scales with threads); under
+    "pageable" one thread pins in order, so the policy stops exactly at the first failure."""
+    from omni_dist_offload import hostmem
+
+    for policy, threads in (("error", hostmem.PIN_THREADS), ("pageable", 1)):
+        pinner = HostPinner(True, policy)
+        gate = threading.Barrier(threads + 1, timeout=10)
+        buffers = [HostBuffer(16) for _ in range(threads)]
+        with mock.patch.object(HostBuffer, "pin", lambda self: gate.wait()):
+            for b in buffers:
+                pinner.pin_later(b, "dit", "b")
+            gate.wait()  # every pin runs at once, or this times out (BrokenBarrierError)
+            pinner.wait()
+        assert pinner._pool._max_workers == threads
+        pinner.close()
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_large_host_buffers_ask_for_huge_pages(monkeypatch, huge):
+    """Buffers of 2 MiB and more start on a 2 MiB boundary with MADV_HUGEPAGE advice, so filling
+    them takes 512 times fewer page faults; OMNI_OFFLOAD_HUGE_PAGES=0 keeps 4 KiB pages."""
+    from omni_dist_offload import hostmem
+
+    advised = []
+    monkeypatch.setenv(hostmem.HUGE_PAGES_ENV, huge)
+    monkeypatch.setattr(hostmem, "_advise_huge_pages", lambda ptr, n: advised.append((ptr, n)))
+    big, small = HostBuffer(5 << 20), HostBuffer(100_000)
+    assert big.tensor.data_ptr() % 4096 == 0 and small.tensor.data_ptr() % 4096 == 0
+    assert big.nbytes == 5 << 20 and small.nbytes == 100_000
+    if huge == "1":
+        assert big.tensor.data_ptr() % (2 << 20) == 0
+        assert advised == [(big.tensor.data_ptr(), 5 << 20)]
+    else:
+        assert advised == []
 
 
 @torch.no_grad()

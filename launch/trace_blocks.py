@@ -1,0 +1,135 @@
+"""Per-rank, per-block compute under each weight transfer: where an offload's overhead goes.
+
+Run under torchrun with one process per GPU. Builds the benchmark's model (real diffusers class,
+random bf16 weights, the same on every rank), times each block of the resident model, then for
+each variant applies the offload with tracing on, runs one untimed forward and ``--forwards``
+traced ones (ranks aligned by a barrier before each) and reads ``trace_report()``. Rank 0 prints
+per rank: the forward's median, the median exposed wait, the median per-block compute and the
+median transfer time; ``--json`` keeps every traced forward.
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 launch/trace_blocks.py \\
+        --preset wan-14b --blocks 8 --frames 81 --json blocks.json
+
+A variant whose per-block compute is above rank-local's while its exposed wait is zero pays for
+its transfer in the model's kernels (shared SMs, memory or links), not in waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from omni_dist_offload import apply_offload
+from omni_dist_offload.bench import PRESETS, build_model, wan_inputs
+
+CONFIGS = {
+    "rank-local": {"mode": "layer", "components": ["dit"]},
+    "copy-engine": {"mode": "layer", "components": ["dit"],
+                    "layer_options": {"dit": {"weight_transfer": "allgather", "gather": "copy-engine"}}},
+    "nccl": {"mode": "layer", "components": ["dit"],
+             "layer_options": {"dit": {"weight_transfer": "allgather", "gather": "nccl"}}},
+}
+# Mirrored, so drift over the run weighs on every variant alike.
+ORDER = ["rank-local", "copy-engine", "nccl", "copy-engine", "rank-local"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="wan-14b", choices=[k for k, v in PRESETS.items() if v.video])
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--forwards", type=int, default=4, help="traced forwards per pass")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    preset = PRESETS[args.preset]
+    model = build_model(preset, args.blocks, dev, torch.bfloat16).eval()
+    x = wan_inputs(model, args.frames, args.height, args.width, dev, torch.bfloat16,
+                   text_tokens=preset.text_tokens)
+    out: dict = {}
+    with torch.inference_mode():
+        out["resident_block_ms"] = _resident_block_ms(model, x)
+        out["resident_fwd"] = _forward_ms(model, x, args.forwards)
+        for name in ORDER:
+            handle = apply_offload(model, CONFIGS[name], trace=True)
+            model(**x)
+            for _ in range(args.forwards):
+                dist.barrier()
+                torch.cuda.synchronize()
+                model(**x)
+                (r,) = handle.trace_report()
+                out.setdefault(name, []).append({
+                    "fwd": r["forward_ms"], "wait": r["exposed_wait_ms"],
+                    "compute": [b["compute_ms"] for b in r["blocks"]],
+                    "xfer": [b["transfer_ms"] for b in r["blocks"]]})
+            handle.remove()
+        out["resident_fwd"] += _forward_ms(model, x, args.forwards)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, out)
+    if dist.get_rank() == 0:
+        summary = [_summarise(r, o) for r, o in enumerate(ranks)]
+        print(json.dumps(summary, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": vars(args), "summary": summary, "raw": ranks}, f)
+    dist.destroy_process_group()
+
+
+def _resident_block_ms(model, x) -> list[float]:
+    marks: list[torch.cuda.Event] = []
+
+    def mark(*_):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append(e)
+
+    hooks = [b.register_forward_pre_hook(mark) for b in model.blocks]
+    hooks.append(model.blocks[-1].register_forward_hook(mark))
+    model(**x)
+    marks.clear()
+    model(**x)
+    torch.cuda.synchronize()
+    for h in hooks:
+        h.remove()
+    return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+
+
+def _forward_ms(model, x, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        model(**x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def _summarise(rank: int, o: dict) -> dict:
+    line = {"rank": rank, "resident_fwd_med": statistics.median(o["resident_fwd"]),
+            "resident_block_med": statistics.median(o["resident_block_ms"])}
+    for name in CONFIGS:
+        rows = o[name]
+        line[name] = {
+            "fwd_med": statistics.median(r["fwd"] for r in rows),
+            "wait_med": statistics.median(r["wait"] for r in rows),
+            "block_compute_med": statistics.median(c for r in rows for c in r["compute"][1:]),
+            "xfer_med": statistics.median(t for r in rows for t in r["xfer"] if t),
+        }
+    return line
+
+
+if __name__ == "__main__":
+    main()
