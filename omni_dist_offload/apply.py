@@ -216,7 +216,8 @@ def apply_offload(
     pin = HostPinner.for_device(cfg.pin_memory, cfg.pin_failure, dev)
     try:
         # The copy stream exists so host-to-device copies run beside compute instead of behind
-        # it; the comm stream so all-gathers run beside both.
+        # it; the comm stream so the gather (NCCL all-gathers, or the copy-engine pulls from the
+        # peers' slots) runs beside both.
         copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         # High priority for the same reason as the weight group's NCCL stream
         # (distributed._nccl_options).
