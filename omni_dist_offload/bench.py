@@ -744,8 +744,8 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
     if args.transfer_mib is not None:
         results: list[Any] = transfer_case(args.transfer_mib, args.chunk_mib, device=device,
                                            warmup=args.warmup, repeats=args.repeats)
-        text = "\n".join(f"{r['variant']:<12}chunk {str(r['chunk_mib']):<12}{r['ms']:>9.2f} ms"
-                         f"{r['ratio_to_rank_local']:>8.3f}x" for r in results)
+        text = "\n".join(f"{r['variant']:<12}{r.get('gather') or '':<13}chunk {str(r['chunk_mib']):<12}"
+                         f"{r['ms']:>9.2f} ms{r['ratio_to_rank_local']:>8.3f}x" for r in results)
         if rank == 0:
             _emit(text, meta, results, None, args, bandwidth, world)
         return 0
