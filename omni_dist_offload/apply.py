@@ -27,7 +27,7 @@ from .ranks import current_rank, rank_prefix
 from .ring import BlockRing
 from .sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
 from .trace import trace_enabled
-from .transfer import AllGatherTransfer, CopyEngineGatherTransfer, RankLocalTransfer
+from .transfer import RankLocalTransfer, gather_transfer
 
 if TYPE_CHECKING:
     from .checkpoint import BlockSource
@@ -394,10 +394,7 @@ def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout
             step(1)
         del image
         pin.wait()
-        if gather == "copy-engine":
-            transfer = CopyEngineGatherTransfer(shards, plans, group, copy_stream, comm_stream, timeout_s, comp.name)
-        else:
-            transfer = AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)
+        transfer = gather_transfer(gather, shards, plans, group, copy_stream, comm_stream, timeout_s, comp.name)
         parked = [[e.tensor.data for e in layout.entries] for layout in layouts]
         return BlockRing(comp, layouts, transfer, device, parked), originals
     except BaseException:

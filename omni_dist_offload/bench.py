@@ -553,7 +553,7 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
     from .distributed import ComponentFacts, resolve_weight_group
     from .hostmem import HostBuffer
     from .sharding import plan_shards
-    from .transfer import AllGatherTransfer, CopyEngineGatherTransfer, RankLocalTransfer
+    from .transfer import RankLocalTransfer, gather_transfer
 
     nbytes = int(mib * 2**20) // 256 * 256
     copy_stream, comm_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
@@ -583,18 +583,14 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
         shard.tensor.copy_(full.tensor[: plan.shard_nbytes])
         shard.pin()
         for gather in gathers:
-            if gather == "copy-engine":
-                transfer = CopyEngineGatherTransfer([shard], [plan], group, copy_stream, comm_stream, 600.0)
-            else:
-                transfer = AllGatherTransfer([shard], [plan], group, copy_stream, comm_stream)
+            transfer = gather_transfer(gather, [shard], [plan], group, copy_stream, comm_stream, 600.0)
             dst = transfer.make_slots(plan.padded_nbytes, 1, device)[0]
             ms = statistics.median(_time(lambda: (transfer.fill(0, dst, after, ready),
                                                   torch.cuda.current_stream(device).wait_event(ready)),
                                          device, warmup, repeats))
             results.append({"variant": "allgather", "gather": gather, "chunk_mib": chunk or "whole block", "ms": ms})
             del dst
-            if gather == "copy-engine":
-                transfer.close()
+            transfer.close()
         shard.release()
     full.release()
     for r in results:

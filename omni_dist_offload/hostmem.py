@@ -12,6 +12,10 @@ on :meth:`HostBuffer.release`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import os
+import sys
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -181,24 +185,24 @@ class HostPinner:
 
 
 _HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 #: Set to 0 to keep host buffers on 4 KiB pages.
 HUGE_PAGES_ENV = "OMNI_OFFLOAD_HUGE_PAGES"
 
 
 def _huge_pages_wanted() -> bool:
-    import os
-    import sys
-
     return sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _advise_huge_pages(ptr: int, nbytes: int) -> None:
     """Ask for transparent huge pages before the buffer is first touched: filling 28 GB then
     takes 512 times fewer page faults. Advice only: ignored where THP is off."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
+    _libc().madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
 
 
 def _unregister(tensor: torch.Tensor, ptr: int) -> None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .apply import apply_offload
+from .config import GATHERS, Gather
 from .ranks import rank_prefix
 
 __all__ = ["DEFAULT_SHAPES", "SoakOptions", "SoakResult", "main", "run_soak"]
@@ -68,7 +69,7 @@ class SoakOptions:
     allocated_tolerance_mib: float = 0.0
     """Device memory allocated between forwards may move this much from its warm-up value."""
     chunk_mib: float = 64.0
-    gather: Literal["auto", "copy-engine", "nccl"] = "auto"
+    gather: Gather = "auto"
     """allgather only: ``LayerOptions.gather``."""
     collective_timeout_s: float = 600.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -313,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rss-tolerance-mib", type=float, default=64.0)
     p.add_argument("--allocated-tolerance-mib", type=float, default=0.0)
     p.add_argument("--chunk-mib", type=float, default=64.0, help="allgather chunk size")
-    p.add_argument("--gather", default="auto", choices=["auto", "copy-engine", "nccl"],
+    p.add_argument("--gather", default="auto", choices=list(GATHERS),
                    help="allgather: how shards move between GPUs (LayerOptions.gather)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="allgather collective timeout")
     p.add_argument("--device", default=None, help="default: this rank's GPU, else the CPU")

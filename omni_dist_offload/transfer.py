@@ -19,7 +19,7 @@ from .distributed import WeightGroup
 from .hostmem import HostBuffer
 from .sharding import ShardPlan, shard_pieces
 
-__all__ = ["AllGatherTransfer", "CopyEngineGatherTransfer", "RankLocalTransfer", "WeightTransfer"]
+__all__ = ["AllGatherTransfer", "CopyEngineGatherTransfer", "RankLocalTransfer", "WeightTransfer", "gather_transfer"]
 
 # Newer torch names the flat all-gather all_gather_single (the old name warns); older has only
 # all_gather_into_tensor. Same semantics: output is the concatenation of the ranks' inputs.
@@ -165,6 +165,9 @@ class AllGatherTransfer:
         ready.record(comm)
         if marks is not None:
             marks[1].record(comm)
+
+    def close(self) -> None:
+        """Drop what the gather holds besides the host shards: nothing for the collective."""
 
     def release(self) -> None:
         for s in self.shards:
@@ -380,6 +383,14 @@ class _Watchdog:
                       "process; every rank must run the same steps in lockstep.",
                       file=sys.stderr, flush=True)
                 os._exit(70)
+
+
+def gather_transfer(gather: str, shards: Sequence[HostBuffer], plans: Sequence[ShardPlan], group: WeightGroup,
+                    copy_stream, comm_stream, timeout_s: float, name: str = "allgather") -> AllGatherTransfer:
+    """The allgather transfer for a resolved ``gather`` (``"copy-engine"`` or the collective)."""
+    if gather == "copy-engine":
+        return CopyEngineGatherTransfer(shards, plans, group, copy_stream, comm_stream, timeout_s, name)
+    return AllGatherTransfer(shards, plans, group, copy_stream, comm_stream)
 
 
 def _plain_slots(nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
