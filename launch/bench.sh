@@ -8,7 +8,7 @@
 #   NGPU=2 OMNI_OFFLOAD_ALLOW_GLOO=1 launch/bench.sh --preset tiny-wan --frames 5 \
 #       --height 32 --width 32                                        # CPU smoke run (gloo)
 #
-# Arguments go to `omni-offload bench` (python -m omni_dist_offload.bench); see its --help.
+# Arguments go to `omni-offload bench` (python -m omni_dist_offload.tools.bench); see its --help.
 #   NGPU      processes on this host (default: the GPUs nvidia-smi lists, else 1)
 #   LOG_RANK  ranks whose output torchrun shows (default: all; only rank 0 prints results)
 #   TORCHRUN  the launcher (default torchrun; e.g. "python3 -m torch.distributed.run")
@@ -32,4 +32,4 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 # shellcheck disable=SC2086  # TORCHRUN may be a command with arguments
-exec $TORCHRUN --standalone --nproc_per_node "$NGPU" "${filter[@]}" -m omni_dist_offload.bench "$@"
+exec $TORCHRUN --standalone --nproc_per_node "$NGPU" "${filter[@]}" -m omni_dist_offload.tools.bench "$@"

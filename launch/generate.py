@@ -35,10 +35,10 @@ import sys
 from pathlib import Path
 
 try:
-    from omni_dist_offload.cli import main
+    from omni_dist_offload.app.cli import main
 except ImportError:  # run from a checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from omni_dist_offload.cli import main
+    from omni_dist_offload.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["generate", *sys.argv[1:]]))

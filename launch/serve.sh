@@ -31,4 +31,4 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
 # shellcheck disable=SC2086  # TORCHRUN may be a command with arguments
-exec $TORCHRUN --nproc_per_node "$NGPU" --standalone -m omni_dist_offload.cli serve "$@"
+exec $TORCHRUN --nproc_per_node "$NGPU" --standalone -m omni_dist_offload serve "$@"

@@ -1,11 +1,12 @@
 """Layerwise offloading for diffusion transformers and their text encoders.
 
 Each transformer block's weights live in host memory; one block at a time is on the device,
-the next prefetched on a copy stream while the current one computes.
+the next prefetched on a copy stream while the current one computes. The layout of the package
+is mapped at the top of ``docs/design.md``.
 """
 
-from .api import Omni
-from .apply import OffloadHandle, apply_offload
+from .app.api import Omni
+from .apply import OffloadHandle, RingSummary, apply_offload
 from .config import LayerOptions, OffloadConfig, OffloadConfigError
 from .plan import OffloadPlan
 
@@ -16,6 +17,7 @@ __all__ = [
     "OffloadHandle",
     "OffloadPlan",
     "Omni",
+    "RingSummary",
     "apply_offload",
 ]
 

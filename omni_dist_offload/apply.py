@@ -1,15 +1,17 @@
 """``apply_offload``: put a pipeline's blocks in host memory and stream them; the handle undoes it.
 
-Setup runs in two phases. The first reads only: config, discovery, layouts, ownership checks.
-The second consolidates block by block (each block's tensors move into one host buffer and the
-original storage is dropped), allocates the device slots, moves everything else to the device
-and installs the hooks. If anything in the second phase fails, what was done is undone and the
-target is as it was.
+Setup runs in two phases ([Note: setup phases] in ``docs/design.md``). The first reads only:
+config, discovery, layouts, ownership checks, and (allgather) the weight group every rank agrees
+on. The second changes the target: each component's blocks move into host buffers (or this
+rank's shards) one block at a time, its ring and slots are built, everything else moves to the
+device and the hooks go in. If anything in the second phase fails, what was done is undone and
+the target is as it was; under allgather the ranks agree at the end, all or nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -17,66 +19,92 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .config import OffloadConfig, OffloadConfigError
 from .hostmem import HostBuffer, HostPinner
-from .distributed import ComponentFacts, WeightGroup, agree_on_setup, resolve_weight_group
-from .layout import BlockLayout, bind, check_ownership, layout_block, restore_blocks
+from .layout import BlockLayout, TensorEntry, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
-from .ranks import current_rank, rank_prefix
-from .ring import BlockRing
-from .sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
+from .ring import NUM_SLOTS, BlockRing
 from .trace import trace_enabled
-from .transfer import RankLocalTransfer, gather_transfer
+from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
+from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
+from .transfer.sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
 
-if TYPE_CHECKING:
-    from .checkpoint import BlockSource
+if TYPE_CHECKING:  # a protocol the loaders implement; the core never imports them
+    from .loading.checkpoint import BlockSource
 
-__all__ = ["OffloadHandle", "apply_offload", "resolve_device"]
+__all__ = ["OffloadHandle", "RingSummary", "apply_offload", "resolve_device"]
 
-logger = logging.getLogger("omni_dist_offload")
+logger = logging.getLogger(__name__)
 
 #: Attribute set on every module of an offloaded target, pointing at its handle.
 _STATE_ATTR = "_omni_offload_handle"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RingSummary:
+    """What one streamed ring is. ``OffloadHandle.summary()`` gives these as dicts, with the
+    same keys in the same order (the documented summary keys)."""
+
+    component: str
+    category: str
+    module_class: str
+    num_blocks: int
+    weight_transfer: str
+    """What runs after any fallback: ``rank-local`` or ``allgather``."""
+    gather: str | None
+    """What rebuilds allgather blocks: ``copy-engine``, ``nccl`` or ``gloo``; None for rank-local."""
+    fallback_reason: str | None
+    block_bytes: int
+    """Bytes of the blocks' tensors (without alignment padding)."""
+    host_bytes: int
+    """Host bytes this rank holds for the ring (whole blocks, or its shards)."""
+    device_slot_bytes: int
+    setup_s: float | None
+    """Seconds spent filling and page-locking the ring's host copy."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class OffloadHandle:
     """What :func:`apply_offload` did, and how to undo it."""
 
     def __init__(self, target: Any, modules: Mapping[str, nn.Module], device: torch.device,
-                 config: OffloadConfig) -> None:
+                 config: OffloadConfig, groups: GroupSession) -> None:
         self.target = target
         self.device = device
         self.config = config
         self.rings: list[BlockRing] = []
         self._modules = dict(modules)
+        # The process groups setup created; released with the handle.
+        self._groups = groups
         # allgather rings keep their blocks' original storage until setup has succeeded, so a
         # failure can be undone without asking the other ranks for their shards.
         self._originals: dict[int, list[list[torch.Tensor]]] = {}
         self._undo_moves: list[Callable[[], None]] = []
         self._removed = False
-        self.setup_seconds: dict[str, float] = {}
-        """Per streamed component: seconds spent filling and page-locking its host copy."""
+
+    def summary_rows(self) -> list[RingSummary]:
+        """One typed row per streamed ring."""
+        return [RingSummary(
+            component=ring.component.name,
+            category=ring.component.category,
+            module_class=type(ring.component.module).__name__,
+            num_blocks=len(ring.layouts),
+            weight_transfer=ring.transfer.name,
+            gather=ring.transfer.gather,
+            fallback_reason=ring.transfer.fallback_reason,
+            block_bytes=sum(layout.tensor_bytes for layout in ring.layouts),
+            host_bytes=ring.transfer.host_bytes(),
+            device_slot_bytes=sum(s.numel() for s in ring.slots),
+            setup_s=ring.setup_s,
+        ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:
         """One dict per streamed ring (see the README for the keys)."""
-        rows = []
-        for ring in self.rings:
-            comp = ring.component
-            rows.append({
-                "component": comp.name,
-                "category": comp.category,
-                "module_class": type(comp.module).__name__,
-                "num_blocks": len(ring.layouts),
-                "weight_transfer": ring.transfer.name,
-                "gather": getattr(ring.transfer, "gather", None),
-                "fallback_reason": ring.transfer.fallback_reason,
-                "block_bytes": sum(layout.tensor_bytes for layout in ring.layouts),
-                "host_bytes": ring.transfer.host_bytes(),
-                "device_slot_bytes": sum(s.numel() for s in ring.slots),
-                "setup_s": self.setup_seconds.get(comp.name),
-            })
-        return rows
+        return [row.as_dict() for row in self.summary_rows()]
 
     def trace_report(self) -> list[dict[str, Any]]:
         """Per ring, the most recent forward block by block: compute, transfer, exposed wait
@@ -94,7 +122,8 @@ class OffloadHandle:
 
     def remove(self) -> None:
         """Restore every streamed tensor as an ordinary tensor on the device, bitwise equal,
-        remove the hooks and free the slots and pinned host memory. Calling it again does nothing.
+        remove the hooks, free the slots and pinned host memory, and release the process groups
+        setup created. Calling it again does nothing.
 
         With allgather rings this is collective: every rank of the weight group calls it."""
         if self._removed:
@@ -106,10 +135,29 @@ class OffloadHandle:
             ring.release()
         self.rings = []
         self._undo_moves = []
+        self._groups.close()
         self._unmark()
         self._removed = True
 
     # -- setup helpers -----------------------------------------------------------------
+    def _add_ring(self, ring: BlockRing, originals: list[list[torch.Tensor]] | None) -> None:
+        self.rings.append(ring)
+        if originals is not None:
+            self._originals[id(ring)] = originals
+
+    def _install(self, trace: bool) -> None:
+        for ring in self.rings:
+            if trace:
+                ring.enable_trace()
+            ring.install_hooks()
+        for mod in self._modules.values():
+            setattr(mod, _STATE_ATTR, self)
+
+    def _commit(self) -> None:
+        """Setup succeeded everywhere: drop the original storage of allgather blocks."""
+        self._originals = {}
+        self._groups.close_exchange()
+
     def _rollback(self) -> None:
         """Undo a partial setup: blocks and resident tensors go back where they were."""
         self._synchronize()
@@ -146,10 +194,6 @@ class OffloadHandle:
                         self._undo_moves.append(functools.partial(_set_data, t, t.data))
                         t.data = t.data.to(self.device)
 
-    def _mark(self) -> None:
-        for mod in self._modules.values():
-            setattr(mod, _STATE_ATTR, self)
-
     def _unmark(self) -> None:
         for mod in self._modules.values():
             if getattr(mod, _STATE_ATTR, None) is self:
@@ -181,18 +225,80 @@ def apply_offload(
     variable), read with ``handle.trace_report()``. Returns a handle with ``summary()`` and
     ``remove()``.
 
-    ``block_sources`` (component name -> :class:`~omni_dist_offload.checkpoint.BlockSource`)
+    ``block_sources`` (component name -> :class:`~omni_dist_offload.loading.checkpoint.BlockSource`)
     fills the host copies of blocks whose tensors are placeholders from a checkpoint; the
-    cold-start loader (``omni_dist_offload.coldstart``) passes it. ``progress`` shows a bar per
-    streamed component while its blocks are filled and page-locked (rank 0 only).
+    cold-start loader (``omni_dist_offload.loading.coldstart``) passes it. ``progress`` shows a
+    bar per streamed component while its blocks are filled and page-locked (front-ends pass it on
+    the rank whose output shows).
 
     With ``weight_transfer: "allgather"`` this is collective: every rank calls it with the same
     model and config.
     """
+    # Phase 1 reads only: nothing below changes the target until the handle exists.
     cfg = OffloadConfig.parse(config)
+    dev = _checked_device(device)
+    modules = _fresh_modules(target)
+    components = discover(target, cfg, plan)
+    layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
+    check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+    sources = _checked_sources(block_sources, components)
+    _check_process_group(process_group)
+    groups = GroupSession(cfg.collective_timeout_s)
+    try:
+        specs = _ring_specs(components, layouts, cfg, dev, process_group, sources, groups)
+    except BaseException:
+        groups.close()
+        raise
+
+    # Phase 2 changes the target; any failure undoes it.
+    handle = OffloadHandle(target, modules, dev, cfg, groups)
+    setup = _Setup.start(cfg, dev, any(s.group is not None for s in specs), progress)
+    try:
+        for spec in specs:
+            ring, originals = _build_ring(spec, setup)
+            handle._add_ring(ring, originals)
+        handle._move_resident({id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries})
+        handle._install(trace_enabled(trace))
+    except BaseException as exc:
+        handle._rollback()
+        if groups.active:  # tell the other ranks, which would otherwise wait in their first fill
+            with contextlib.suppress(Exception):
+                groups.agree(f"{type(exc).__name__}: {exc}")
+        groups.close()
+        raise
+    finally:
+        setup.pin.close()
+    _agree_all_or_nothing(handle, groups)
+    handle._commit()
+    _log_summary(handle)
+    return handle
+
+
+# -- phase 1: what streams, and how ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RingSpec:
+    """Everything phase 2 needs to build one component's ring."""
+
+    component: StreamedComponent
+    layouts: Sequence[BlockLayout]
+    source: BlockSource | None
+    group: WeightGroup | None = None
+    """Set when the ring streams with allgather over this group."""
+    gather: str = "nccl"
+    chunk_bytes: int = 0
+    fallback_reason: str | None = None
+    """Why an allgather ring streams rank-local."""
+
+
+def _checked_device(device: torch.device | str | None) -> torch.device:
     dev = resolve_device(device)
     if dev.type not in ("cuda", "cpu"):
         raise OffloadConfigError(f"device {dev} is not supported: use a CUDA device or 'cpu'.")
+    return dev
+
+
+def _fresh_modules(target: Any) -> dict[str, nn.Module]:
+    """The target's modules by attribute name; none may be offloaded already."""
     modules = {"transformer": target} if is_bare_module(target) else pipeline_modules(target)
     for name, mod in modules.items():
         if getattr(mod, _STATE_ATTR, None) is not None:
@@ -200,9 +306,11 @@ def apply_offload(
                 f"{name} ({type(mod).__name__}) is already offloaded: call remove() on the handle "
                 "that apply_offload returned before applying again."
             )
-    components = discover(target, cfg, plan)
-    layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
-    check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+    return modules
+
+
+def _checked_sources(block_sources: Mapping[str, BlockSource] | None,
+                     components: Sequence[StreamedComponent]) -> dict[str, BlockSource]:
     sources = dict(block_sources or {})
     if stray := sorted(set(sources) - {c.name for c in components}):
         raise OffloadConfigError(
@@ -210,97 +318,63 @@ def apply_offload(
             f"{[c.name for c in components]}): their placeholder weights would never be read. Pass the "
             "same config to prepare_cold_start and apply_offload."
         )
-    group, reason, wants = _weight_group(components, layouts, cfg, dev, process_group, sources)
-
-    handle = OffloadHandle(target, modules, dev, cfg)
-    pin = HostPinner.for_device(cfg.pin_memory, cfg.pin_failure, dev)
-    try:
-        # The copy stream exists so host-to-device copies run beside compute instead of behind
-        # it; the comm stream so the gather (NCCL all-gathers, or the copy-engine pulls from the
-        # peers' slots) runs beside both.
-        copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        # High priority for the same reason as the weight group's NCCL stream
-        # (distributed._nccl_options).
-        comm_stream = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" and group is not None else None
-        for comp in components:
-            ls = layouts[comp.name]
-            source = sources.get(comp.name)
-            start = time.perf_counter()
-            with _setup_bar(progress, comp, len(ls)) as bar:
-                step = bar.update if bar is not None else _no_step
-                if comp.name in wants and group is not None:
-                    chunk = _chunk_bytes(cfg, comp)
-                    ring, originals = _build_allgather_ring(comp, ls, dev, pin, group, chunk, copy_stream,
-                                                            comm_stream, source, step,
-                                                            _gather_of(cfg, comp, group, dev),
-                                                            cfg.collective_timeout_s)
-                    handle._originals[id(ring)] = originals
-                else:
-                    ring = _build_rank_local_ring(comp, ls, dev, pin, copy_stream,
-                                                  reason if comp.name in wants else None, source, step)
-            handle.setup_seconds[comp.name] = time.perf_counter() - start
-            handle.rings.append(ring)
-        streamed = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
-        handle._move_resident(streamed)
-        for ring in handle.rings:
-            if trace_enabled(trace):
-                ring.enable_trace()
-            ring.install_hooks()
-        handle._mark()
-    except BaseException as exc:
-        handle._rollback()
-        if group is not None:  # tell the other ranks, which would otherwise wait in their first fill
-            with contextlib.suppress(Exception):
-                agree_on_setup(f"{type(exc).__name__}: {exc}", cfg.collective_timeout_s)
-        raise
-    finally:
-        pin.close()
-    if group is not None:
-        failed = agree_on_setup(None, cfg.collective_timeout_s)
-        if failed:
-            handle._rollback()  # still local: the original storage is kept until here
-            rank, error = failed[0]
-            raise RuntimeError(
-                f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
-                "allgather needs all of them. Fix the error on that rank and apply again."
-            )
-    handle._originals = {}  # setup succeeded everywhere: drop the original storage of allgather blocks
-    _log_summary(handle, reason)
-    return handle
+    return sources
 
 
-def _weight_group(components, layouts, cfg, dev, process_group, sources):
-    """Decide, on every rank alike, whether the allgather components get a weight group."""
-    wants = {}
-    for c in components:
-        if cfg.options_for(c.category).weight_transfer != "allgather":
-            continue
-        source = sources.get(c.name)
-        samples = sample_digest(layouts[c.name], head=source.head if source is not None else None)
-        wants[c.name] = ComponentFacts("allgather", _chunk_bytes(cfg, c), cfg.options_for(c.category).gather,
-                                       tuple(l.name for l in layouts[c.name]),
-                                       tuple(layout_digest(layouts[c.name])), tuple(samples))
-    if not wants:
-        return None, None, wants
+def _check_process_group(process_group: Any | None) -> None:
     if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
         raise OffloadConfigError(
             f"process_group must be a torch.distributed ProcessGroup, found "
             f"{type(process_group).__name__}: pass a group from torch.distributed.new_group(ranks), "
             "or None for one group per host."
         )
-    group, reason = resolve_weight_group(wants, dev, process_group, cfg.collective_timeout_s)
-    if group is not None and group.peer_copy_reason is not None and dev.type == "cuda":
-        # Every rank sees the same gathered facts, so every rank raises alike.
-        for name, facts in wants.items():
-            if facts.gather == "copy-engine":
-                raise OffloadConfigError(
-                    f"{name}: gather 'copy-engine' cannot run here: {group.peer_copy_reason}. Use "
-                    "\"gather\": \"auto\" (falls back to NCCL) or \"nccl\"."
-                )
-        if current_rank() == 0 and any(f.gather == "auto" for f in wants.values()):
-            logger.info("%sallgather rebuilds blocks with NCCL, not the copy engines: %s",
-                        rank_prefix(), group.peer_copy_reason)
-    return group, reason, wants
+
+
+def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, Sequence[BlockLayout]],
+                cfg: OffloadConfig, dev: torch.device, process_group: Any | None,
+                sources: Mapping[str, BlockSource], groups: GroupSession) -> list[_RingSpec]:
+    """How each component streams. Components asking for allgather get the weight group that
+    every rank agrees on, or all stream rank-local with the same reason."""
+    facts = {c.name: _allgather_facts(c, layouts[c.name], cfg, sources.get(c.name)) for c in components
+             if cfg.options_for(c.category).weight_transfer == "allgather"}
+    group, reason = groups.resolve(facts, dev, process_group) if facts else (None, None)
+    if group is not None:
+        _check_gather(facts, group, dev)
+    specs = []
+    for c in components:
+        base = _RingSpec(c, layouts[c.name], sources.get(c.name))
+        if c.name not in facts:
+            specs.append(base)
+        elif group is None:
+            specs.append(dataclasses.replace(base, fallback_reason=reason))
+        else:
+            specs.append(dataclasses.replace(base, group=group, gather=_gather_of(cfg, c, group, dev),
+                                             chunk_bytes=facts[c.name].chunk_bytes))
+    return specs
+
+
+def _allgather_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], cfg: OffloadConfig,
+                     source: BlockSource | None) -> ComponentFacts:
+    """What must match across ranks for an allgather component."""
+    opts = cfg.options_for(comp.category)
+    samples = sample_digest(layouts, head=source.head if source is not None else None)
+    return ComponentFacts("allgather", int(opts.chunk_mib * 2**20), opts.gather,
+                          tuple(l.name for l in layouts), tuple(layout_digest(layouts)), tuple(samples))
+
+
+def _check_gather(facts: Mapping[str, ComponentFacts], group: WeightGroup, dev: torch.device) -> None:
+    """``gather: "copy-engine"`` where it cannot run is an error; ``auto`` says what it took."""
+    if group.peer_copy_reason is None or dev.type != "cuda":
+        return
+    # Every rank sees the same gathered facts, so every rank raises alike.
+    for name, f in facts.items():
+        if f.gather == "copy-engine":
+            raise OffloadConfigError(
+                f"{name}: gather 'copy-engine' cannot run here: {group.peer_copy_reason}. Use "
+                "\"gather\": \"auto\" (falls back to NCCL) or \"nccl\"."
+            )
+    if any(f.gather == "auto" for f in facts.values()):
+        logger.info("allgather rebuilds blocks with NCCL, not the copy engines: %s", group.peer_copy_reason)
 
 
 def _gather_of(cfg: OffloadConfig, comp: StreamedComponent, group: WeightGroup, dev: torch.device) -> str:
@@ -313,48 +387,85 @@ def _gather_of(cfg: OffloadConfig, comp: StreamedComponent, group: WeightGroup, 
     return asked
 
 
-def _setup_bar(enabled: bool, comp: StreamedComponent, blocks: int) -> Any:
-    """A progress bar over a component's blocks during setup, on rank 0; else no bar."""
-    if not enabled or current_rank() != 0:
-        return contextlib.nullcontext(None)
-    from tqdm.auto import tqdm
+# -- phase 2: fill host copies, build rings ---------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Setup:
+    """What every ring of one ``apply_offload`` shares."""
 
-    return tqdm(total=blocks, desc=f"{comp.name}: filling and page-locking blocks", unit="block", leave=False)
+    device: torch.device
+    pin: HostPinner
+    streams: TransferStreams
+    timeout_s: float
+    progress: bool
+
+    @classmethod
+    def start(cls, cfg: OffloadConfig, dev: torch.device, gathers: bool, progress: bool) -> _Setup:
+        cuda = dev.type == "cuda"
+        # The copy stream exists so host-to-device copies run beside compute instead of behind
+        # it; the comm stream so the gather (NCCL all-gathers, or the copy-engine pulls from the
+        # peers' slots) runs beside both. High priority for the same reason as the weight
+        # group's NCCL stream (transfer.groups._nccl_options).
+        streams = TransferStreams(copy=torch.cuda.Stream(dev) if cuda else None,
+                                  comm=torch.cuda.Stream(dev, priority=-1) if cuda and gathers else None)
+        return cls(dev, HostPinner.for_device(cfg.pin_memory, cfg.pin_failure, dev), streams,
+                   cfg.collective_timeout_s, progress)
+
+
+def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[torch.Tensor]] | None]:
+    """One component's ring, and (allgather) its blocks' original storage, kept until every
+    rank's setup has succeeded."""
+    start = time.perf_counter()
+    with _setup_bar(setup.progress, spec) as step:
+        if spec.group is not None:
+            transfer, parked, originals = _fill_shards(spec, setup, step)
+        else:
+            transfer, parked = _fill_buffers(spec, setup, step)
+            originals = None
+    ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked)
+    ring.setup_s = time.perf_counter() - start
+    return ring, originals
+
+
+@contextlib.contextmanager
+def _setup_bar(enabled: bool, spec: _RingSpec):
+    """Yields a step function: a progress bar over the component's blocks, or nothing."""
+    if not enabled:
+        yield _no_step
+        return
+    with tqdm(total=len(spec.layouts), desc=f"{spec.component.name}: filling and page-locking blocks",
+              unit="block", leave=False) as bar:
+        yield bar.update
 
 
 def _no_step(n: int = 1) -> None:
     pass
 
 
-def _chunk_bytes(cfg: OffloadConfig, comp: StreamedComponent) -> int:
-    return int(cfg.options_for(comp.category).chunk_mib * 2**20)
-
-
-def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                           pin: HostPinner, copy_stream, fallback_reason: str | None,
-                           source: BlockSource | None = None, step: Callable[[int], Any] = _no_step) -> BlockRing:
-    """Consolidate block by block: each block's original storage is dropped as soon as its host
-    buffer holds it, so host memory is never doubled. With a ``source``, placeholder tensors are
-    read from the checkpoint straight into the buffer. A failure copies the done blocks back."""
+def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
+    """Rank-local: whole blocks, consolidated one at a time; each block's original storage is
+    dropped as soon as its host buffer holds it, so host memory is never doubled. With a source,
+    placeholder tensors are read from the checkpoint straight into the buffer. A failure copies
+    the done blocks back."""
+    layouts, pin = spec.layouts, setup.pin
     buffers: list[HostBuffer] = []
     host_views: list[tuple[torch.Tensor, ...]] = []
     try:
         for layout in layouts:
             buf = HostBuffer(layout.nbytes)
             views = tuple(e.view_in(buf.tensor) for e in layout.entries)
-            if source is not None:
-                source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
+            if spec.source is not None:
+                spec.source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
             else:
                 for entry, view in zip(layout.entries, views):
                     view.copy_(entry.tensor.detach())
-            pin.pin_later(buf, comp.name, layout.name)
+            pin.pin_later(buf, spec.component.name, layout.name)
             bind(layout.entries, views)
             buffers.append(buf)
             host_views.append(views)
             step(1)
         pin.wait()
-        transfer = RankLocalTransfer(buffers, copy_stream, fallback_reason)
-        return BlockRing(comp, layouts, transfer, device, host_views)
+        transfer = RankLocalTransfer(buffers, setup.streams, setup.device, NUM_SLOTS, spec.fallback_reason)
+        return transfer, host_views
     except BaseException:
         with contextlib.suppress(BaseException):
             pin.wait()  # no registration may still be running on a buffer released below
@@ -364,42 +475,42 @@ def _build_rank_local_ring(comp: StreamedComponent, layouts: Sequence[BlockLayou
         raise
 
 
-def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout], device: torch.device,
-                          pin: HostPinner, group: WeightGroup, chunk_bytes: int, copy_stream, comm_stream,
-                          source: BlockSource | None = None, step: Callable[[int], Any] = _no_step,
-                          gather: str = "nccl", timeout_s: float = 600.0):
-    """Keep this rank's shard of every block. Returns the ring and the blocks' original storage,
-    which the caller drops once the whole setup has succeeded. With a ``source``, only this
-    rank's byte ranges are read from the checkpoint, straight into the shard."""
-    plans = [plan_shards(l.nbytes, group.size, group.rank, chunk_bytes) for l in layouts]
+def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
+    """allgather: this rank's shard of every block. With a source, only this rank's byte ranges
+    are read from the checkpoint, straight into the shard. Between uses a block's tensors hold
+    placeholders; their original storage is returned for the caller to keep until every rank
+    has succeeded."""
+    layouts, pin, group = spec.layouts, setup.pin, spec.group
+    plans = [plan_shards(l.nbytes, group.size, group.rank, spec.chunk_bytes) for l in layouts]
     # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
-    image = torch.empty(max(l.nbytes for l in layouts) if source is None else 0, dtype=torch.uint8)
+    image = torch.empty(max(l.nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     shards: list[HostBuffer] = []
     originals: list[list[torch.Tensor]] = []
     try:
         for layout, shard_plan in zip(layouts, plans):
             shard = HostBuffer(shard_plan.shard_nbytes)
-            if source is not None:
-                source.fill(layout, shard_pieces(shard_plan), shard.tensor)
+            if spec.source is not None:
+                spec.source.fill(layout, shard_pieces(shard_plan), shard.tensor)
             else:
                 block_image = image[: layout.nbytes]
                 for entry in layout.entries:
                     entry.view_in(block_image).copy_(entry.tensor.detach())
                 write_shard(shard_plan, block_image, shard.tensor)
-            pin.pin_later(shard, comp.name, layout.name)
+            pin.pin_later(shard, spec.component.name, layout.name)
             shards.append(shard)
             originals.append([e.tensor.data for e in layout.entries])
             bind(layout.entries, [_placeholder(e, placeholders) for e in layout.entries])
             step(1)
         del image
         pin.wait()
-        transfer = gather_transfer(gather, shards, plans, group, copy_stream, comm_stream, timeout_s, comp.name)
+        transfer = gather_transfer(spec.gather, shards, plans, group, setup.streams, setup.device, NUM_SLOTS,
+                                   setup.timeout_s, spec.component.name)
         parked = [[e.tensor.data for e in layout.entries] for layout in layouts]
-        return BlockRing(comp, layouts, transfer, device, parked), originals
+        return transfer, parked, originals
     except BaseException:
         with contextlib.suppress(BaseException):
-            pin.wait()  # as in _build_rank_local_ring
+            pin.wait()  # as in _fill_buffers
         for layout, data in zip(layouts, originals):
             bind(layout.entries, data)
         for shard in shards:
@@ -407,7 +518,7 @@ def _build_allgather_ring(comp: StreamedComponent, layouts: Sequence[BlockLayout
         raise
 
 
-def _placeholder(entry, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
     """A host tensor with the entry's shape and dtype and one element of storage: what a
     parameter holds between uses when this rank has only a shard of its block. Floats read NaN,
     so a weight used outside its block's forward shows up rather than passing for real data."""
@@ -419,18 +530,34 @@ def _placeholder(entry, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
     return scalar.expand(entry.tensor.shape)
 
 
-def _log_summary(handle: OffloadHandle, reason: str | None) -> None:
-    if current_rank() != 0:
+# -- the end of setup -------------------------------------------------------------------------
+def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
+    """Under allgather every rank must have succeeded; otherwise all undo (still local: the
+    original storage is kept until here) and raise alike."""
+    if not groups.active:
         return
-    if reason is not None:
-        logger.warning("%sallgather not used, streaming rank-local instead: %s", rank_prefix(), reason)
-    for row in handle.summary():
+    failed = groups.agree(None)
+    if failed:
+        handle._rollback()
+        groups.close()
+        rank, error = failed[0]
+        raise RuntimeError(
+            f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
+            "allgather needs all of them. Fix the error on that rank and apply again."
+        )
+
+
+def _log_summary(handle: OffloadHandle) -> None:
+    """One line per decision; the front-ends' log filter decides which ranks show."""
+    for row in handle.summary_rows():
+        if row.fallback_reason is not None:
+            logger.warning("%s: allgather not used, streaming rank-local instead: %s",
+                           row.component, row.fallback_reason)
         logger.info(
-            "%sstreaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
-            rank_prefix(), row["component"], row["module_class"], row["category"],
-            row["num_blocks"], row["block_bytes"] / 2**20,
-            row["weight_transfer"] + (f" ({row['gather']} gather)" if row["gather"] else ""),
-            row["host_bytes"] / 2**20, row["device_slot_bytes"] / 2**20,
+            "streaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
+            row.component, row.module_class, row.category, row.num_blocks, row.block_bytes / 2**20,
+            row.weight_transfer + (f" ({row.gather} gather)" if row.gather else ""),
+            row.host_bytes / 2**20, row.device_slot_bytes / 2**20,
         )
 
 

@@ -24,7 +24,7 @@ import torch
 
 from .config import PIN_FAILURES
 
-__all__ = ["HostBuffer", "HostPinner", "PinMemoryError"]
+__all__ = ["HUGE_PAGES_ENV", "HostBuffer", "HostPinner", "PinMemoryError", "huge_pages_wanted"]
 
 _PAGE = 4096
 #: Threads that page-lock host buffers during setup (``pin_failure: "error"``).
@@ -61,7 +61,7 @@ class HostBuffer:
 
     def __init__(self, nbytes: int) -> None:
         rounded = -(-nbytes // _PAGE) * _PAGE
-        huge = nbytes >= _HUGE_PAGE and _huge_pages_wanted()
+        huge = nbytes >= _HUGE_PAGE and huge_pages_wanted()
         align = _HUGE_PAGE if huge else _PAGE
         raw = torch.empty(rounded + align, dtype=torch.uint8)
         start = (-raw.data_ptr()) % align
@@ -190,7 +190,8 @@ _MADV_HUGEPAGE = 14
 HUGE_PAGES_ENV = "OMNI_OFFLOAD_HUGE_PAGES"
 
 
-def _huge_pages_wanted() -> bool:
+def huge_pages_wanted() -> bool:
+    """Whether host buffers ask for transparent huge pages (Linux, unless turned off)."""
     return sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
 
 

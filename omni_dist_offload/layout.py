@@ -17,7 +17,7 @@ from torch import nn
 from .config import OffloadConfigError
 
 __all__ = [
-    "ALIGNMENT", "BlockLayout", "TensorEntry", "bind", "check_ownership", "layout_block", "restore_blocks",
+    "ALIGNMENT", "BlockLayout", "TensorEntry", "align", "bind", "check_ownership", "layout_block", "restore_blocks",
 ]
 
 #: Offset alignment of every tensor in a block buffer, in bytes.
@@ -88,11 +88,12 @@ def layout_block(index: int, name: str, block: nn.Module) -> BlockLayout:
                 nbytes = t.numel() * t.element_size()
                 entries.append(TensorEntry(qual, t, offset, nbytes, t.dtype, storage_shape,
                                            inverse_perm, t.device))
-                offset = _align(offset + nbytes)
+                offset = align(offset + nbytes)
     return BlockLayout(index, name, block, tuple(entries), offset)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGNMENT`."""
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 

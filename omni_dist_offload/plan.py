@@ -29,10 +29,12 @@ __all__ = [
     "OffloadPlan",
     "StreamedComponent",
     "discover",
+    "module_bytes",
     "pipeline_modules",
+    "resolve_component",
 ]
 
-logger = logging.getLogger("omni_dist_offload")
+logger = logging.getLogger(__name__)
 
 #: Block lists of unmodified diffusers DiT classes, in the order their forward runs them.
 DIT_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
@@ -201,7 +203,7 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
                 f"component, but 'components' is {list(config.components)}: list 'dit', or "
                 "pass the pipeline that holds the text encoder."
             )
-        return [_resolve_component("transformer", "dit", target, plan)]
+        return [resolve_component("transformer", "dit", target, plan)]
     plan = plan if plan is not None else getattr(target, "_offload_plan", None) or OffloadPlan()
     if not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(
@@ -225,11 +227,11 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
                 "'components', or declare the module in an OffloadPlan "
                 "(encoder_component_types / dit_components)."
             )
-        found.extend(_resolve_component(n, category, modules[n], plan) for n in names)
+        found.extend(resolve_component(n, category, modules[n], plan) for n in names)
     return found
 
 
-def _resolve_component(name: str, category: str, module: nn.Module, plan: OffloadPlan | None) -> StreamedComponent:
+def resolve_component(name: str, category: str, module: nn.Module, plan: OffloadPlan | None) -> StreamedComponent:
     attempts: list[tuple[tuple[str, ...], str]] = []
     if category == "text_encoder" and plan is not None and name in plan.encoder_block_attrs:
         attempts.append((tuple(plan.encoder_block_attrs[name]), "OffloadPlan.encoder_block_attrs"))
@@ -305,12 +307,12 @@ def _module_lists(module: nn.Module) -> list[str]:
 
 def _scan(name: str, module: nn.Module) -> tuple[str, ...]:
     """The one ModuleList that holds most of the component's bytes, if there is one."""
-    total = sum(t.numel() * t.element_size() for t in _tensors(module))
+    total = module_bytes(module)
     best: tuple[int, str] | None = None
     for path, lst in module.named_modules():
         if not path or not isinstance(lst, nn.ModuleList) or len(lst) < 2:
             continue
-        size = sum(t.numel() * t.element_size() for t in _tensors(lst))
+        size = module_bytes(lst)
         if best is None or size > best[0]:
             best = (size, path)
     if best is None or total == 0 or best[0] < _SCAN_MIN_SHARE * total:
@@ -323,10 +325,8 @@ def _scan(name: str, module: nn.Module) -> tuple[str, ...]:
     return (best[1],)
 
 
-def _tensors(module: nn.Module):
-    seen: set[int] = set()
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield t
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's distinct parameters and buffers (a tied tensor counts once)."""
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -1,7 +1,7 @@
 """The block ring: the per-component coordinator and its hooks.
 
-One :class:`BlockRing` per streamed component. It owns two device slots, the slot events and the
-block hooks. Before block ``i`` runs, the compute stream waits until ``i`` is in a slot and the
+One :class:`BlockRing` per streamed component. It uses its transfer's two device slots and owns
+the slot events and the block hooks. Before block ``i`` runs, the compute stream waits until ``i`` is in a slot and the
 ring prefetches block ``i + 1`` (block 0 after the last) into the other slot; after block ``i``
 runs, the slot is marked free on the compute stream and the block's parameters point back at
 their host copies. The timeline and its invariants are in ``docs/design.md``,
@@ -19,12 +19,13 @@ import torch
 from .layout import BlockLayout, bind
 from .plan import StreamedComponent
 from .trace import RingTracer
-from .transfer import WeightTransfer
+from .transfer.protocol import WeightTransfer
 
-__all__ = ["BlockRing"]
+__all__ = ["NUM_SLOTS", "BlockRing"]
 
 _EMPTY = -1
-_NUM_SLOTS = 2
+#: Device slots per ring: the block that runs, and the next one arriving.
+NUM_SLOTS = 2
 
 
 class BlockRing:
@@ -44,10 +45,12 @@ class BlockRing:
         self.device = device
         self._cuda = device.type == "cuda"
         sizes = [transfer.device_nbytes(layout.index) for layout in layouts]
-        slot_bytes = max(sizes)
-        # The slots are allocated once and reused for every block of every step: the per-block
-        # path allocates nothing and never returns memory to the allocator mid-forward.
-        self.slots = transfer.make_slots(slot_bytes, _NUM_SLOTS, device)
+        # The transfer allocated the slots once; they are reused for every block of every step:
+        # the per-block path allocates nothing and never returns memory to the allocator.
+        self.slots = transfer.slots
+        if len(self.slots) != NUM_SLOTS:
+            raise ValueError(f"{component.name}: the transfer has {len(self.slots)} device slots; "
+                             f"the ring needs {NUM_SLOTS} (construct it with num_slots=NUM_SLOTS).")
         # What a block's tensors point at between uses: views into its host buffer (rank-local)
         # or shape-keeping placeholders (allgather, where this rank holds only a shard).
         self._parked = [tuple(v) for v in parked]
@@ -57,9 +60,9 @@ class BlockRing:
         # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
         # waits on it before the block runs. free[s]: recorded on the compute stream after the
         # block in slot s ran; the transfer waits on it before overwriting slot s.
-        self._ready = [torch.cuda.Event() if self._cuda else None for _ in range(_NUM_SLOTS)]
-        self._free = [torch.cuda.Event() if self._cuda else None for _ in range(_NUM_SLOTS)]
-        self._slot_block = [_EMPTY] * _NUM_SLOTS
+        self._ready = [torch.cuda.Event() if self._cuda else None for _ in range(NUM_SLOTS)]
+        self._free = [torch.cuda.Event() if self._cuda else None for _ in range(NUM_SLOTS)]
+        self._slot_block = [_EMPTY] * NUM_SLOTS
         # The block between its pre- and post-forward, and its slot (blocks do not nest).
         self._current = _EMPTY
         self._current_slot = _EMPTY
@@ -67,12 +70,14 @@ class BlockRing:
         # post-forward): the next on-demand fetch is expected, not an ordering problem.
         self._disrupted = False
         self._next = [(i + 1) % len(layouts) for i in range(len(layouts))]
-        self._last_slot = _NUM_SLOTS - 1
+        self._last_slot = NUM_SLOTS - 1
         self._warm = False
         self._warned_miss = False
         self._warned_grad = False
         self._hooks: list = []
         self.tracer: RingTracer | None = None
+        self.setup_s: float | None = None
+        """Seconds spent filling and page-locking the host copy (set by ``apply_offload``)."""
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""
@@ -138,7 +143,7 @@ class BlockRing:
         self._last_slot = slot
 
     def _slot_of(self, block: int) -> int:
-        for s in range(_NUM_SLOTS):
+        for s in range(NUM_SLOTS):
             if self._slot_block[s] == block:
                 return s
         return _EMPTY

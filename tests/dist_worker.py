@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from omni_dist_offload import OffloadConfigError, apply_offload  # noqa: E402
 from omni_dist_offload import apply as apply_mod  # noqa: E402
-from omni_dist_offload import tiny  # noqa: E402
+import tiny_models as tiny  # noqa: E402
 from omni_dist_offload.hostmem import HostBuffer, HostPinner, PinMemoryError  # noqa: E402
 from toys import ToyDiT, assert_same, snapshot  # noqa: E402
 
@@ -330,7 +330,7 @@ def interrupts(out: dict) -> None:
 
 def soak_short(out: dict) -> None:
     """The CI-sized soak: 60 forwards alternating two shapes, allgather on gloo."""
-    from omni_dist_offload.soak import SoakOptions, run_soak
+    from omni_dist_offload.tools.soak import SoakOptions, run_soak
 
     torch.set_num_threads(1)
     result = run_soak(SoakOptions(model="tiny-wan", forwards=60, transfer="allgather", warmup=10,
@@ -384,7 +384,7 @@ def cold_start(out: dict) -> None:
     """Cold start with allgather from the folder in OMNI_TEST_FOLDER against the ordinary load:
     bitwise equal DiT and text-encoder outputs, and the summary (cold_start_rss checks memory)."""
     from diffusers import DiffusionPipeline
-    from omni_dist_offload.coldstart import load_offloaded
+    from omni_dist_offload.loading.coldstart import load_offloaded
 
     folder = os.environ["OMNI_TEST_FOLDER"]
     cfg = dict(AG, layer_options={"dit": {"weight_transfer": "allgather", "chunk_mib": 0.02},
@@ -423,7 +423,7 @@ def cold_start_rss(out: dict) -> None:
     """Peak host memory of a cold start (fp32 checkpoint, bf16 run) against the ordinary load of
     the same DiT (OMNI_TEST_BIG_FOLDER, a pipeline folder holding only the transformer)."""
     from diffusers import WanTransformer3DModel
-    from omni_dist_offload.coldstart import load_offloaded, prepare_cold_start
+    from omni_dist_offload.loading.coldstart import load_offloaded, prepare_cold_start
 
     big = os.environ["OMNI_TEST_BIG_FOLDER"]
     cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 60,

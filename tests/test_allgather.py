@@ -13,9 +13,9 @@ import torch
 
 from omni_dist_offload import apply_offload
 from omni_dist_offload import OffloadConfigError
-from omni_dist_offload.distributed import (ComponentFacts, _check_same_layout, _gpu_facts, _peer_copy_reason,
+from omni_dist_offload.transfer.groups import (ComponentFacts, _check_same_layout, _gpu_facts, _peer_copy_reason,
                                            _RankFacts, _fallback_reason)
-from omni_dist_offload.sharding import plan_shards, write_shard
+from omni_dist_offload.transfer.sharding import plan_shards, write_shard
 from toys import ToyDiT
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")

@@ -11,8 +11,9 @@ import torch
 from PIL import Image
 
 from omni_dist_offload import Omni
-from omni_dist_offload.api import GenerationOptionError, ModelLoadError, resolve_dtype
-from omni_dist_offload.outputs import GenerationResult, mp4_available
+from omni_dist_offload.app.api import GenerationOptionError
+from omni_dist_offload.loading.pipelines import ModelLoadError, resolve_dtype
+from omni_dist_offload.app.outputs import GenerationResult, mp4_available
 from media import read_frames
 
 STREAM_ALL = {"mode": "layer", "components": ["dit", "text_encoder"]}
@@ -63,7 +64,7 @@ def test_close_restores_resident_tensors_with_equal_output() -> None:
 
 
 def test_local_folder_loads_through_from_pretrained(tmp_path: Path) -> None:
-    from omni_dist_offload.tiny import TINY_FLUX_DEFAULTS, tiny_flux_pipeline
+    from tiny_models import TINY_FLUX_DEFAULTS, tiny_flux_pipeline
 
     tiny_flux_pipeline().save_pretrained(tmp_path / "flux")
     omni = Omni(str(tmp_path / "flux"), STREAM_ALL, progress=False)
@@ -127,7 +128,7 @@ def test_video_written_as_mp4_with_the_video_extra(tmp_path: Path) -> None:
 
 
 def test_pickled_checkpoints_are_not_loaded(tmp_path: Path) -> None:
-    from omni_dist_offload.tiny import tiny_flux_pipeline
+    from tiny_models import tiny_flux_pipeline
 
     tiny_flux_pipeline().save_pretrained(tmp_path / "flux", safe_serialization=False)
     with pytest.raises(ModelLoadError, match="could not load"):

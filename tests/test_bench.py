@@ -15,9 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_dist_offload import bench
-from omni_dist_offload.bench import PRESETS, CaseResult, PeerOffload, build_model, floor_ms, schedule
-from omni_dist_offload.cli import main as cli_main
+from omni_dist_offload.tools import bench
+from omni_dist_offload.tools.bench import CaseResult, PeerOffload, floor_ms, schedule
+from omni_dist_offload.models import PRESETS, build_model, flux_inputs
+from omni_dist_offload.plan import module_bytes
+from omni_dist_offload.app.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_WAN = ["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32",
@@ -74,7 +76,7 @@ def test_cli_bench_tiny_wan_reports_every_field_json_and_png(tmp_path, capsys) -
     assert rows["rank-local"]["bitwise_equal"] and rows["resident"]["bitwise_equal"]
     assert rows["rank-local"]["weight_transfer"] == "rank-local"
     assert rows["peer"]["weight_transfer"] == "group-offload"
-    model_mib = bench._tensor_bytes(build_model(PRESETS["tiny-wan"], 4, torch.device("cpu"), torch.float32)) / 2**20
+    model_mib = module_bytes(build_model(PRESETS["tiny-wan"], 4, torch.device("cpu"), torch.float32)) / 2**20
     assert rows["peer"]["host_mib"] == pytest.approx(model_mib)  # the peer keeps the whole model
     assert 0 < rows["rank-local"]["host_mib"] < model_mib  # only the blocks
     assert rows["peer"]["setup_s"] > 0 and rows["rank-local"]["setup_s"] > 0
@@ -99,12 +101,12 @@ def test_module_entry_runs_block_counts_and_sizes_as_cases(tmp_path, capsys) -> 
 
 def test_peer_offload_is_undone_to_a_bitwise_equal_resident_model() -> None:
     model = build_model(PRESETS["tiny-flux"], 3, torch.device("cpu"), torch.float32)
-    inputs = bench.flux_inputs(model, 32, torch.device("cpu"), torch.float32, text_tokens=8)
+    inputs = flux_inputs(model, 32, torch.device("cpu"), torch.float32, text_tokens=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.inference_mode():
         reference = model(**inputs)[0]
         peer = PeerOffload(model, torch.device("cpu"))
-        assert peer.host_bytes() == bench._tensor_bytes(model)
+        assert peer.host_bytes() == module_bytes(model)
         assert torch.equal(model(**inputs)[0], reference)
         peer.remove()
         after = model.state_dict()
@@ -115,9 +117,6 @@ def test_peer_offload_is_undone_to_a_bitwise_equal_resident_model() -> None:
 
 
 def test_timeline_png_from_a_traced_run(tmp_path, capsys) -> None:
-    reason = bench.tracing_unavailable()
-    if reason:
-        pytest.skip(f"--timeline needs the tracing API: {reason}")
     out_json, out_png = tmp_path / "bench.json", tmp_path / "timeline.png"
     argv = [*TINY_WAN, "--variants", "rank-local", "--json", str(out_json), "--timeline", str(out_png)]
     assert bench.main(argv) == 0
@@ -130,7 +129,7 @@ def test_timeline_png_from_a_traced_run(tmp_path, capsys) -> None:
 
 
 def test_draw_timeline_from_a_report(tmp_path) -> None:
-    from omni_dist_offload.timeline import draw_timeline
+    from omni_dist_offload.tools.timeline import draw_timeline
 
     blocks = [{"index": i, "name": f"blocks.{i}", "bytes": 1 << 20, "compute_start_ms": 2.0 * i + 0.5 * (i == 2),
                "compute_ms": 1.5, "wait_ms": 0.5 if i == 2 else 0.0,
@@ -180,9 +179,7 @@ def test_gpu_run_peer_with_streams_floor_and_timeline(tmp_path, capsys) -> None:
     timeline comes from CUDA events; every variant of this project is bitwise equal."""
     out_json = tmp_path / "gpu.json"
     argv = ["--preset", "tiny-flux", "--px", "64", "--warmup", "1", "--repeats", "3",
-            "--json", str(out_json), "--png", str(tmp_path / "o.png")]
-    if bench.tracing_unavailable() is None:
-        argv += ["--timeline", str(tmp_path / "t.png")]
+            "--json", str(out_json), "--png", str(tmp_path / "o.png"), "--timeline", str(tmp_path / "t.png")]
     assert bench.main(argv) == 0
     data = json.loads(out_json.read_text())
     rows = {r["variant"]: r for r in data["results"]}

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_dist_offload.cli import main
+from omni_dist_offload.app.cli import main
 from media import read_frames
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_generate_tiny_flux_images(tmp_path) -> None:
 
 
 def test_generate_from_a_local_folder(tmp_path) -> None:
-    from omni_dist_offload.tiny import tiny_wan_pipeline
+    from tiny_models import tiny_wan_pipeline
 
     tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
     rc = main(["--model", str(tmp_path / "wan"), "--height", "32", "--width", "32", "--num-frames", "5",

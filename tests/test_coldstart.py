@@ -13,11 +13,13 @@ from diffusers import DiffusionPipeline, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 from transformers import UMT5EncoderModel
 
-from omni_dist_offload import OffloadConfigError, Omni, apply_offload, tiny
-from omni_dist_offload.checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint
-from omni_dist_offload.coldstart import load_offloaded, pipeline_class, prepare_cold_start
+from omni_dist_offload import OffloadConfigError, Omni, apply_offload
+import tiny_models as tiny
+from omni_dist_offload.loading.checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint
+from omni_dist_offload.loading.coldstart import load_offloaded, prepare_cold_start
+from omni_dist_offload.loading.folders import pipeline_class
 from omni_dist_offload.layout import layout_block
-from omni_dist_offload.sharding import plan_shards, shard_pieces, write_shard
+from omni_dist_offload.transfer.sharding import plan_shards, shard_pieces, write_shard
 from test_allgather import launch
 
 BOTH = {"mode": "layer", "components": ["dit", "text_encoder"]}
@@ -195,7 +197,7 @@ def test_shard_fill_reads_only_its_ranges(wan_folder, world):
 
 
 def test_cli_cold_start_and_opt_out(wan_folder, tmp_path):
-    from omni_dist_offload.cli import main
+    from omni_dist_offload.app.cli import main
 
     for flag in ([], ["--no-cold-start"]):
         out = tmp_path / ("cold" if not flag else "plain")

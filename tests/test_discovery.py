@@ -8,7 +8,7 @@ from torch import nn
 
 from omni_dist_offload import OffloadConfig, OffloadConfigError, OffloadPlan, apply_offload
 from omni_dist_offload.plan import DIT_BLOCK_ATTRS, discover
-from omni_dist_offload import tiny
+import tiny_models as tiny
 from toys import ToyBlock, ToyDiT, assert_same, snapshot
 
 BOTH = OffloadConfig.parse({"mode": "layer", "components": ["dit", "text_encoder"]})

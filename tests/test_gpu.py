@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omni_dist_offload import apply_offload
-from omni_dist_offload import tiny
+import tiny_models as tiny
 from toys import OddDiT
 
 pytestmark = pytest.mark.gpu

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from omni_dist_offload import Omni
-from omni_dist_offload.api import SamplingOptions
-from omni_dist_offload.cli import main
-from omni_dist_offload.dp import DistContext, maybe_init_dist, plan_jobs, run_jobs
+from omni_dist_offload.app.api import SamplingOptions
+from omni_dist_offload.app.cli import main
+from omni_dist_offload.app.dp import plan_jobs, run_jobs
+from omni_dist_offload.runtime.dist import DistContext, maybe_init_dist
 from media import read_frames
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni_dist_offload import apply_offload
-from omni_dist_offload import tiny
+import tiny_models as tiny
 
 DIT = {"mode": "layer", "components": ["dit"]}
 TE = {"mode": "layer", "components": ["text_encoder"]}

@@ -16,10 +16,10 @@ import torch
 
 import omni_dist_offload
 from omni_dist_offload import OffloadConfig, OffloadConfigError, Omni, apply_offload
-from omni_dist_offload import api
+from omni_dist_offload.loading import pipelines as api
 from omni_dist_offload import apply as apply_mod
-from omni_dist_offload import soak
-from omni_dist_offload.soak import SoakOptions, run_soak
+from omni_dist_offload.tools import soak
+from omni_dist_offload.tools.soak import SoakOptions, run_soak
 from toys import ToyDiT, assert_same, snapshot
 
 DIT = {"mode": "layer", "components": ["dit"]}

@@ -28,9 +28,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from omni_dist_offload import Omni  # noqa: E402
-from omni_dist_offload.cli import main  # noqa: E402
-from omni_dist_offload.dp import DistContext  # noqa: E402
-from omni_dist_offload.serve import (  # noqa: E402
+from omni_dist_offload.app.cli import main  # noqa: E402
+from omni_dist_offload.runtime.dist import DistContext  # noqa: E402
+from omni_dist_offload.app.serve.service import (  # noqa: E402
     ModelLimits,
     QueueFull,
     ServeOptions,
@@ -97,7 +97,7 @@ class Server:
     def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1) -> None:
         self.port = free_port()
         self.out_dir = tmp / "out"
-        cli = ["-m", "omni_dist_offload.cli", "serve", "--model", model, "--diffusion-offload-config",
+        cli = ["-m", "omni_dist_offload.app.cli", "serve", "--model", model, "--diffusion-offload-config",
                CONFIG, "--port", str(self.port), "--output-dir", str(self.out_dir), "--video-format",
                "gif", *flags]
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
@@ -327,7 +327,8 @@ def _rank0_pid(launcher: int) -> int:
 
 # -- in process: a failing generation, the queue, the flags ----------------------------------
 def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
-    from omni_dist_offload.serve_http import HttpServer, ServeMetrics
+    from omni_dist_offload.app.serve.http import HttpServer
+    from omni_dist_offload.app.serve.metrics import ServeMetrics
 
     omni = Omni("tiny-flux", CONFIG, progress=False)
     generate = omni.generate
@@ -367,7 +368,7 @@ def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:
 
 
 def test_wave_queue_groups_by_shape_in_arrival_order() -> None:
-    from omni_dist_offload.serve import Job
+    from omni_dist_offload.app.serve.service import Job
 
     queue = WaveQueue(max_jobs=5)
     queue.put([Job(_slot(0)), Job(_slot(1, height=32)), Job(_slot(2)), Job(_slot(3, steps=4))])
@@ -392,7 +393,7 @@ def test_model_limits() -> None:
 
 
 def test_missing_http_stack_is_one_line_naming_the_extra(monkeypatch, capsys) -> None:
-    monkeypatch.setattr("omni_dist_offload.serve._SERVE_MODULES", ("fastapi", "no_such_module_for_serve"))
+    monkeypatch.setattr("omni_dist_offload.app.serve.service._SERVE_MODULES", ("fastapi", "no_such_module_for_serve"))
     assert main(["serve", "--model", "tiny-flux"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no_such_module_for_serve" in lines[0]
@@ -411,5 +412,5 @@ def test_serve_sh_runs_the_serve_command_under_torchrun(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "ARGS --nproc_per_node 2 --standalone -m omni_dist_offload.cli serve --model tiny-flux",
+        "ARGS --nproc_per_node 2 --standalone -m omni_dist_offload serve --model tiny-flux",
         "NCCL_NVLS_ENABLE=0"]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from omni_dist_offload import tiny
+import tiny_models as tiny
 
 DIT_CASES: dict[str, tuple[Callable[..., torch.nn.Module], Callable[..., dict[str, Any]]]] = {
     "wan": (tiny.tiny_wan_transformer, tiny.wan_transformer_inputs),

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from omni_dist_offload import transfer
+from omni_dist_offload.transfer import copy_engine, memops
 
 
 class _Event:
@@ -35,7 +35,7 @@ def _wait_for(cond, seconds: float = 5.0) -> None:
 
 def test_watchdog_ends_the_process_naming_ring_and_block(monkeypatch, capfd):
     codes = _exits(monkeypatch)
-    dog = transfer._Watchdog(0.2, "transformer")
+    dog = copy_engine._Watchdog(0.2, "transformer")
     try:
         dog.watch(_Event(done=False), 7)
         _wait_for(lambda: codes)
@@ -49,7 +49,7 @@ def test_watchdog_ends_the_process_naming_ring_and_block(monkeypatch, capfd):
 
 def test_watchdog_leaves_completed_fills_alone(monkeypatch):
     codes = _exits(monkeypatch)
-    dog = transfer._Watchdog(0.1, "transformer")
+    dog = copy_engine._Watchdog(0.1, "transformer")
     try:
         dog.watch(_Event(done=True), 0)
         time.sleep(0.5)
@@ -67,10 +67,10 @@ def test_watchdog_leaves_completed_fills_alone(monkeypatch):
 
 def test_stream_memops_availability_is_a_plain_answer():
     # True on a machine with the CUDA driver, False without one; never an exception.
-    assert transfer.StreamMemOps.available() in (True, False)
+    assert memops.StreamMemOps.available() in (True, False)
 
 
 def test_cuda_errors_name_the_call():
     with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed with CUDA driver error 1"):
-        transfer._check(1, "cuStreamWaitValue32")
-    transfer._check(0, "cuStreamWaitValue32")
+        memops._check(1, "cuStreamWaitValue32")
+    memops._check(0, "cuStreamWaitValue32")

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .layout import ALIGNMENT, BlockLayout, TensorEntry
+from ..layout import ALIGNMENT, BlockLayout, TensorEntry, align
 
 __all__ = ["ShardPlan", "layout_digest", "plan_shards", "sample_digest", "shard_pieces", "write_shard"]
 
@@ -48,7 +48,7 @@ def plan_shards(nbytes: int, world: int, rank: int, chunk_bytes: int) -> ShardPl
     offset = 0
     remaining = max(nbytes, 1)
     while remaining > 0:
-        c = min(per_rank_max, _align(-(-remaining // world)))
+        c = min(per_rank_max, align(-(-remaining // world)))
         chunks.append((offset, c))
         offset += world * c
         remaining -= world * c
@@ -109,7 +109,3 @@ def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64,
         sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8)
         out.append(hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16])
     return out
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT

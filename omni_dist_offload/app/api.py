@@ -9,12 +9,11 @@
 
 ``model`` is a built-in name (``tiny-wan``, ``tiny-flux``: random weights built in code, no
 downloads), a local diffusers folder (``save_pretrained`` output) or a hub id whose weights are
-cached. With an offload config, a folder or cached snapshot is cold-started
-(``omni_dist_offload.coldstart``): streamed components are built without their weights and each
-block is read from the safetensors files straight into this rank's host buffer or shard, so no
-rank ever holds the whole model; everything else loads as usual. Otherwise the pipeline is built
-on the host, then :func:`apply_offload` streams the selected components and moves everything else
-to the device; without a config the whole pipeline moves to the device.
+cached. Loading and placing is :func:`omni_dist_offload.loading.load_and_place`: with an
+offload config a folder or cached snapshot is cold-started (streamed blocks read from the
+safetensors files straight into this rank's host buffer or shard), otherwise the pipeline is
+built on the host and :func:`apply_offload` streams the selected components; without a config
+the whole pipeline moves to the device.
 """
 
 from __future__ import annotations
@@ -26,16 +25,17 @@ import platform
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .apply import OffloadHandle, apply_offload, resolve_device
-from .config import OffloadConfig
+from ..apply import OffloadHandle, RingSummary, resolve_device
+from ..config import OffloadConfig
+from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes, load_and_place, module_components, resolve_dtype
+from ..models import BUILTIN_MODELS, BUILTIN_PIPELINE_DEFAULTS
+from ..runtime.logs import is_logged_rank
 from .outputs import GenerationResult, to_uint8
-from .ranks import current_rank, rank_prefix
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -50,17 +50,7 @@ __all__ = [
     "resolve_dtype",
 ]
 
-logger = logging.getLogger("omni_dist_offload")
-
-#: Built-in pipelines (see ``omni_dist_offload.tiny``): random weights, built in code.
-BUILTIN_MODELS: tuple[str, ...] = ("tiny-wan", "tiny-flux", "wan-14b-random")
-
-#: Names accepted for ``dtype`` (and ``--dtype``).
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
+logger = logging.getLogger(__name__)
 
 #: Frames per second of written videos when the caller gives none (Wan's rate).
 DEFAULT_FPS = 16
@@ -71,10 +61,6 @@ _RESERVED = frozenset({"prompt", "generator", "output_type", "return_dict"})
 
 class GenerationOptionError(ValueError):
     """A generation option the pipeline does not take (``num_frames`` for an image model, say)."""
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found or loaded; the message says what was tried."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,7 +111,8 @@ class Omni:
         cold_start: bool = True,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
-        denoising progress bars (on rank 0 only). ``load_kwargs`` go to ``from_pretrained``.
+        denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
+        ``load_kwargs`` go to ``from_pretrained``.
         ``cold_start=False`` loads a folder whole before offloading it (the slower, memory-hungry
         path; for comparison and debugging)."""
         self.model = model
@@ -133,77 +120,37 @@ class Omni:
         self.config = None if config is None else OffloadConfig.parse(config)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.handle: OffloadHandle | None = None
-        self._progress = progress
-        self.cold_start = False
+        loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,
+                                load_kwargs=load_kwargs, cold_start=cold_start,
+                                progress=progress and is_logged_rank())
+        self.pipeline = loaded.pipeline
+        self.handle: OffloadHandle | None = loaded.handle
+        self.cold_start = loaded.cold_start
         """Whether the streamed components were cold-started from their safetensors files."""
-        start = time.perf_counter()
-        cold = self._prepare_cold_start(dict(load_kwargs or {})) if cold_start else None
-        try:
-            self.pipeline = _load_pipeline(str(cold.folder) if cold else model, self.dtype,
-                                           {**(load_kwargs or {}), **(cold.components if cold else {})})
-            loaded = time.perf_counter()
-            self._place(cold)
-        finally:
-            if cold is not None:
-                cold.close()
-        self.timings = SetupTimings(load_s=loaded - start, place_s=time.perf_counter() - loaded)
+        self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
         self.set_progress(progress)
         self._signature = inspect.signature(self.pipeline.__call__)
-        logger.info("%s%s ready on %s (%s) in %.1f s (load %.1f s, %s %.1f s)", rank_prefix(),
-                    model, self.device, _dtype_name(self.dtype), self.timings.setup_s,
-                    self.timings.load_s, "offload" if self.config else "move",
-                    self.timings.place_s)
-
-    # -- setup -------------------------------------------------------------------------
-    def _prepare_cold_start(self, load_kwargs: dict[str, Any]) -> Any:
-        """Build the streamed components of a folder without their weights, or None when the
-        ordinary load applies (no config, a built-in, nothing to cold-start)."""
-        if self.config is None or self.model in BUILTIN_MODELS:
-            return None
-        from .coldstart import cold_start_folder, prepare_cold_start
-
-        folder, reason = cold_start_folder(self.model, load_kwargs)
-        if folder is None:
-            logger.info("%sloading %s whole before offloading: %s", rank_prefix(), self.model, reason)
-            return None
-        cold = prepare_cold_start(folder, self.config, device=self.device, dtype=self.dtype)
-        if not cold.components:
-            cold.close()
-            return None
-        self.cold_start = True
-        logger.info("%scold start: %s built without block weights; their blocks are read from the "
-                    "safetensors files into host memory", rank_prefix(), sorted(cold.components))
-        return cold
-
-    def _place(self, cold: Any = None) -> None:
-        """Stream the selected components; everything else (or all of it) goes to the device.
-
-        Never ``pipeline.to(device)`` after ``apply_offload``: that would pull the streamed
-        blocks onto the device and undo the streaming."""
-        if self.config is None:
-            self.pipeline.to(self.device)
-            return
-        total = sum(_module_bytes(m) for m in _pipeline_modules(self.pipeline).values())
-        logger.info("%soffloading %s of %s (%s of weights in all) to stream from host memory; "
-                    "consolidating%s blocks", rank_prefix(), list(self.config.components),
-                    self.model, format_bytes(total),
-                    " and pinning" if self.config.pin_memory and self.device.type == "cuda" else "")
-        self.handle = apply_offload(self.pipeline, self.config, device=self.device,
-                                    block_sources=cold.sources if cold else None, progress=self._progress)
+        logger.info("%s ready on %s (%s) in %.1f s (load %.1f s, %s %.1f s)", model, self.device,
+                    _dtype_name(self.dtype), self.timings.setup_s, self.timings.load_s,
+                    "offload" if self.config else "move", self.timings.place_s)
 
     def set_progress(self, show: bool) -> None:
-        """Show or hide denoising progress bars; never shown on ranks other than 0."""
-        self.pipeline.set_progress_bar_config(disable=not (show and current_rank() == 0))
+        """Show or hide denoising progress bars; shown only on the ranks whose logs show
+        (``LOG_RANK``, default 0)."""
+        self.pipeline.set_progress_bar_config(disable=not (show and is_logged_rank()))
 
     # -- queries -----------------------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
         """The offload summary: one dict per streamed ring (empty when nothing streams)."""
         return self.handle.summary() if self.handle is not None else []
 
+    def summary_rows(self) -> list[RingSummary]:
+        """The same as typed rows."""
+        return self.handle.summary_rows() if self.handle is not None else []
+
     def components(self) -> dict[str, nn.Module]:
         """The pipeline's module components by attribute name."""
-        return _pipeline_modules(self.pipeline)
+        return module_components(self.pipeline)
 
     def call_kwargs(self, **options: Any) -> dict[str, Any]:
         """The keyword arguments ``generate`` passes to the pipeline for these options, checked
@@ -298,102 +245,8 @@ class Omni:
         self.close()
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """``None``: bfloat16 on a GPU, float32 on the CPU; names from :data:`DTYPES`."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {['auto', *DTYPES]}.")
-    return DTYPES[dtype]
-
-
-def _load_pipeline(model: str, dtype: torch.dtype, load_kwargs: dict[str, Any]) -> Any:
-    """Build a built-in pipeline, or load a local folder or hub id, on the host in ``dtype``."""
-    if model in BUILTIN_MODELS:
-        from .tiny import BUILTIN_PIPELINES, cast_like_pretrained
-
-        pipe = BUILTIN_PIPELINES[model]()
-        if dtype != torch.float32:
-            for module in _pipeline_modules(pipe).values():
-                cast_like_pretrained(module, dtype)
-        return pipe
-    path = Path(model).expanduser()
-    if path.is_dir() and not (path / "model_index.json").is_file():
-        raise ModelLoadError(
-            f"folder {str(path)!r} has no model_index.json, so it is not a diffusers pipeline "
-            "folder: point --model at the folder that pipe.save_pretrained() wrote."
-        )
-    if not path.is_dir() and model.startswith((".", "/", "~")):
-        raise ModelLoadError(
-            f"model folder {model!r} does not exist: give an existing diffusers folder, a hub id "
-            f"or a built-in name {list(BUILTIN_MODELS)}."
-        )
-    from diffusers import DiffusionPipeline
-
-    logger.info("%sloading %s (%s) on the host", rank_prefix(), model, _dtype_name(dtype))
-    try:
-        # Weights come from safetensors only (no pickled .bin checkpoints), unless the caller
-        # passes use_safetensors=False in load_kwargs.
-        loader = DiffusionPipeline
-        if path.is_dir() and any(isinstance(v, nn.Module) for v in load_kwargs.values()):
-            # Components passed in must go through the concrete class: DiffusionPipeline's own
-            # from_pretrained treats components with a default (WanPipeline's transformer) as
-            # plain options, loads them from disk anyway and then drops them.
-            from .coldstart import pipeline_class
-
-            loader = pipeline_class(path)
-        return loader.from_pretrained(
-            str(path) if path.is_dir() else model, **{_dtype_kwarg(): dtype},
-            **{"use_safetensors": True, **load_kwargs})
-    except (OSError, ValueError) as exc:
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelLoadError(
-            f"could not load {model!r} ({type(exc).__name__}: {detail}): give a built-in name "
-            f"{list(BUILTIN_MODELS)}, a local diffusers folder, or a hub id whose weights are in "
-            "the local cache (set HF_HUB_OFFLINE=1 to skip the network)."
-        ) from exc
-
-
-def _dtype_kwarg() -> str:
-    """diffusers 0.42 renamed ``torch_dtype`` to ``dtype`` (the old name warns)."""
-    try:
-        major, minor = (int(p) for p in importlib.metadata.version("diffusers").split(".")[:2])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return "torch_dtype"
-    return "dtype" if (major, minor) >= (0, 42) else "torch_dtype"
-
-
 def _builtin_defaults(model: str) -> dict[str, Any]:
-    if model not in BUILTIN_MODELS:
-        return {}
-    from .tiny import BUILTIN_PIPELINE_DEFAULTS
-
-    return dict(BUILTIN_PIPELINE_DEFAULTS[model])
-
-
-def _pipeline_modules(pipe: Any) -> dict[str, nn.Module]:
-    components = getattr(pipe, "components", None) or {}
-    return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
-
-
-def _module_bytes(module: nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return dict(BUILTIN_PIPELINE_DEFAULTS.get(model, {}))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

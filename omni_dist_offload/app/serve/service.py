@@ -1,11 +1,12 @@
 """``omni-offload serve``: keep an offloaded pipeline warm and answer generation requests over HTTP.
 
     omni-offload serve --model tiny-flux --port 8000
-    torchrun --nproc_per_node 8 -m omni_dist_offload.cli serve --model Wan-AI/Wan2.2-T2V-A14B-Diffusers \\
+    torchrun --nproc_per_node 8 -m omni_dist_offload serve --model Wan-AI/Wan2.2-T2V-A14B-Diffusers \\
         --diffusion-offload-config '{"mode":"layer","components":["dit"]}'
 
 Set-up (loading, consolidating, pinning) is paid once. Rank 0 runs the HTTP front-end (FastAPI
-under uvicorn, in a thread of its own: ``serve_http.py``) and every rank generates.
+under uvicorn, in a thread of its own: ``http.py``) and every rank generates; ``run.py`` starts
+them.
 
 [Note: waves]
 Requests become *slots*, one pipeline call each (a request with ``n`` images is ``n`` slots with
@@ -31,26 +32,22 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
-import signal
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
-from .dp import DistContext, destroy_dist, maybe_init_dist
-from .outputs import VIDEO_FORMATS, resolve_video_format
-from .ranks import rank_prefix
-
-if TYPE_CHECKING:
-    from .api import Omni
-    from .serve_http import ServeMetrics
+from ...runtime.dist import DistContext
+from ...runtime.flags import port, positive_int
+from ..api import Omni
+from ..outputs import VIDEO_FORMATS, resolve_video_format
 
 __all__ = [
     "GenerationFailed",
@@ -62,12 +59,12 @@ __all__ = [
     "Slot",
     "SlotResult",
     "WaveQueue",
+    "WaveObserver",
     "add_serve_flags",
-    "run_serve",
     "serve_options",
 ]
 
-logger = logging.getLogger("omni_dist_offload")
+logger = logging.getLogger(__name__)
 
 _SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 # The wave group waits for the next wave for as long as the service is idle; the default
@@ -118,16 +115,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The serve subcommand's own flags (the model flags come from the CLI)."""
     d = ServeOptions()
     parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=_port, default=d.port, help="TCP port (default: %(default)s)")
-    parser.add_argument("--max-n", type=_positive, default=d.max_n, metavar="N",
+    parser.add_argument("--port", type=port, default=d.port, help="TCP port (default: %(default)s)")
+    parser.add_argument("--max-n", type=positive_int, default=d.max_n, metavar="N",
                         help="largest n of one request (default: %(default)s)")
-    parser.add_argument("--max-frames", type=_positive, default=d.max_frames, metavar="N",
+    parser.add_argument("--max-frames", type=positive_int, default=d.max_frames, metavar="N",
                         help="largest num_frames of a video request (default: %(default)s)")
-    parser.add_argument("--max-size", type=_positive, default=d.max_size, metavar="PX",
+    parser.add_argument("--max-size", type=positive_int, default=d.max_size, metavar="PX",
                         help="largest height or width (default: %(default)s)")
-    parser.add_argument("--max-steps", type=_positive, default=d.max_steps, metavar="N",
+    parser.add_argument("--max-steps", type=positive_int, default=d.max_steps, metavar="N",
                         help="largest num_inference_steps (default: %(default)s)")
-    parser.add_argument("--max-queue", type=_positive, default=d.max_queue, metavar="N",
+    parser.add_argument("--max-queue", type=positive_int, default=d.max_queue, metavar="N",
                         help="queued images or videos at most, then 503 (default: %(default)s)")
     parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
                         help="seconds a wave that is not full waits for more requests of its "
@@ -156,23 +153,6 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
                         max_size=ns.max_size, max_steps=ns.max_steps, max_queue=ns.max_queue,
                         wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _positive(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
-    return value
 
 
 # -- what the model accepts ------------------------------------------------------------------
@@ -308,11 +288,17 @@ class WaveQueue:
 
 
 # -- the service -----------------------------------------------------------------------------
+class WaveObserver(Protocol):
+    """What the generation loop reports to after each wave (the HTTP front-end's metrics)."""
+
+    def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Omni) -> None: ...
+
+
 class Service:
     """The warm pipeline, the wave queue and the loop that feeds the ranks."""
 
     def __init__(self, omni: Omni, ctx: DistContext, options: ServeOptions,
-                 group: dist.ProcessGroup | None, metrics: ServeMetrics | None = None) -> None:
+                 group: dist.ProcessGroup | None, metrics: WaveObserver | None = None) -> None:
         self.omni = omni
         self.ctx = ctx
         self.options = options
@@ -340,7 +326,7 @@ class Service:
     def request_stop(self, *_: object) -> None:
         """Stop after the running wave (a signal handler on rank 0)."""
         if not self._stop.is_set():
-            logger.info("%sstopping: finishing the running wave, refusing new work", rank_prefix())
+            logger.info("stopping: finishing the running wave, refusing new work")
         self._stop.set()
 
     # -- rank 0 ------------------------------------------------------------------------
@@ -379,8 +365,7 @@ class Service:
             self.metrics.wave_done(self.limits.kind, done, len(padding), elapsed, self.omni)
         first = wave[0].slot
         size = f"{first.width}x{first.height}" if first.width else "default size"
-        logger.info("%swave of %d %s(s) + %d padding (%s, steps %s) in %.2f s", rank_prefix(),
-                    len(wave), first.kind, len(padding), size, first.num_inference_steps or "default",
+        logger.info("wave of %d %s(s) + %d padding (%s, steps %s) in %.2f s", len(wave), first.kind, len(padding), size, first.num_inference_steps or "default",
                     elapsed)
         for job, result in zip(wave, results, strict=False):
             if result.error is None:
@@ -405,7 +390,7 @@ class Service:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=self._group)
             if box[0] is None:
-                logger.info("%sstopped", rank_prefix())
+                logger.info("stopped")
                 return
             result = run_slot(self.omni, box[0][self.ctx.rank], self.ctx, self.options.video_format)
             dist.gather_object(result, None, dst=0, group=self._group)
@@ -425,57 +410,6 @@ def run_slot(omni: Omni, slot: Slot, ctx: DistContext, video_format: str) -> Slo
             return SlotResult(media=saved.media.read_bytes(), suffix=saved.media.suffix,
                               sidecar=saved.sidecar.read_bytes(), metadata=result.metadata)
     except Exception as exc:  # noqa: BLE001 - reported to the client; the service goes on
-        logger.warning("%sslot %s (seed %d) failed: %s: %s", rank_prefix(), slot.name, slot.seed,
+        logger.warning("slot %s (seed %d) failed: %s: %s", slot.name, slot.seed,
                        type(exc).__name__, exc, exc_info=True)
         return SlotResult(error=f"{type(exc).__name__}: {exc}")
-
-
-# -- entry point -----------------------------------------------------------------------------
-def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: ServeOptions) -> int:
-    """Join the ranks, build the pipeline with ``omni_factory()``, serve until SIGTERM."""
-    ctx = maybe_init_dist(device)
-    try:
-        omni = omni_factory()
-        try:
-            # Every rank creates the group, in the same order, after the pipeline's own groups.
-            group = (dist.new_group(backend="gloo", timeout=_WAVE_GROUP_TIMEOUT)
-                     if ctx.world_size > 1 else None)
-            if ctx.rank != 0:
-                signal.signal(signal.SIGTERM, _ignore_signal)
-                signal.signal(signal.SIGINT, _ignore_signal)
-                Service(omni, ctx, options, group).follow()
-                return 0
-            return _serve_rank0(omni, ctx, options, group)
-        finally:
-            omni.close()
-    finally:
-        destroy_dist(ctx)
-
-
-def _serve_rank0(omni: Omni, ctx: DistContext, options: ServeOptions,
-                 group: dist.ProcessGroup | None) -> int:
-    from .serve_http import HttpServer, ServeMetrics
-
-    service = Service(omni, ctx, options, group)
-    service.metrics = ServeMetrics(service)
-    server = HttpServer(service)
-    signal.signal(signal.SIGTERM, service.request_stop)
-    signal.signal(signal.SIGINT, service.request_stop)
-    if not server.start():
-        logger.error("%scould not listen on %s:%d (see the error above); stopping", rank_prefix(),
-                     options.host, options.port)
-        service.request_stop()
-        service.run()  # sends the stop wave
-        return 1
-    logger.info("%sserving %s (%ss) on http://%s:%d with %d rank(s)", rank_prefix(), omni.model,
-                service.limits.kind, options.host, options.port, ctx.world_size)
-    try:
-        service.run()
-    finally:
-        server.stop()
-    logger.info("%sstopped", rank_prefix())
-    return 0
-
-
-def _ignore_signal(signum: int, _frame: object) -> None:
-    logger.info("%s%s: waiting for rank 0's stop wave", rank_prefix(), signal.Signals(signum).name)

@@ -12,7 +12,7 @@ full host buffer (rank-local) or into only this rank's shard (allgather). Peak h
 final host copy plus a little scratch: no block is ever held twice. Dtype conversion (an fp32
 checkpoint run in bf16) happens per read, in place.
 
-    from omni_dist_offload.coldstart import load_offloaded
+    from omni_dist_offload.loading.coldstart import load_offloaded
 
     pipe, handle = load_offloaded("/models/Wan2.2-T2V-A14B-Diffusers",
                                   {"mode": "layer", "components": ["dit", "text_encoder"]},
@@ -35,17 +35,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import diffusers
 import torch
+import transformers
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
 from torch import nn
 
-from .checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint, placeholder
-from .config import OffloadConfig
-from .plan import OffloadPlan, _resolve_component
-from .ranks import rank_prefix
+from ..apply import apply_offload, resolve_device
+from ..config import OffloadConfig
+from ..plan import OffloadPlan, resolve_component
+from .checkpoint import WEIGHT_NAMES, BlockSource, CheckpointError, SafetensorsCheckpoint, placeholder
+from .folders import dtype_kwarg, pipeline_class
 
-__all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "pipeline_class", "prepare_cold_start"]
+__all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "prepare_cold_start"]
 
-logger = logging.getLogger("omni_dist_offload")
+logger = logging.getLogger(__name__)
 
 #: ``from_pretrained`` keyword arguments the cold-start path honours as the ordinary path does
 #: (any other, e.g. ``variant`` or ``quantization_config``, selects the ordinary path).
@@ -80,8 +85,6 @@ def cold_start_folder(model: str, load_kwargs: Mapping[str, Any] | None = None) 
     path = Path(model).expanduser()
     if not path.is_dir():
         try:
-            from huggingface_hub import snapshot_download
-
             path = Path(snapshot_download(model, local_files_only=True,
                                           revision=(load_kwargs or {}).get("revision"),
                                           cache_dir=(load_kwargs or {}).get("cache_dir")))
@@ -124,7 +127,7 @@ def prepare_cold_start(
             sub = folder / name
             builder = _BUILDERS.get(library)
             if builder is None or not _has_safetensors(sub):
-                logger.info("%s%s (%s.%s): loaded the ordinary way (%s)", rank_prefix(), name, library,
+                logger.info("%s (%s.%s): loaded the ordinary way (%s)", name, library,
                             class_name, "no safetensors weights" if builder else "library not supported")
                 continue
             checkpoint = SafetensorsCheckpoint.from_folder(sub)
@@ -155,9 +158,6 @@ def load_offloaded(
     """Load a diffusers pipeline folder (or cached hub snapshot) with its streamed components
     cold-started, and offload it. Returns ``(pipeline, handle)``. Collective under allgather,
     like :func:`~omni_dist_offload.apply.apply_offload`."""
-    from .api import _dtype_kwarg
-    from .apply import apply_offload, resolve_device
-
     dev = resolve_device(device)
     folder, reason = cold_start_folder(str(model), load_kwargs)
     if folder is None:
@@ -165,7 +165,7 @@ def load_offloaded(
     cold = prepare_cold_start(folder, config, device=dev, dtype=dtype, plan=plan, threads=threads)
     try:
         pipe = pipeline_class(folder).from_pretrained(
-            str(folder), **{_dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
+            str(folder), **{dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
         handle = apply_offload(pipe, config, device=dev, plan=plan, process_group=process_group,
                                trace=trace, block_sources=cold.sources)
     finally:
@@ -185,9 +185,6 @@ DtypeOf = Callable[[str, torch.Tensor, torch.dtype], torch.dtype]
 
 
 def _diffusers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkpoint: SafetensorsCheckpoint):
-    import diffusers
-    from accelerate import init_empty_weights
-
     cls = getattr(diffusers, class_name, None)
     if cls is None:
         raise CheckpointError(f"{folder}: diffusers has no class {class_name!r} (model_index.json); "
@@ -213,9 +210,6 @@ def _diffusers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkp
 
 
 def _transformers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkpoint: SafetensorsCheckpoint):
-    import transformers
-    from accelerate import init_empty_weights
-
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise CheckpointError(f"{folder}: transformers has no class {class_name!r} (model_index.json); "
@@ -246,7 +240,7 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
     """Give every tensor of ``module`` real storage but its block tensors: those become
     placeholders, and the returned map says which checkpoint key fills each. Non-block tensors are
     read and put on ``device``; a tensor shared by several names stays one object."""
-    comp = _resolve_component(name, category, module, plan)
+    comp = resolve_component(name, category, module, plan)
     in_block = {id(t) for _, block in comp.blocks for t in [*block.parameters(), *block.buffers()]}
     names: dict[int, list[str]] = {}
     for qual, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
@@ -292,7 +286,7 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                 if id(t) in in_block:
                     keys[id(new)] = key
                 done[id(t)] = registry[attr] = new
-    where = f"{name} ({type(module).__name__}, {checkpoint._where()})"
+    where = f"{name} ({type(module).__name__}, {checkpoint.where()})"
     if missing:
         raise CheckpointError(
             f"{where}: the checkpoint has no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''} "
@@ -317,29 +311,11 @@ def _checkpoint_key(quals: list[str], checkpoint: SafetensorsCheckpoint, prefix:
     return None
 
 
-def pipeline_class(folder: Path) -> Any:
-    """The diffusers pipeline class a folder's model_index.json names (DiffusionPipeline if
-    unknown). Passing prebuilt components needs it: ``DiffusionPipeline.from_pretrained`` loads
-    optional components (WanPipeline's ``transformer``) from disk even when they are passed."""
-    import diffusers
-
-    try:
-        name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
-    except (OSError, ValueError):
-        name = None
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    return cls if isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline) else diffusers.DiffusionPipeline
-
-
 def _pipeline_plan(class_name: str | None) -> OffloadPlan:
-    import diffusers
-
     cls = getattr(diffusers, class_name, None) if class_name else None
     plan = getattr(cls, "_offload_plan", None)
     return plan if isinstance(plan, OffloadPlan) else OffloadPlan()
 
 
 def _has_safetensors(folder: Path) -> bool:
-    from .checkpoint import WEIGHT_NAMES
-
     return any((folder / n).is_file() for pair in WEIGHT_NAMES for n in pair)

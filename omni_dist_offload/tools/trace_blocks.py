@@ -7,7 +7,7 @@ traced ones (ranks aligned by a barrier before each) and reads ``trace_report()`
 per rank: the forward's median, the median exposed wait, the median per-block compute and the
 median transfer time; ``--json`` keeps every traced forward.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 launch/trace_blocks.py \\
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.tools.trace_blocks \\
         --preset wan-14b --blocks 8 --frames 81 --json blocks.json
 
 A variant whose per-block compute is above rank-local's while its exposed wait is zero pays for
@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from omni_dist_offload import apply_offload
-from omni_dist_offload.bench import PRESETS, build_model, wan_inputs
+from ..apply import apply_offload
+from ..models import PRESETS, build_model, wan_inputs
+from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.flags import positive_int
 
 CONFIGS = {
     "rank-local": {"mode": "layer", "components": ["dit"]},
@@ -39,20 +40,21 @@ ORDER = ["rank-local", "copy-engine", "nccl", "copy-engine", "rank-local"]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.trace_blocks",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="wan-14b", choices=[k for k, v in PRESETS.items() if v.video])
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--frames", type=int, default=81)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--forwards", type=int, default=4, help="traced forwards per pass")
+    p.add_argument("--blocks", type=positive_int, default=8)
+    p.add_argument("--frames", type=positive_int, default=81)
+    p.add_argument("--height", type=positive_int, default=480)
+    p.add_argument("--width", type=positive_int, default=832)
+    p.add_argument("--forwards", type=positive_int, default=4, help="traced forwards per pass")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
+    ctx = maybe_init_dist()
+    if ctx.backend != "nccl":
+        p.error("run it under torchrun with one process per GPU (it compares weight transfers across GPUs)")
+    dev = ctx.device
     preset = PRESETS[args.preset]
     model = build_model(preset, args.blocks, dev, torch.bfloat16).eval()
     x = wan_inputs(model, args.frames, args.height, args.width, dev, torch.bfloat16,
@@ -83,7 +85,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": vars(args), "summary": summary, "raw": ranks}, f)
-    dist.destroy_process_group()
+    destroy_dist(ctx)
 
 
 def _resident_block_ms(model, x) -> list[float]:

@@ -1,4 +1,4 @@
-"""Tiny random-weight models and complete pipelines for tests and built-in demos.
+"""Tiny random-weight models and the complete pipelines ``tiny-wan`` and ``tiny-flux``.
 
 Everything is built in code from small configs: no weights, tokenizer files or
 configs are fetched from a hub.  Every builder is deterministic in ``seed``: two
@@ -13,18 +13,16 @@ Each pipeline component is built from the pipeline's own ``seed``, so for exampl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+import diffusers
 import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLWan,
-    DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
     FluxTransformer2DModel,
-    QwenImageTransformer2DModel,
     UniPCMultistepScheduler,
     WanPipeline,
     WanTransformer3DModel,
@@ -36,8 +34,6 @@ from transformers import (
     CLIPTextModel,
     PreTrainedModel,
     PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2Model,
     T5Config,
     T5EncoderModel,
     UMT5Config,
@@ -45,23 +41,16 @@ from transformers import (
 )
 
 __all__ = [
-    "BUILTIN_PIPELINES",
-    "BUILTIN_PIPELINE_DEFAULTS",
+    "cast_like_pretrained",
     "TINY_FLUX_DEFAULTS",
     "TINY_TEXT_DIM",
     "TINY_VOCAB_SIZE",
     "TINY_WAN_DEFAULTS",
-    "flux_transformer_inputs",
-    "qwenimage_transformer_inputs",
-    "text_encoder_inputs",
     "tiny_clip_text_model",
     "tiny_clip_tokenizer",
     "tiny_flux_pipeline",
-    "cast_like_pretrained",
     "tiny_flux_transformer",
     "tiny_flux_vae",
-    "tiny_qwen2_model",
-    "tiny_qwenimage_transformer",
     "tiny_t5_encoder",
     "tiny_t5_tokenizer",
     "tiny_umt5_encoder",
@@ -256,24 +245,6 @@ def tiny_flux_transformer(
     return cast_like_pretrained(model, dtype)
 
 
-def tiny_qwenimage_transformer(
-    num_layers: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> QwenImageTransformer2DModel:
-    """Qwen-Image-style DiT: 2 heads x 16 head dim over 2x2-packed 4-channel latents."""
-    with _seeded(seed):
-        model = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=num_layers,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=TINY_TEXT_DIM,
-            axes_dims_rope=(4, 6, 6),
-        )
-    return cast_like_pretrained(model, dtype)
-
-
 def tiny_umt5_encoder(
     num_layers: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> UMT5EncoderModel:
@@ -352,26 +323,6 @@ def tiny_clip_text_model(
     return cast_like_pretrained(model, dtype)
 
 
-def tiny_qwen2_model(num_layers: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2Model:
-    """Qwen2 decoder stack without LM head (grouped-query attention, 4 query / 2 KV heads)."""
-    config = Qwen2Config(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=TINY_TEXT_DIM,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=1,
-    )
-    with _seeded(seed):
-        model = Qwen2Model(config)
-    return cast_like_pretrained(model, dtype)
-
-
 def tiny_wan_vae(seed: int = 0, dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
     """Wan 2.1 video VAE: 16 latent channels, 4x temporal and 8x spatial compression."""
     with _seeded(seed):
@@ -430,90 +381,6 @@ def wan_transformer_inputs(
     )
 
 
-def _packed_image_ids(height: int, width: int) -> torch.Tensor:
-    """Flux-style (0, row, col) position ids for a 2x2-packed latent of ``height x width``."""
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3)
-
-
-def flux_transformer_inputs(
-    model: FluxTransformer2DModel,
-    batch: int = 1,
-    height: int = 8,
-    width: int = 8,
-    text_len: int = 8,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Kwargs for one forward of ``model``; ``height/width`` are latent sizes before 2x2 packing (even)."""
-    gen = torch.Generator().manual_seed(seed)
-    cfg, dtype = model.config, model.dtype
-    num_tokens = (height // 2) * (width // 2)
-    inputs = dict(
-        hidden_states=_randn(gen, batch, num_tokens, cfg.in_channels, dtype=dtype),
-        encoder_hidden_states=_randn(gen, batch, text_len, cfg.joint_attention_dim, dtype=dtype),
-        pooled_projections=_randn(gen, batch, cfg.pooled_projection_dim, dtype=dtype),
-        # The pipeline passes t / 1000 in [0, 1]; the model rescales internally.
-        timestep=torch.rand(batch, generator=gen).to(dtype),
-        img_ids=_packed_image_ids(height, width).to(dtype),
-        txt_ids=torch.zeros(text_len, 3, dtype=dtype),
-        return_dict=False,
-    )
-    if cfg.guidance_embeds:
-        inputs["guidance"] = torch.full((batch,), 3.5, dtype=torch.float32)
-    return inputs
-
-
-def qwenimage_transformer_inputs(
-    model: QwenImageTransformer2DModel,
-    batch: int = 1,
-    height: int = 8,
-    width: int = 8,
-    text_len: int = 8,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Kwargs for one forward of ``model``; ``height/width`` are latent sizes before 2x2 packing (even).
-
-    The text mask pads the last two tokens of every sample after the first, as a padded batch would.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    cfg, dtype = model.config, model.dtype
-    h, w = height // 2, width // 2
-    mask = torch.ones(batch, text_len, dtype=torch.long)
-    mask[1:, max(1, text_len - 2) :] = 0
-    return dict(
-        hidden_states=_randn(gen, batch, h * w, cfg.in_channels, dtype=dtype),
-        encoder_hidden_states=_randn(gen, batch, text_len, cfg.joint_attention_dim, dtype=dtype),
-        encoder_hidden_states_mask=mask,
-        timestep=torch.rand(batch, generator=gen).to(dtype),
-        img_shapes=[[(1, h, w)]] * batch,
-        return_dict=False,
-    )
-
-
-def text_encoder_inputs(
-    model: PreTrainedModel, batch: int = 2, seq_len: int = 8, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """``input_ids``/``attention_mask`` of a right-padded batch; sample ``i`` has ``seq_len - 2 * i`` tokens.
-
-    Every sequence ends with the model's EOS token (CLIP pools there) and is padded with its pad token.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    cfg = model.config
-    eos = cfg.eos_token_id if cfg.eos_token_id is not None else 1
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    # Ids 0..2 are the special tokens of the tiny tokenizers.
-    input_ids = torch.randint(3, cfg.vocab_size, (batch, seq_len), generator=gen)
-    attention_mask = torch.zeros(batch, seq_len, dtype=torch.long)
-    for i in range(batch):
-        length = max(1, seq_len - 2 * i)
-        attention_mask[i, :length] = 1
-        input_ids[i, length - 1] = eos
-        input_ids[i, length:] = pad
-    return dict(input_ids=input_ids, attention_mask=attention_mask)
-
-
 def tiny_wan_pipeline(seed: int = 0, num_layers: int = 3) -> WanPipeline:
     """Wan 2.1 text-to-video pipeline: tiny UMT5 + tokenizer, Wan DiT, Wan VAE, flow UniPC scheduler.
 
@@ -534,7 +401,7 @@ def tiny_wan_pipeline(seed: int = 0, num_layers: int = 3) -> WanPipeline:
     return pipe
 
 
-def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
+def tiny_flux_pipeline(seed: int = 0) -> diffusers.FluxPipeline:
     """FLUX.1-dev text-to-image pipeline: tiny CLIP and T5 with tokenizers, Flux DiT, VAE, flow-match Euler.
 
     Run it with ``TINY_FLUX_DEFAULTS`` (or any height/width multiple of 4).
@@ -549,7 +416,9 @@ def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
+    # Looked up on diffusers' lazy module when first built: importing FluxPipeline pulls in
+    # transformers' image processors, which warn on hosts without torchvision.
+    pipe = diffusers.FluxPipeline(
         scheduler=scheduler,
         vae=tiny_flux_vae(seed=seed),
         text_encoder=tiny_clip_text_model(seed=seed),
@@ -562,41 +431,3 @@ def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
     return pipe
 
 
-# Wan-14B block size (40 heads x 128, FFN 13824; 703 MB a block in bf16) for throughput runs.
-WAN_14B_BLOCK_CONFIG: dict[str, Any] = dict(
-    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-    out_channels=16, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
-)
-
-WAN_14B_RANDOM_DEFAULTS: dict[str, Any] = dict(
-    height=480, width=832, num_frames=17, num_inference_steps=4, guidance_scale=5.0,
-    max_sequence_length=16,
-)
-
-
-def wan_14b_random_pipeline(seed: int = 0, num_layers: int = 8) -> WanPipeline:
-    """The tiny Wan pipeline with its DiT's blocks at real Wan-14B size (random weights).
-
-    Text encoder and VAE stay tiny; only the streamed blocks matter for offload throughput.
-    Weights are float32 here (about 1.4 GB a block); cast to bf16 before use.
-    """
-    pipe = tiny_wan_pipeline(seed=seed, num_layers=3)
-    with _seeded(seed):
-        pipe.transformer = WanTransformer3DModel(
-            **WAN_14B_BLOCK_CONFIG, text_dim=TINY_TEXT_DIM, num_layers=num_layers).eval()
-    pipe.register_modules(transformer=pipe.transformer)
-    return pipe
-
-
-BUILTIN_PIPELINES: dict[str, Callable[..., DiffusionPipeline]] = {
-    "tiny-wan": tiny_wan_pipeline,
-    "tiny-flux": tiny_flux_pipeline,
-    "wan-14b-random": wan_14b_random_pipeline,
-}
-
-BUILTIN_PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "tiny-wan": TINY_WAN_DEFAULTS,
-    "tiny-flux": TINY_FLUX_DEFAULTS,
-    "wan-14b-random": WAN_14B_RANDOM_DEFAULTS,
-}

@@ -27,7 +27,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .layout import BlockLayout, TensorEntry
+from ..layout import BlockLayout, TensorEntry
 
 __all__ = ["BlockSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "find_weight_files", "placeholder"]
 
@@ -125,7 +125,7 @@ class SafetensorsCheckpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise CheckpointError(f"tensor {name!r} is not in the checkpoint ({self._where()})") from None
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint ({self.where()})") from None
 
     def close(self) -> None:
         with self._lock:
@@ -204,7 +204,8 @@ class SafetensorsCheckpoint:
             buf = self._local.scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
         return buf
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """The checkpoint's files, for error messages."""
         return ", ".join(str(f) for f in self.files[:3]) + (" ..." if len(self.files) > 3 else "")
 
 

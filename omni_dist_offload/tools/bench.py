@@ -44,7 +44,7 @@ block). Only rank 0 prints and writes.
     NGPU=2 launch/bench.sh --preset flux-12b --blocks 19 --px 1024     # torchrun, allgather too
     omni-offload bench --preset tiny-wan --frames 5 --height 32 --width 32 --png out.png  # CPU
 
-``python -m omni_dist_offload.bench`` is the same command.
+``python -m omni_dist_offload.tools.bench`` is the same command.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import inspect
+import importlib.util
 import json
 import os
 import statistics
@@ -60,16 +60,27 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import diffusers
 import torch
+import torch.distributed as dist
+from diffusers.hooks import HookRegistry
+from diffusers.hooks.group_offloading import _is_group_offload_enabled
 from torch import nn
 
-from . import apply_offload
-from .config import OffloadConfig
-from .plan import discover
-from .tiny import cast_like_pretrained
+from ..apply import apply_offload
+from ..config import OffloadConfig
+from ..hostmem import HostBuffer
+from ..models import PRESETS, build_model, case_inputs
+from ..plan import discover, module_bytes
+from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.flags import non_negative_int, positive_int
+from ..runtime.logs import current_rank
+from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
+from ..transfer.groups import ComponentFacts, GroupSession
+from ..transfer.sharding import plan_shards
+from .timeline import draw_overhead, draw_timeline
 
-__all__ = ["PRESETS", "VARIANTS", "BenchOptions", "CaseResult", "main", "run_case", "schedule",
-           "tracing_unavailable"]
+__all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
 
 #: Streamed variants, in the order of the first half of the schedule.
 VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl")
@@ -77,53 +88,6 @@ VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl")
 _MULTI_RANK = ("allgather", "allgather-nccl")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
 RESIDENT = "resident"
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """A DiT class and config at real (or tiny) block sizes, and how to build its inputs."""
-
-    cls_name: str
-    config: dict[str, Any]
-    blocks_key: str
-    default_blocks: int
-    video: bool
-    text_tokens: int = 512
-    """Text-encoder tokens fed to the DiT (512 in Wan and Flux; fewer keeps CPU presets fast)."""
-
-    def block_config(self, blocks: int) -> dict[str, Any]:
-        if self.blocks_key == "flux":  # dual-stream then single-stream blocks, 1:2 as in Flux
-            double = max(1, round(blocks / 3))
-            return {**self.config, "num_layers": double, "num_single_layers": max(1, blocks - double)}
-        return {**self.config, self.blocks_key: blocks}
-
-
-_WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, cross_attn_norm=True,
-                   qk_norm="rms_norm_across_heads", eps=1e-6)
-
-PRESETS: dict[str, Preset] = {
-    # Wan2.1/2.2 14B: 40 heads x 128, FFN 13824, text dim 4096; a block is ~703 MB in bf16.
-    "wan-14b": Preset("WanTransformer3DModel", dict(
-        _WAN_COMMON, num_attention_heads=40, attention_head_dim=128, text_dim=4096, freq_dim=256,
-        ffn_dim=13824, rope_max_seq_len=1024), "num_layers", 8, True),
-    # Wan2.1 1.3B: 12 heads x 128, FFN 8960, 30 blocks of ~93 MB in bf16 (the whole model).
-    "wan-1.3b": Preset("WanTransformer3DModel", dict(
-        _WAN_COMMON, num_attention_heads=12, attention_head_dim=128, text_dim=4096, freq_dim=256,
-        ffn_dim=8960, rope_max_seq_len=1024), "num_layers", 30, True),
-    # Flux.1-dev 12B: 19 dual-stream + 38 single-stream blocks of 3072; 415 MB a block on average.
-    "flux-12b": Preset("FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=64, attention_head_dim=128, num_attention_heads=24,
-        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56)), "flux", 57, False),
-    # Small Wan and Flux for CPU smoke runs of the benchmark itself.
-    "tiny-wan": Preset("WanTransformer3DModel", dict(
-        _WAN_COMMON, num_attention_heads=2, attention_head_dim=16, text_dim=64, freq_dim=32,
-        ffn_dim=64, rope_max_seq_len=64), "num_layers", 4, True, text_tokens=16),
-    "tiny-flux": Preset("FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=16, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6)), "flux", 5, False, text_tokens=16),
-}
 
 
 @dataclasses.dataclass
@@ -184,57 +148,6 @@ class _Pass:
     note: str = ""
     outside_allocator_bytes: int = 0
     """Device memory the variant holds outside PyTorch's allocator (added to ``peak_mib``)."""
-
-
-# -- models and inputs ---------------------------------------------------------------------
-def build_model(preset: Preset, blocks: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    import diffusers
-
-    cls = getattr(diffusers, preset.cls_name)
-    torch.manual_seed(0)  # the same weights on every rank: allgather assembles blocks from all
-    with torch.device(device):
-        model = cls(**preset.block_config(blocks))
-    return cast_like_pretrained(model, dtype)
-
-
-def wan_inputs(model, frames: int, height: int, width: int, device, dtype, seed: int = 0,
-               text_tokens: int = 512) -> dict:
-    """Inputs for one denoising forward at a pixel size (the VAE is 4x in time, 8x in space)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    cfg = model.config
-    lat = (1, cfg.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
-    return dict(
-        hidden_states=torch.randn(lat, generator=gen).to(device, dtype),
-        timestep=torch.tensor([500], device=device),
-        encoder_hidden_states=torch.randn(1, text_tokens, cfg.text_dim, generator=gen).to(device, dtype),
-        return_dict=False,
-    )
-
-
-def flux_inputs(model, px: int, device, dtype, seed: int = 0, text_tokens: int = 512) -> dict:
-    """Inputs for one denoising forward of a square image (VAE 8x, then 2x2 packing)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    cfg = model.config
-    side = px // 16
-    ids = torch.zeros(side, side, 3)
-    ids[..., 1] = torch.arange(side)[:, None]
-    ids[..., 2] = torch.arange(side)[None, :]
-    return dict(
-        hidden_states=torch.randn(1, side * side, cfg.in_channels, generator=gen).to(device, dtype),
-        encoder_hidden_states=torch.randn(1, text_tokens, cfg.joint_attention_dim, generator=gen).to(device, dtype),
-        pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=gen).to(device, dtype),
-        timestep=torch.tensor([0.5], device=device, dtype=dtype),
-        img_ids=ids.reshape(-1, 3).to(device, dtype),
-        txt_ids=torch.zeros(text_tokens, 3, device=device, dtype=dtype),
-        guidance=torch.tensor([3.5], device=device, dtype=torch.float32),
-        return_dict=False,
-    )
-
-
-def _case_inputs(preset: Preset, model: nn.Module, shape: tuple[int, ...], opts: BenchOptions) -> dict:
-    if preset.video:
-        return wan_inputs(model, *shape, opts.device, opts.dtype, text_tokens=preset.text_tokens)
-    return flux_inputs(model, shape[0], opts.device, opts.dtype, text_tokens=preset.text_tokens)
 
 
 # -- timing --------------------------------------------------------------------------------
@@ -333,19 +246,9 @@ def _offload_config(variant: str) -> dict[str, Any]:
     return dit
 
 
-def tracing_unavailable() -> str | None:
-    """Why ``--timeline`` cannot run here (None when it can)."""
-    from .apply import OffloadHandle
-
-    if "trace" not in inspect.signature(apply_offload).parameters or not hasattr(OffloadHandle, "trace_report"):
-        return ("this omni_dist_offload has no per-block tracing (apply_offload(trace=...) and "
-                "handle.trace_report()); update it, or leave --timeline out")
-    return None
-
-
 def _apply_ours(model: nn.Module, variant: str, device: torch.device, trace: bool = False):
-    kwargs = {"trace": trace} if tracing_unavailable() is None else {}  # trace=False beats the env
-    return apply_offload(model, _offload_config(variant), device=device, **kwargs)
+    # trace=False beats OMNI_OFFLOAD_TRACE: timed passes never carry trace marks.
+    return apply_offload(model, _offload_config(variant), device=device, trace=trace)
 
 
 class PeerOffload:
@@ -379,9 +282,6 @@ class PeerOffload:
         return sum(t.numel() * t.element_size() for t in seen.values())
 
     def remove(self) -> None:
-        from diffusers.hooks import HookRegistry
-        from diffusers.hooks.group_offloading import _is_group_offload_enabled
-
         registry = HookRegistry.check_if_exists_or_initialize(self.model)
         for name in self._HOOKS:
             registry.remove_hook(name, recurse=True)
@@ -439,14 +339,14 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device) -> tupl
         peer = PeerOffload(model, device)
         return peer.remove, {"host_bytes": peer.host_bytes(), "transfer": "group-offload", "note": peer.note}
     handle = _apply_ours(model, variant, device)
-    (row,) = handle.summary()
-    note = f"fell back to {row['weight_transfer']}: {row['fallback_reason']}" if row["fallback_reason"] else ""
-    if row.get("gather"):
-        note = f"gather: {row['gather']}" + (f"; {note}" if note else "")
+    (row,) = handle.summary_rows()
+    note = f"fell back to {row.weight_transfer}: {row.fallback_reason}" if row.fallback_reason else ""
+    if row.gather:
+        note = f"gather: {row.gather}" + (f"; {note}" if note else "")
     # The copy-engine gather's slots are CUDA symmetric memory, allocated outside PyTorch's
     # caching allocator, whose peak the table reports: count them on top.
-    outside = row["device_slot_bytes"] if row.get("gather") == "copy-engine" else 0
-    return handle.remove, {"host_bytes": row["host_bytes"], "transfer": row["weight_transfer"], "note": note,
+    outside = row.device_slot_bytes if row.gather == "copy-engine" else 0
+    return handle.remove, {"host_bytes": row.host_bytes, "transfer": row.weight_transfer, "note": note,
                            "outside_allocator_bytes": outside}
 
 
@@ -473,11 +373,11 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     """Run the schedule of one case (and the traced forward if ``opts.trace_variant``)."""
     preset = PRESETS[preset_name]
     model = build_model(preset, blocks, opts.device, opts.dtype).eval()
-    inputs = _case_inputs(preset, model, shape, opts)
+    inputs = case_inputs(preset, model, shape, opts.device, opts.dtype)
     forward = lambda: model(**inputs)[0]
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
     block_modules = [m for _, m in component.blocks]
-    block_bytes = [_tensor_bytes(m) for m in block_modules]
+    block_bytes = [module_bytes(m) for m in block_modules]
     passes: dict[str, list[_Pass]] = {}
     trace = None
     with torch.inference_mode():
@@ -533,16 +433,9 @@ def _slowest_rank(medians: dict[str, float], world: int) -> dict[str, float]:
     to compare, for resident and streamed alike (GPUs of one host differ by a few percent)."""
     if world == 1:
         return medians
-    import torch.distributed as dist
-
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, medians)
     return {name: max(g[name] for g in gathered) for name in medians}
-
-
-def _tensor_bytes(module: nn.Module) -> int:
-    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 # -- moving one block ------------------------------------------------------------------------
@@ -550,31 +443,31 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
                   repeats: int) -> list[dict[str, Any]]:
     """Time moving one block of ``mib`` MiB into a device slot: rank-local full copy vs the
     allgather transfer (shard copy + all-gather, pipelined) at several chunk sizes."""
-    from .distributed import ComponentFacts, resolve_weight_group
-    from .hostmem import HostBuffer
-    from .sharding import plan_shards
-    from .transfer import RankLocalTransfer, gather_transfer
-
     nbytes = int(mib * 2**20) // 256 * 256
-    copy_stream, comm_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    streams = TransferStreams(copy=torch.cuda.Stream(device), comm=torch.cuda.Stream(device))
     full = HostBuffer(nbytes)
     full.tensor.random_(0, 255)
     full.pin()
-    slot = torch.empty(nbytes + (1 << 20), dtype=torch.uint8, device=device)
     after, ready = torch.cuda.Event(), torch.cuda.Event()
 
-    def timed(transfer, size) -> float:
+    def timed(transfer) -> float:
+        dst = transfer.slots[0][: transfer.device_nbytes(0)]
+
         def once():
-            transfer.fill(0, slot[:size], after, ready)
+            transfer.fill(0, dst, after, ready)
             torch.cuda.current_stream(device).wait_event(ready)
-        return statistics.median(_time(once, device, warmup, repeats))
+        ms = statistics.median(_time(once, device, warmup, repeats))
+        transfer.close()
+        return ms
 
     results = [{"variant": "rank-local", "chunk_mib": None,
-                "ms": timed(RankLocalTransfer([full], copy_stream), nbytes)}]
+                "ms": timed(RankLocalTransfer([full], streams, device, 1))}]
     facts = {"block": ComponentFacts("allgather", 0, "auto", ("block",), ("x",))}
-    group, reason = resolve_weight_group(facts, device, None, 600.0)
+    groups = GroupSession(600.0)
+    group, reason = groups.resolve(facts, device, None)
     if group is None:
         results[0]["allgather"] = f"not run: {reason}"
+        groups.close()
         return results
     gathers = ["nccl"] + (["copy-engine"] if group.peer_copy_reason is None else [])
     for chunk in chunks_mib:
@@ -583,16 +476,12 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
         shard.tensor.copy_(full.tensor[: plan.shard_nbytes])
         shard.pin()
         for gather in gathers:
-            transfer = gather_transfer(gather, [shard], [plan], group, copy_stream, comm_stream, 600.0)
-            dst = transfer.make_slots(plan.padded_nbytes, 1, device)[0]
-            ms = statistics.median(_time(lambda: (transfer.fill(0, dst, after, ready),
-                                                  torch.cuda.current_stream(device).wait_event(ready)),
-                                         device, warmup, repeats))
+            ms = timed(gather_transfer(gather, [shard], [plan], group, streams, device, 1, 600.0))
             results.append({"variant": "allgather", "gather": gather, "chunk_mib": chunk or "whole block", "ms": ms})
-            del dst
-            transfer.close()
         shard.release()
     full.release()
+    torch.cuda.synchronize(device)
+    groups.close()
     for r in results:
         r["ratio_to_rank_local"] = r["ms"] / results[0]["ms"]
     return results
@@ -634,24 +523,6 @@ def format_table(results: Sequence[CaseResult]) -> str:
 
 
 
-def _init_distributed() -> tuple[torch.device, int, int]:
-    """Under torchrun: one GPU per rank, NCCL (gloo on the CPU). Otherwise the current device,
-    world 1."""
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        else:
-            dist.init_process_group("gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return device, world, rank
-
-
 # -- command line ----------------------------------------------------------------------------
 class BenchUsageError(Exception):
     """A bad flag or flag value: one line on stderr, exit status 2."""
@@ -666,20 +537,20 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="wan-14b", choices=sorted(PRESETS),
                    help="model, named after the real one (tiny-*: CPU smoke runs)")
-    p.add_argument("--blocks", type=_positive_int, nargs="+", default=None,
+    p.add_argument("--blocks", type=positive_int, nargs="+", default=None,
                    help="blocks in the model, one case per value (default: the preset's)")
-    p.add_argument("--frames", type=_positive_int, nargs="+", default=[81, 17], help="video presets")
-    p.add_argument("--height", type=_positive_int, default=480, help="video presets")
-    p.add_argument("--width", type=_positive_int, default=832, help="video presets")
-    p.add_argument("--px", type=_positive_int, nargs="+", default=[1024], help="image presets: square sizes")
+    p.add_argument("--frames", type=positive_int, nargs="+", default=[81, 17], help="video presets")
+    p.add_argument("--height", type=positive_int, default=480, help="video presets")
+    p.add_argument("--width", type=positive_int, default=832, help="video presets")
+    p.add_argument("--px", type=positive_int, nargs="+", default=[1024], help="image presets: square sizes")
     p.add_argument("--transfer-mib", type=float, default=None,
                    help="instead of model cases, time moving one block of this size (CUDA)")
     p.add_argument("--chunk-mib", type=float, nargs="+", default=[16, 32, 64, 128, 0],
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
                    help="offloaded variants beside resident (allgather runs only under torchrun)")
-    p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed forwards per pass")
-    p.add_argument("--repeats", type=_positive_int, default=5,
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed forwards per pass")
+    p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed forwards per pass; each variant runs two passes")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
     p.add_argument("--png", default=None, metavar="PATH", help="draw the overhead chart here (rank 0)")
@@ -700,14 +571,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") ->
         if _env_rank() == 0:
             print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr, flush=True)
         return 2
-    device, world, rank = _init_distributed()
+    ctx = maybe_init_dist()
     try:
-        return _run(args, device, world, rank, argv)
+        return _run(args, ctx.device, ctx.world_size, ctx.rank, argv)
     finally:
-        import torch.distributed as dist
-
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_dist(ctx)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -720,8 +588,6 @@ def _check_args(args: argparse.Namespace) -> None:
                               "none is visible")
     if args.timeline and args.transfer_mib is not None:
         raise BenchUsageError("--timeline draws a model forward; leave out --transfer-mib")
-    if args.timeline and (reason := tracing_unavailable()):
-        raise BenchUsageError(f"--timeline: {reason}")
     if args.timeline_variant and not args.timeline:
         raise BenchUsageError("--timeline-variant needs --timeline PATH")
     preset = PRESETS[args.preset]
@@ -763,8 +629,6 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
     if rank == 0:
         _emit(format_table(cases), meta, [dataclasses.asdict(r) for r in cases], trace, args, bandwidth, world)
         if args.png:
-            from .timeline import draw_overhead
-
             draw_overhead(cases, args.png, title=f"{meta['device']}, world size {world}")
     ours = [r for r in cases if r.variant not in ("peer", RESIDENT)]
     return 0 if all(r.bitwise_equal for r in ours) else 1
@@ -783,16 +647,12 @@ def _emit(text: str, meta: dict, results: list[Any], trace: dict | None, args: a
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
     if args.timeline and trace is not None:
-        from .timeline import draw_timeline
-
         draw_timeline(trace["rings"], args.timeline,
                       title=f"{trace['case']}, {trace['variant']}, {meta['device']}")
 
 
 def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth: float | None,
           argv: Sequence[str] | None) -> dict[str, Any]:
-    import diffusers
-
     return {"date": time.strftime("%Y-%m-%d"), "world_size": world, "torch": torch.__version__,
             "diffusers": diffusers.__version__,
             "nccl_max_ctas": os.environ.get("OMNI_OFFLOAD_NCCL_MAX_CTAS"),
@@ -805,31 +665,12 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
 
 
 def _has_matplotlib() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("matplotlib") is not None
 
 
 def _env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; give 0 or more")
-    return value
+    return current_rank()
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m omni_dist_offload.bench"))
+    sys.exit(main(prog="python -m omni_dist_offload.tools.bench"))

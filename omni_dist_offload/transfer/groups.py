@@ -4,6 +4,10 @@ Every rank gathers the same facts from every other rank (one exchange over a glo
 so it works whatever the main backend and even when ranks share a GPU), then applies the same
 rules to them: all ranks reach the same decision, or all raise the same error.
 
+The process groups this creates belong to a :class:`GroupSession`, which ``apply_offload``'s
+handle owns: the side group is released once setup is agreed, the weight group with the handle,
+so nothing outlives the job's ``destroy_process_group()``.
+
 The default weight group is the ranks of one host (one group per host, created with
 ``new_group`` over the same ranks, so weight collectives never interleave with the
 application's). Each host keeps a complete set of shards among its own ranks: weights never
@@ -13,7 +17,6 @@ cross the network.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -22,19 +25,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import OffloadConfigError
+from ..config import OffloadConfigError
+from .memops import StreamMemOps
 
-__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "WeightGroup", "agree_on_setup", "resolve_weight_group"]
+try:  # CUDA symmetric memory is in torch >= 2.5; without it the copy-engine gather cannot run
+    import torch.distributed._symmetric_memory as symm_mem
+except ImportError:  # pragma: no cover - older torch
+    symm_mem = None
 
-logger = logging.getLogger("omni_dist_offload")
+__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "GroupSession", "WeightGroup"]
+
 
 #: Set to 1 to let the allgather transfer run over gloo on CPU devices (tests, CI).
 ALLOW_GLOO_ENV = "OMNI_OFFLOAD_ALLOW_GLOO"
 #: Most thread blocks NCCL may use for weight all-gathers. They run beside the model's kernels,
 #: so every SM they hold is one the model waits for; a few saturate what streaming needs.
 MAX_CTAS_ENV = "OMNI_OFFLOAD_NCCL_MAX_CTAS"
-
-_exchange_groups: dict[float, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -83,61 +89,93 @@ class _RankFacts:
     components: dict[str, ComponentFacts] = field(default_factory=dict)
 
 
-def resolve_weight_group(
-    components: dict[str, ComponentFacts],
-    device: torch.device,
-    process_group: Any | None,
-    timeout_s: float,
-) -> tuple[WeightGroup | None, str | None]:
-    """The weight group for this rank, or ``(None, reason)`` when allgather cannot run.
+class GroupSession:
+    """The process groups one ``apply_offload`` creates, and the collectives it runs on them.
 
-    Collective over the default group: every rank calls it, with the same config.
+    All methods are collective over the default group: every rank calls them in the same order.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None, ("torch.distributed is not initialised: start the job with torchrun "
-                      "(and init_process_group) to share weights across ranks")
-    world = dist.get_world_size()
-    if world == 1:
-        return None, "the job has a single rank: there is no other rank to share weights with"
-    facts = _RankFacts(
-        rank=dist.get_rank(),
-        node=os.environ.get("GROUP_RANK") or socket.gethostname(),
-        device_type=device.type,
-        device_index=device.index,
-        backend=str(dist.get_backend()),
-        allow_gloo=os.environ.get(ALLOW_GLOO_ENV, "0") == "1",
-        components=components,
-        **_gpu_facts(device),
-    )
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, facts, group=_exchange_group(timeout_s))
-    _check_same_layout(gathered)
-    reason = _fallback_reason(gathered, process_group)
-    if reason is not None:
-        return None, reason
-    if process_group is not None:
-        ranks = tuple(dist.get_process_group_ranks(process_group))
-        return WeightGroup(process_group, dist.get_rank(process_group),
-                           dist.get_world_size(process_group), str(dist.get_backend(process_group)), ranks,
-                           _peer_copy_reason([f for f in gathered if f.rank in ranks])), None
-    return _host_group(gathered, device, timeout_s), None
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        # A gloo side group: exchanging facts must work before we know NCCL can (e.g. when two
+        # ranks share a GPU, NCCL refuses the communicator). Created on first use.
+        self._exchange: Any | None = None
+        # The weight group, when this session created it (not when the caller passed one).
+        self._weight: Any | None = None
+        self.group: WeightGroup | None = None
+        """The weight group :meth:`resolve` chose, or None (no allgather, or a fallback)."""
+
+    @property
+    def active(self) -> bool:
+        """A weight group is in use: the end of setup is agreed across its ranks."""
+        return self.group is not None
+
+    def resolve(self, components: dict[str, ComponentFacts], device: torch.device,
+                process_group: Any | None) -> tuple[WeightGroup | None, str | None]:
+        """The weight group for this rank, or ``(None, reason)`` when allgather cannot run."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, ("torch.distributed is not initialised: start the job with torchrun "
+                          "(and init_process_group) to share weights across ranks")
+        world = dist.get_world_size()
+        if world == 1:
+            return None, "the job has a single rank: there is no other rank to share weights with"
+        facts = _RankFacts(
+            rank=dist.get_rank(),
+            node=os.environ.get("GROUP_RANK") or socket.gethostname(),
+            device_type=device.type,
+            device_index=device.index,
+            backend=str(dist.get_backend()),
+            allow_gloo=os.environ.get(ALLOW_GLOO_ENV, "0") == "1",
+            components=components,
+            **_gpu_facts(device),
+        )
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, facts, group=self._exchange_group())
+        _check_same_layout(gathered)
+        reason = _fallback_reason(gathered, process_group)
+        if reason is not None:
+            return None, reason
+        if process_group is not None:
+            ranks = tuple(dist.get_process_group_ranks(process_group))
+            self.group = WeightGroup(process_group, dist.get_rank(process_group),
+                                     dist.get_world_size(process_group), str(dist.get_backend(process_group)),
+                                     ranks, _peer_copy_reason([f for f in gathered if f.rank in ranks]))
+        else:
+            self.group = _host_group(gathered, device, self.timeout_s)
+            self._weight = self.group.group
+        return self.group, None
+
+    def agree(self, error: str | None) -> list[tuple[int, str]]:
+        """Every rank says whether its setup succeeded (``error`` None) or why not; returns the
+        failures, the same list on every rank."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dist.get_rank(), error), group=self._exchange_group())
+        return [(rank, err) for rank, err in gathered if err is not None]
+
+    def close_exchange(self) -> None:
+        """Release the side group: setup is agreed, nothing more is exchanged."""
+        if self._exchange is not None:
+            group, self._exchange = self._exchange, None
+            _destroy(group)
+
+    def close(self) -> None:
+        """Release every group this session created. Idempotent."""
+        self.close_exchange()
+        if self._weight is not None:
+            group, self._weight = self._weight, None
+            _destroy(group)
+
+    def _exchange_group(self) -> Any:
+        if self._exchange is None:
+            self._exchange = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._exchange
 
 
-def agree_on_setup(error: str | None, timeout_s: float) -> list[tuple[int, str]]:
-    """Every rank says whether its setup succeeded (``error`` None) or why not; returns the
-    failures, the same list on every rank. Collective over the default group."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dist.get_rank(), error), group=_exchange_group(timeout_s))
-    return [(rank, err) for rank, err in gathered if err is not None]
-
-
-def _exchange_group(timeout_s: float):
-    # A gloo side group: exchanging facts must work before we know NCCL can (e.g. when two
-    # ranks share a GPU, NCCL refuses the communicator).
-    if timeout_s not in _exchange_groups:
-        _exchange_groups[timeout_s] = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return _exchange_groups[timeout_s]
+def _destroy(group: Any) -> None:
+    # The job may have torn its process groups down already (destroy_process_group() destroys
+    # every subgroup too): then there is nothing left to release.
+    if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
 
 
 def _check_same_layout(gathered: list[_RankFacts]) -> None:
@@ -242,14 +280,8 @@ def _gpu_facts(device: torch.device) -> dict[str, Any]:
     uuid = _uuid(index)
     peers = tuple(_uuid(j) for j in range(torch.cuda.device_count())
                   if j != index and torch.cuda.can_device_access_peer(index, j))
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symmetric = callable(getattr(symm_mem, "empty", None)) and callable(getattr(symm_mem, "rendezvous", None))
-    except ImportError:
-        symmetric = False
-    from .transfer import StreamMemOps
-
+    symmetric = (symm_mem is not None and callable(getattr(symm_mem, "empty", None))
+                 and callable(getattr(symm_mem, "rendezvous", None)))
     return {"device_uuid": uuid, "peer_uuids": peers, "symmetric_memory": symmetric,
             "stream_memops": StreamMemOps.available()}
 

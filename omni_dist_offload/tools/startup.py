@@ -2,20 +2,21 @@
 group offloading's setup.
 
     # a Wan-14B-size pipeline folder with random weights (40 blocks of 703 MB in bf16: 28 GB)
-    python -m omni_dist_offload.startup write /tmp/wan14b --blocks 40 --dtype bf16
+    python -m omni_dist_offload.tools.startup write /tmp/wan14b --blocks 40 --dtype bf16
     # each measurement in a fresh process, so its peak RSS is its own
-    torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.startup load /tmp/wan14b \\
+    torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.tools.startup load /tmp/wan14b \\
         --mode cold --transfer allgather
-    torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.startup load /tmp/wan14b \\
+    torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.tools.startup load /tmp/wan14b \\
         --mode ordinary --transfer allgather
-    python -m omni_dist_offload.startup load /tmp/wan14b --mode peer    # group offloading setup
+    python -m omni_dist_offload.tools.startup load /tmp/wan14b --mode peer    # group offloading setup
     # the folder is a runnable Wan pipeline (tiny text encoder and VAE, full-size DiT)
     NGPU=2 launch/generate.sh --model /tmp/wan14b --height 480 --width 832 --num-frames 17 \
         --num-inference-steps 4 --prompt "a fox" --prompt "a cat"
 
-``cold``: :class:`~omni_dist_offload.Omni`'s cold start (streamed blocks read from the
-safetensors files into this rank's host buffer or shard). ``ordinary``: ``from_pretrained``
-then :func:`~omni_dist_offload.apply_offload`. ``peer``: ``from_pretrained``, then diffusers'
+``cold``: the cold start that :class:`~omni_dist_offload.Omni` runs
+(:func:`omni_dist_offload.loading.load_and_place`: streamed blocks read from the safetensors
+files into this rank's host buffer or shard). ``ordinary``: ``from_pretrained`` then
+:func:`~omni_dist_offload.apply_offload` (the same function with ``cold_start=False``). ``peer``: ``from_pretrained``, then diffusers'
 ``enable_group_offload`` (block_level, one block per group, use_stream) on the DiT, timed alone.
 Every rank prints one JSON line: seconds to ready, the DiT's fill-and-pin seconds and GB/s, peak
 and final RSS, and a digest of one small DiT forward (equal digests: bitwise equal weights).
@@ -33,6 +34,20 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from accelerate import init_empty_weights
+from diffusers import DiffusionPipeline, WanTransformer3DModel
+from safetensors.torch import save_file
+
+from ..apply import resolve_device
+from ..config import OffloadConfig
+from ..hostmem import huge_pages_wanted
+from ..loading.folders import dtype_kwarg
+from ..loading.pipelines import load_and_place
+from ..models import PRESETS
+from ..models.tiny import TINY_TEXT_DIM, tiny_wan_pipeline, wan_transformer_inputs
+from ..plan import module_bytes
+from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.flags import positive_int
 
 __all__ = ["main", "write_folder"]
 
@@ -45,13 +60,6 @@ def write_folder(folder: Path, blocks: int, dtype: torch.dtype, preset: str = "w
     preset (Wan-14B-size blocks by default) with ``blocks`` blocks of random weights in ``dtype``,
     sharded as diffusers shards. Returns the DiT's bytes. Tensors are made one at a time (on the
     GPU when there is one), never all at once."""
-    from accelerate import init_empty_weights
-    from diffusers import WanTransformer3DModel
-    from safetensors.torch import save_file
-
-    from .bench import PRESETS
-    from .tiny import TINY_TEXT_DIM, tiny_wan_pipeline
-
     pipe = tiny_wan_pipeline(seed=seed)
     # Everything but the DiT the ordinary way (model_index.json, configs, the small parts).
     pipe.save_pretrained(folder)
@@ -109,8 +117,6 @@ def _peak_rss() -> tuple[int, int]:
 @torch.no_grad()
 def _digest(transformer: Any, device: torch.device) -> str:
     """Digest of one small forward of the DiT: equal digests mean equal weights, bitwise."""
-    from .tiny import wan_transformer_inputs
-
     x = wan_transformer_inputs(transformer, batch=1, num_frames=1, height=8, width=8)
     x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in x.items()}
     out = transformer(**x)[0]
@@ -118,9 +124,6 @@ def _digest(transformer: Any, device: torch.device) -> str:
 
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:
-    from .api import Omni, _dtype_kwarg
-    from .apply import resolve_device
-
     device = resolve_device(None)
     dtype = _DTYPES[args.run_dtype]
     config = {"mode": "layer", "components": ["dit"],
@@ -128,27 +131,24 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     row: dict[str, Any] = {"mode": args.mode, "transfer": args.transfer}
     if args.mode in ("cold", "ordinary"):
-        omni = Omni(str(args.folder), config, device=device, dtype=dtype, progress=False,
-                    cold_start=args.mode == "cold")
+        loaded = load_and_place(str(args.folder), OffloadConfig.parse(config), device=device, dtype=dtype,
+                                cold_start=args.mode == "cold")
         if device.type == "cuda":
             torch.cuda.synchronize()
         row["ready_s"] = time.perf_counter() - start
-        summary = omni.summary()[0]
-        row.update(load_s=omni.timings.load_s, place_s=omni.timings.place_s,
-                   dit_fill_s=summary["setup_s"], dit_bytes=summary["block_bytes"],
-                   host_bytes=summary["host_bytes"], weight_transfer=summary["weight_transfer"],
-                   cold_start=omni.cold_start)
-        transformer = omni.pipeline.transformer
+        (ring,) = loaded.handle.summary_rows()
+        row.update(load_s=loaded.load_s, place_s=loaded.place_s, dit_fill_s=ring.setup_s,
+                   dit_bytes=ring.block_bytes, host_bytes=ring.host_bytes,
+                   weight_transfer=ring.weight_transfer, cold_start=loaded.cold_start)
+        transformer = loaded.pipeline.transformer
     else:
-        from diffusers import DiffusionPipeline
-
-        pipe = DiffusionPipeline.from_pretrained(str(args.folder), **{_dtype_kwarg(): dtype})
+        pipe = DiffusionPipeline.from_pretrained(str(args.folder), **{dtype_kwarg(): dtype})
         loaded = time.perf_counter()
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and name != "transformer":
                 module.to(device)
         transformer = pipe.transformer
-        blocks = sum(t.numel() * t.element_size() for t in transformer.blocks.parameters())
+        blocks = module_bytes(transformer.blocks)
         begin = time.perf_counter()
         transformer.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                          offload_type="block_level", num_blocks_per_group=1,
@@ -159,21 +159,19 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
                    ready_s=time.perf_counter() - start)
     row["dit_fill_gbps"] = row["dit_bytes"] / row["dit_fill_s"] / 1e9
     if args.mode != "peer":  # this project's host buffers: transparent huge pages asked for or not
-        from .hostmem import _huge_pages_wanted
-
-        row["huge_pages"] = _huge_pages_wanted()
+        row["huge_pages"] = huge_pages_wanted()
     row["peak_rss_gib"], row["rss_gib"] = (v / 2**30 for v in _peak_rss())
     row["digest"] = _digest(transformer, device)
     return row
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.startup", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.startup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write a Wan-14B-size pipeline folder with random weights")
     w.add_argument("folder", type=Path)
-    w.add_argument("--blocks", type=int, default=40)
+    w.add_argument("--blocks", type=positive_int, default=40)
     w.add_argument("--preset", default="wan-14b", choices=["wan-14b", "wan-1.3b", "tiny-wan"],
                    help="block size, from the benchmark presets")
     w.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="checkpoint dtype")
@@ -195,16 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"wrote": str(args.folder), "dit_bytes": total,
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
         return 0
-    from .bench import _init_distributed
-
-    _, world, rank = _init_distributed()
+    ctx = maybe_init_dist()
     try:
-        row = {"rank": rank, "world": world, **_load(args)}
+        row = {"rank": ctx.rank, "world": ctx.world_size, **_load(args)}
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+        destroy_dist(ctx)
     line = json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
     print(line, flush=True)
     if args.json is not None:

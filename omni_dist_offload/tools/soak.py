@@ -6,14 +6,14 @@ tolerance and the number of live tensors must not grow; after the run, ``remove(
 back a model with the same outputs. Figures are printed every ``--report-every`` forwards; the
 last line is ``soak PASS`` or ``soak FAIL`` with the figures, and the exit status is 1 on FAIL.
 
-    python -m omni_dist_offload.soak --model wan-14b --forwards 500                    # one GPU
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.soak \
+    python -m omni_dist_offload.tools.soak --model wan-14b --forwards 500                    # one GPU
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.tools.soak \
         --model wan-14b --forwards 500 --transfer allgather                           # two GPUs
-    python -m omni_dist_offload.soak --model tiny-wan --forwards 60                    # CPU, seconds
-    python -m torch.distributed.run --nproc_per_node 2 -m omni_dist_offload.soak \\
+    python -m omni_dist_offload.tools.soak --model tiny-wan --forwards 60                    # CPU, seconds
+    python -m torch.distributed.run --nproc_per_node 2 -m omni_dist_offload.tools.soak \\
         --model tiny-wan --forwards 60 --transfer allgather                            # CPU, gloo
 
-Models are the benchmark presets (``omni_dist_offload.bench.PRESETS``: real diffusers DiT classes
+Models are the benchmark presets (``omni_dist_offload.models.PRESETS``: real diffusers DiT classes
 at real or tiny block sizes, random weights, nothing downloaded).
 """
 
@@ -30,9 +30,13 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 from torch import nn
 
-from .apply import apply_offload
-from .config import GATHERS, Gather
-from .ranks import rank_prefix
+from ..apply import apply_offload
+from ..config import GATHERS, Gather
+from ..models import PRESETS, build_model, flux_inputs, wan_inputs
+from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.flags import non_negative_int, positive_int
+from ..runtime.logs import rank_prefix
+from ..transfer.groups import ALLOW_GLOO_ENV
 
 __all__ = ["DEFAULT_SHAPES", "SoakOptions", "SoakResult", "main", "run_soak"]
 
@@ -54,7 +58,7 @@ class SoakOptions:
     """One soak run."""
 
     model: str = "tiny-wan"
-    """A preset of ``omni_dist_offload.bench.PRESETS``."""
+    """A preset of ``omni_dist_offload.models.PRESETS``."""
     forwards: int = 500
     transfer: Literal["rank-local", "allgather"] = "rank-local"
     blocks: int | None = None
@@ -184,8 +188,6 @@ def _judge(opts: SoakOptions, r: SoakResult) -> None:
 
 
 def _check_options(opts: SoakOptions) -> None:
-    from .bench import PRESETS
-
     if opts.model not in PRESETS:
         raise ValueError(f"model {opts.model!r} is not a preset: use one of {sorted(PRESETS)}.")
     if opts.warmup < 2 or opts.forwards <= opts.warmup:
@@ -197,8 +199,6 @@ def _check_options(opts: SoakOptions) -> None:
 
 def _build(opts: SoakOptions) -> tuple[nn.Module, list[dict[str, Any]]]:
     """The preset's model on the device (the same weights on every rank) and its two inputs."""
-    from .bench import PRESETS, build_model, flux_inputs, wan_inputs
-
     preset = PRESETS[opts.model]
     model = build_model(preset, opts.blocks or preset.default_blocks, opts.device, opts.dtype).eval()
     shapes = opts.shapes or DEFAULT_SHAPES.get(opts.model) or DEFAULT_SHAPES["tiny-wan" if preset.video else "tiny-flux"]
@@ -299,18 +299,16 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import PRESETS
-
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-wan", choices=sorted(PRESETS), help="benchmark preset")
-    p.add_argument("--forwards", type=int, default=500)
+    p.add_argument("--forwards", type=positive_int, default=500)
     p.add_argument("--transfer", default="rank-local", choices=["rank-local", "allgather"])
-    p.add_argument("--blocks", type=int, default=None, help="blocks in the model (preset default)")
+    p.add_argument("--blocks", type=positive_int, default=None, help="blocks in the model (preset default)")
     p.add_argument("--shapes", type=_shape, nargs=2, default=None, metavar="SHAPE",
                    help="the two alternated input shapes: FxHxW pixels for video, SIDE for images")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--report-every", type=int, default=50)
+    p.add_argument("--warmup", type=non_negative_int, default=10)
+    p.add_argument("--report-every", type=positive_int, default=50)
     p.add_argument("--rss-tolerance-mib", type=float, default=64.0)
     p.add_argument("--allocated-tolerance-mib", type=float, default=0.0)
     p.add_argument("--chunk-mib", type=float, default=64.0, help="allgather chunk size")
@@ -324,13 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .distributed import ALLOW_GLOO_ENV
-    from .dp import destroy_dist, maybe_init_dist
-
     args = build_parser().parse_args(argv)
     ctx = maybe_init_dist(args.device)
-    device = torch.device(args.device) if args.device else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(args.device) if args.device else ctx.device
     if args.transfer == "allgather" and device.type == "cpu":
         os.environ.setdefault(ALLOW_GLOO_ENV, "1")  # gloo allgather is for tests like this one
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

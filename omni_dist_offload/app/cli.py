@@ -6,9 +6,10 @@
         --prompt "a red fox in snow" --num-inference-steps 30 --output-dir out/
     omni-offload inspect --model tiny-flux
     omni-offload bench --preset wan-14b --frames 81 17 --json out.json --png out.png
-    omni-offload serve --model tiny-flux --port 8000     # HTTP service; see serve.py
+    omni-offload serve --model tiny-flux --port 8000     # HTTP service; see serve/
 
-Under torchrun (``launch/generate.py``) prompts are split across ranks; see ``dp.py``.
+Under torchrun (``launch/generate.py``) prompts are split across ranks; see ``dp.py``. ``bench``
+runs :mod:`omni_dist_offload.tools.bench`.
 Bad flags, a bad config or an option the pipeline does not take: one line on stderr, exit
 status 2, nothing written.
 """
@@ -17,29 +18,29 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .api import (
-    DTYPES,
-    GenerationOptionError,
-    ModelLoadError,
-    Omni,
-    SamplingOptions,
-    format_bytes,
-)
-from .config import OffloadConfig, OffloadConfigError
-from .dp import destroy_dist, maybe_init_dist, plan_jobs, run_jobs
+import torch
+
+from ..config import OffloadConfig, OffloadConfigError
+from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
+from ..plan import module_bytes
+from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.flags import non_negative_int, positive_int
+from ..runtime.logs import current_rank, rank_prefix, setup_logging
+from ..tools import bench
+from ..trace import summary_line
+from .api import GenerationOptionError, Omni, SamplingOptions
+from .dp import plan_jobs, run_jobs
 from .outputs import VIDEO_FORMATS, resolve_video_format
-from .ranks import current_rank, rank_prefix
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
-from .trace import summary_line
 
 __all__ = ["DEFAULT_OFFLOAD_CONFIG", "DEFAULT_PROMPT", "UsageError", "build_parser", "main"]
 
@@ -49,7 +50,7 @@ DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"
 DEFAULT_PROMPT = "a red fox running through snow"
 _COMMANDS = ("generate", "inspect", "bench", "serve")
 
-logger = logging.getLogger("omni_dist_offload")
+logger = logging.getLogger(__name__)
 
 
 class UsageError(Exception):
@@ -134,19 +135,19 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
                          help="one prompt per line; blank lines and lines starting with # are skipped")
     parser.add_argument("--negative-prompt", default=None)
-    parser.add_argument("--num-inference-steps", type=_positive_int, default=None, metavar="N")
-    parser.add_argument("--height", type=_positive_int, default=None)
-    parser.add_argument("--width", type=_positive_int, default=None)
-    parser.add_argument("--num-frames", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--num-inference-steps", type=positive_int, default=None, metavar="N")
+    parser.add_argument("--height", type=positive_int, default=None)
+    parser.add_argument("--width", type=positive_int, default=None)
+    parser.add_argument("--num-frames", type=positive_int, default=None, metavar="N",
                         help="video pipelines only")
     parser.add_argument("--guidance-scale", type=float, default=None, metavar="G")
-    parser.add_argument("--seed", type=_non_negative_int, default=0,
+    parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of prompt 0; prompt k uses seed + k (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
                         help="where outputs and their JSON sidecars go (default: %(default)s)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
                         help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
-    parser.add_argument("--fps", type=_positive_int, default=None, help="video frame rate (default: 16)")
+    parser.add_argument("--fps", type=positive_int, default=None, help="video frame rate (default: 16)")
     parser.add_argument("--no-progress", action="store_true", help="hide denoising progress bars")
 
 
@@ -156,8 +157,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] not in (*_COMMANDS, "-h", "--help", "--version"):
         args = ["generate", *args]  # generate is the default command
     if args[0] == "bench":
-        from . import bench
-
         return bench.main(args[1:], prog=f"{PROG} bench")
     try:
         plan = _validate(build_parser().parse_args(args))
@@ -234,8 +233,6 @@ def _check_model(model: str) -> None:
 def _check_device(device: str | None) -> None:
     if device is None:
         return
-    import torch
-
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -248,12 +245,12 @@ def _check_device(device: str | None) -> None:
 
 # -- commands ------------------------------------------------------------------------------
 def _cmd_generate(plan: RunPlan) -> int:
-    _setup_logging()
+    setup_logging()
     ctx = maybe_init_dist(plan.device)
     try:
         jobs = plan_jobs(plan.prompts, plan.seed, ctx.rank, ctx.world_size)
-        logger.info("%s%d prompt(s) on %d rank(s): %d wave(s), this rank runs prompts %s",
-                    rank_prefix(), len(plan.prompts), ctx.world_size, len(jobs),
+        logger.info("%d prompt(s) on %d rank(s): %d wave(s), this rank runs prompts %s",
+                    len(plan.prompts), ctx.world_size, len(jobs),
                     [j.index for j in jobs if not j.padding])
         with _load(plan) as omni:
             omni.call_kwargs(**plan.sampling.to_kwargs())  # an option it does not take: exit 2 now
@@ -269,7 +266,7 @@ def _cmd_generate(plan: RunPlan) -> int:
 
 
 def _cmd_inspect(plan: RunPlan) -> int:
-    _setup_logging()
+    setup_logging()
     ctx = maybe_init_dist(plan.device)
     try:
         with _load(plan) as omni:
@@ -282,7 +279,7 @@ def _cmd_inspect(plan: RunPlan) -> int:
 
 
 def _cmd_serve(plan: RunPlan) -> int:
-    _setup_logging()
+    setup_logging()
     factory = functools.partial(Omni, plan.model, plan.config, device=plan.device, dtype=plan.dtype,
                                 progress=False, cold_start=plan.cold_start)
     return run_serve(factory, plan.device, plan.serve or ServeOptions())
@@ -310,24 +307,24 @@ def _load(plan: RunPlan) -> Omni:
 # -- the plan table ------------------------------------------------------------------------
 def plan_rows(omni: Omni) -> list[dict[str, Any]]:
     """One row per pipeline module: its streamed ring (if any) and what stays resident."""
-    streamed = {row["component"]: row for row in omni.summary()}
+    streamed = {row.component: row for row in omni.summary_rows()}
     rows = []
     for name, module in omni.components().items():
-        ring = streamed.get(name, {})
-        block_bytes = ring.get("block_bytes", 0)
+        ring = streamed.get(name)
+        block_bytes = ring.block_bytes if ring else 0
         rows.append({
             "component": name,
-            "category": ring.get("category", "resident"),
+            "category": ring.category if ring else "resident",
             "module_class": type(module).__name__,
-            "num_blocks": ring.get("num_blocks", 0),
+            "num_blocks": ring.num_blocks if ring else 0,
             "block_bytes": block_bytes,
-            "host_bytes": ring.get("host_bytes", 0),
-            "device_slot_bytes": ring.get("device_slot_bytes", 0),
-            "resident_bytes": _tensor_bytes(module) - block_bytes,
-            "weight_transfer": ring.get("weight_transfer"),
-            "gather": ring.get("gather"),
-            "fallback_reason": ring.get("fallback_reason"),
-            "setup_s": ring.get("setup_s"),
+            "host_bytes": ring.host_bytes if ring else 0,
+            "device_slot_bytes": ring.device_slot_bytes if ring else 0,
+            "resident_bytes": module_bytes(module) - block_bytes,
+            "weight_transfer": ring.weight_transfer if ring else None,
+            "gather": ring.gather if ring else None,
+            "fallback_reason": ring.fallback_reason if ring else None,
+            "setup_s": ring.setup_s if ring else None,
         })
     return rows
 
@@ -379,68 +376,21 @@ def _fmt_setup(row: dict[str, Any]) -> str:
     return f"{seconds:.2f}s@{rate:.1f}GB/s"
 
 
-def _tensor_bytes(module: Any) -> int:
-    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def _fmt_bytes(n: int) -> str:
     return format_bytes(n) if n else "0"
 
 
 # -- plumbing ------------------------------------------------------------------------------
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (it is swapped under test capture)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr
-        super().emit(record)
-
-
-def _setup_logging() -> None:
-    """INFO from the ranks in ``LOG_RANK`` (comma-separated, default 0), warnings from all."""
-    try:
-        shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
-    except ValueError:
-        shown = {0}
-    lib_logger = logging.getLogger("omni_dist_offload")
-    lib_logger.setLevel(logging.INFO if current_rank() in shown else logging.WARNING)
-    if not any(isinstance(h, _StderrHandler) for h in lib_logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))  # messages carry their rank prefix
-        lib_logger.addHandler(handler)
-
-
 def _report(message: str, *, every_rank: bool) -> None:
     if every_rank or current_rank() == 0:
         print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; give 0 or more")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
 def _version() -> str:
-    from . import __version__
-
-    return __version__
+    try:
+        return importlib.metadata.version("omni_dist_offload")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

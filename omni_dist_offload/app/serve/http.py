@@ -1,8 +1,8 @@
-"""The HTTP front-end of ``omni-offload serve`` (rank 0): FastAPI under uvicorn, Prometheus metrics.
+"""The HTTP front-end of ``omni-offload serve`` (rank 0): FastAPI under uvicorn.
 
-Needs the ``serve`` extra (``pip install -e ".[serve]"``); ``serve.py`` imports this module only
-once the service starts. Handlers check a request, queue its slots and await their futures;
-rank 0's main thread generates (see [Note: waves] in ``serve.py``).
+Needs the ``serve`` extra (``pip install -e ".[serve]"``); the CLI imports it (through
+``run.py``) only once the service starts. Handlers check a request, queue its slots and await
+their futures; rank 0's main thread generates (see [Note: waves] in ``service.py``).
 
 Errors are JSON, in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``;
 ``param`` names the offending field. 400: the body is not JSON, or the model makes the other
@@ -26,26 +26,19 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .serve import GenerationFailed, ModelLimits, ServeOptions, Service, ServiceUnavailable, Slot
+from .metrics import ServeMetrics
+from .service import GenerationFailed, ModelLimits, ServeOptions, Service, ServiceUnavailable, Slot
 
-__all__ = ["HttpServer", "ImageRequest", "RequestError", "ServeMetrics", "VideoRequest", "build_app"]
+__all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoRequest", "build_app"]
 
 _PATHS = {"image": "/v1/images/generations", "video": "/v1/videos/generations"}
 _SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
 # Seconds a graceful stop waits for open connections before closing them.
 _GRACEFUL_S = 30
-_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class RequestError(Exception):
@@ -144,68 +137,6 @@ def _check_frames(num_frames: int, limits: ModelLimits, options: ServeOptions) -
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-# -- metrics ---------------------------------------------------------------------------------
-class ServeMetrics:
-    """The service's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self, service: Service) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("omni_serve_requests", "Generation requests answered, by code.",
-                                ["endpoint", "code"], registry=r)
-        self.errors = Counter("omni_serve_request_errors", "Generation requests answered with "
-                              "an error (4xx, 5xx).", ["endpoint", "code"], registry=r)
-        self.latency = Histogram("omni_serve_request_seconds", "Time from request to answer of "
-                                 "successful generation requests.", ["endpoint"],
-                                 buckets=_LATENCY_BUCKETS, registry=r)
-        self.outputs = Counter("omni_serve_outputs", "Images or videos generated and returned.",
-                               ["kind"], registry=r)
-        self.waves = Counter("omni_serve_waves", "Waves run (one slot per rank).", registry=r)
-        self.padded = Counter("omni_serve_padded_slots", "Padding slots run to fill waves.", registry=r)
-        self.wave_seconds = Histogram("omni_serve_wave_seconds", "Time of one wave, broadcast to "
-                                      "gather.", buckets=_LATENCY_BUCKETS, registry=r)
-        Gauge("omni_serve_queue_depth", "Images or videos queued, not yet in a wave.",
-              registry=r).set_function(service.queue.depth)
-        Gauge("omni_serve_world_size", "Ranks that generate.", registry=r).set(service.ctx.world_size)
-        self._offload_gauges(service)
-
-    def _offload_gauges(self, service: Service) -> None:
-        labels = ["component"]
-        figures = {key: Gauge(f"omni_offload_{key}", f"Offload summary: {key} of each streamed "
-                              "ring (rank 0).", labels, registry=self.registry)
-                   for key in ("num_blocks", "block_bytes", "host_bytes", "device_slot_bytes")}
-        for row in service.omni.summary():
-            for key, gauge in figures.items():
-                gauge.labels(row["component"]).set(row.get(key) or 0)
-        self.trace_wait = Gauge("omni_offload_exposed_wait_seconds", "Trace (OMNI_OFFLOAD_TRACE=1): "
-                                "compute standing still for weights in the last forward (rank 0).",
-                                labels, registry=self.registry)
-        self.trace_forward = Gauge("omni_offload_forward_seconds", "Trace (OMNI_OFFLOAD_TRACE=1): "
-                                   "the last forward of each ring (rank 0).", labels, registry=self.registry)
-
-    def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Any) -> None:
-        """Called by rank 0's generation loop after each wave."""
-        self.waves.inc()
-        self.padded.inc(padded)
-        self.outputs.labels(kind).inc(done)
-        self.wave_seconds.observe(seconds)
-        handle = omni.handle
-        if handle is not None and handle.rings and all(r.tracer is not None for r in handle.rings):
-            for row in handle.trace_report():
-                self.trace_wait.labels(row["component"]).set(row["exposed_wait_ms"] / 1e3)
-                self.trace_forward.labels(row["component"]).set(row["forward_ms"] / 1e3)
-
-    def answered(self, endpoint: str, code: int, seconds: float) -> None:
-        self.requests.labels(endpoint, str(code)).inc()
-        if code >= 400:
-            self.errors.labels(endpoint, str(code)).inc()
-        else:
-            self.latency.labels(endpoint).observe(seconds)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 # -- the app ---------------------------------------------------------------------------------

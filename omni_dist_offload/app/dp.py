@@ -6,87 +6,28 @@ outputs are discarded. The ``allgather`` weight transfer needs this, since each 
 all-gather is a collective that every rank of the group must enter. Prompt ``k`` is generated
 with seed ``base_seed + k`` and written as ``<k>.<ext>``, whatever the number of ranks.
 
-With one process :func:`maybe_init_dist` does nothing, and the same loop runs alone.
+With one process (``runtime.dist.maybe_init_dist`` does nothing) the same loop runs alone.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .ranks import rank_prefix
+from ..runtime.dist import DistContext
+from .api import Omni, SamplingOptions
+from .outputs import VideoFormat
 
-if TYPE_CHECKING:
-    from .api import Omni, SamplingOptions
-    from .outputs import VideoFormat
+__all__ = ["PromptJob", "RunReport", "plan_jobs", "run_jobs"]
 
-__all__ = [
-    "DistContext",
-    "PromptJob",
-    "RunReport",
-    "destroy_dist",
-    "maybe_init_dist",
-    "plan_jobs",
-    "run_jobs",
-]
-
-logger = logging.getLogger("omni_dist_offload")
-
-
-@dataclass(frozen=True, slots=True)
-class DistContext:
-    """Where this process sits in the torchrun job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    backend: str | None = None
-    """``nccl``, ``gloo``, or ``None`` when no process group was created (one process)."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def maybe_init_dist(device: str | None = None) -> DistContext:
-    """Join the torchrun process group when there is more than one process; else do nothing.
-
-    On CUDA the rank's device is ``cuda:LOCAL_RANK`` (set as current) and the backend NCCL;
-    on the CPU (or with ``device="cpu"``) the backend is gloo."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-    if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK {local_rank} has no GPU: this host has {torch.cuda.device_count()}; "
-                "start at most that many processes per node (torchrun --nproc_per_node)."
-            )
-        torch.cuda.set_device(local_rank)
-    if world_size == 1:
-        return DistContext(rank=rank, world_size=1, local_rank=local_rank)
-    backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend,
-                                device_id=torch.device("cuda", local_rank) if use_cuda else None)
-    logger.info("%sjoined %d ranks (%s)", rank_prefix(), world_size, backend)
-    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend)
-
-
-def destroy_dist(ctx: DistContext) -> None:
-    """Leave the process group that :func:`maybe_init_dist` joined, if any."""
-    if ctx.backend is not None and dist.is_initialized():
-        dist.destroy_process_group()
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,14 +104,14 @@ def run_jobs(
         result = omni.generate(job.prompt, seed=job.seed, name=f"{job.index:05d}", fps=fps, **options)
         report.kind = result.kind
         if job.padding:
-            logger.info("%swave %d/%d: padding call done (%.1f s), output discarded", rank_prefix(),
+            logger.info("wave %d/%d: padding call done (%.1f s), output discarded",
                         job.wave + 1, len(jobs), time.perf_counter() - job_start)
             continue
         result.metadata.update(index=job.index, rank=ctx.rank, world_size=ctx.world_size)
         saved = result.save(output_dir, video_format=video_format)
         report.written.append(saved.media)
         report.local_count += 1
-        logger.info("%swave %d/%d: prompt %d %r -> %s (%.1f s)", rank_prefix(), job.wave + 1,
+        logger.info("wave %d/%d: prompt %d %r -> %s (%.1f s)", job.wave + 1,
                     len(jobs), job.index, job.prompt, saved.media, time.perf_counter() - job_start)
     report.elapsed_s = time.perf_counter() - start
     report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)

@@ -1,0 +1,195 @@
+"""Loading a pipeline for offloading: a built-in, a local diffusers folder or a cached hub id,
+built on the host, then streamed with :func:`~omni_dist_offload.apply.apply_offload` (or moved
+whole to the device without a config).
+
+With an offload config, a folder or cached snapshot is cold-started (:mod:`.coldstart`):
+streamed components are built without their weights and each block is read from the
+safetensors files straight into this rank's host buffer or shard, so no rank ever holds the
+whole model; everything else loads as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from diffusers import DiffusionPipeline
+from torch import nn
+
+from ..apply import OffloadHandle, apply_offload
+from ..config import OffloadConfig
+from ..models import BUILTIN_MODELS, BUILTIN_PIPELINES, cast_like_pretrained
+from ..plan import module_bytes
+from .checkpoint import BlockSource
+from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
+from .folders import dtype_kwarg, pipeline_class
+
+__all__ = [
+    "DTYPES",
+    "LoadedPipeline",
+    "ModelLoadError",
+    "format_bytes",
+    "load_and_place",
+    "load_pipeline",
+    "module_components",
+    "resolve_dtype",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Names accepted for ``dtype`` (and ``--dtype``).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what was tried."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPipeline:
+    """A pipeline on its device, its offload handle (None when resident) and how long it took."""
+
+    pipeline: Any
+    handle: OffloadHandle | None
+    load_s: float
+    """Building or loading the pipeline on the host."""
+    place_s: float
+    """``apply_offload`` (consolidating, pinning, moving the rest), or moving it all resident."""
+    cold_start: bool
+    """Whether the streamed components were cold-started from their safetensors files."""
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``None``: bfloat16 on a GPU, float32 on the CPU; names from :data:`DTYPES`."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {['auto', *DTYPES]}.")
+    return DTYPES[dtype]
+
+
+def load_and_place(
+    model: str,
+    config: OffloadConfig | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_kwargs: Mapping[str, Any] | None = None,
+    cold_start: bool = True,
+    progress: bool = False,
+) -> LoadedPipeline:
+    """Load ``model`` and stream it with ``config`` (cold-started where it can be), or move it
+    whole to ``device`` when ``config`` is None. ``progress`` shows the offload setup's bars.
+    Collective under allgather."""
+    kwargs = dict(load_kwargs or {})
+    start = time.perf_counter()
+    cold = None
+    if config is not None and cold_start and model not in BUILTIN_MODELS:
+        cold = _prepare_cold_start(model, config, device, dtype, kwargs)
+    try:
+        pipe = load_pipeline(str(cold.folder) if cold else model, dtype,
+                             {**kwargs, **(cold.components if cold else {})})
+        loaded = time.perf_counter()
+        handle = _place(pipe, model, config, device, cold.sources if cold else None, progress)
+    finally:
+        if cold is not None:
+            cold.close()
+    return LoadedPipeline(pipe, handle, loaded - start, time.perf_counter() - loaded, cold is not None)
+
+
+def _prepare_cold_start(model: str, config: OffloadConfig, device: torch.device, dtype: torch.dtype,
+                        load_kwargs: Mapping[str, Any]) -> ColdStart | None:
+    """The streamed components of a folder built without their weights, or None when the
+    ordinary load applies."""
+    folder, reason = cold_start_folder(model, load_kwargs)
+    if folder is None:
+        logger.info("loading %s whole before offloading: %s", model, reason)
+        return None
+    cold = prepare_cold_start(folder, config, device=device, dtype=dtype)
+    if not cold.components:
+        cold.close()
+        return None
+    logger.info("cold start: %s built without block weights; their blocks are read from the "
+                "safetensors files into host memory", sorted(cold.components))
+    return cold
+
+
+def _place(pipe: Any, model: str, config: OffloadConfig | None, device: torch.device,
+           sources: Mapping[str, BlockSource] | None, progress: bool) -> OffloadHandle | None:
+    """Stream the selected components; everything else (or all of it) goes to the device.
+
+    Never ``pipeline.to(device)`` after ``apply_offload``: that would pull the streamed blocks
+    onto the device and undo the streaming."""
+    if config is None:
+        pipe.to(device)
+        return None
+    total = sum(module_bytes(m) for m in module_components(pipe).values())
+    logger.info("offloading %s of %s (%s of weights in all) to stream from host memory; "
+                "consolidating%s blocks", list(config.components), model, format_bytes(total),
+                " and pinning" if config.pin_memory and device.type == "cuda" else "")
+    return apply_offload(pipe, config, device=device, block_sources=sources, progress=progress)
+
+
+def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]) -> Any:
+    """Build a built-in pipeline, or load a local folder or hub id, on the host in ``dtype``."""
+    if model in BUILTIN_MODELS:
+        pipe = BUILTIN_PIPELINES[model]()
+        if dtype != torch.float32:
+            for module in module_components(pipe).values():
+                cast_like_pretrained(module, dtype)
+        return pipe
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "model_index.json").is_file():
+        raise ModelLoadError(
+            f"folder {str(path)!r} has no model_index.json, so it is not a diffusers pipeline "
+            "folder: point --model at the folder that pipe.save_pretrained() wrote."
+        )
+    if not path.is_dir() and model.startswith((".", "/", "~")):
+        raise ModelLoadError(
+            f"model folder {model!r} does not exist: give an existing diffusers folder, a hub id "
+            f"or a built-in name {list(BUILTIN_MODELS)}."
+        )
+    logger.info("loading %s (%s) on the host", model, str(dtype).removeprefix("torch."))
+    try:
+        # Weights come from safetensors only (no pickled .bin checkpoints), unless the caller
+        # passes use_safetensors=False in load_kwargs.
+        loader = DiffusionPipeline
+        if path.is_dir() and any(isinstance(v, nn.Module) for v in load_kwargs.values()):
+            # Components passed in must go through the concrete class: DiffusionPipeline's own
+            # from_pretrained treats components with a default (WanPipeline's transformer) as
+            # plain options, loads them from disk anyway and then drops them.
+            loader = pipeline_class(path)
+        return loader.from_pretrained(
+            str(path) if path.is_dir() else model, **{dtype_kwarg(): dtype},
+            **{"use_safetensors": True, **load_kwargs})
+    except (OSError, ValueError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelLoadError(
+            f"could not load {model!r} ({type(exc).__name__}: {detail}): give a built-in name "
+            f"{list(BUILTIN_MODELS)}, a local diffusers folder, or a hub id whose weights are in "
+            "the local cache (set HF_HUB_OFFLINE=1 to skip the network)."
+        ) from exc
+
+
+def module_components(pipe: Any) -> dict[str, nn.Module]:
+    """A pipeline's module components by attribute name."""
+    components = getattr(pipe, "components", None) or {}
+    return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,107 @@
+"""The allgather transfer over a collective: every rank keeps one shard of each block, and the
+device rebuilds the block with an all-gather (NCCL on GPUs, gloo in CPU tests).
+
+Timeline: [Note: chunked shard all-gather] in ``docs/design.md``. The kernel-free variant for
+GPUs that map each other's memory is :mod:`.copy_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..hostmem import HostBuffer
+from .groups import WeightGroup
+from .protocol import TransferStreams, plain_slots
+from .sharding import ShardPlan, shard_pieces
+
+__all__ = ["AllGatherTransfer"]
+
+# Newer torch names the flat all-gather all_gather_single (the old name warns); older has only
+# all_gather_into_tensor. Same semantics: output is the concatenation of the ranks' inputs.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class AllGatherTransfer:
+    """Every rank holds one shard of each block; the device rebuilds the block by all-gather.
+
+    See [Note: chunked shard all-gather] in ``docs/design.md``: chunk ``j``'s host-to-device
+    copy of this rank's piece runs on the copy stream, its all-gather on the comm stream, so the
+    gather of chunk ``j`` overlaps the copy of chunk ``j + 1``.
+    """
+
+    name = "allgather"
+    fallback_reason = None
+
+    def __init__(self, shards: Sequence[HostBuffer], plans: Sequence[ShardPlan], group: WeightGroup,
+                 streams: TransferStreams, device: torch.device, num_slots: int) -> None:
+        self.shards = list(shards)
+        self.plans = list(plans)
+        self.group = group
+        # What rebuilds the block: NCCL's kernels on GPUs, gloo's all-gather in CPU tests.
+        self.gather = "nccl" if "nccl" in group.backend else group.backend
+        self._copy_stream = streams.copy
+        self._comm_stream = streams.comm
+        # (slot offset, this rank's slice start, bytes per rank, host shard offset) per chunk,
+        # computed once so the per-block path only slices.
+        self._chunks = [self._chunk_table(p) for p in plans]
+        # chunk_copied[j]: recorded on the copy stream when this rank's piece of chunk j is on
+        # the device; the comm stream waits on it before gathering chunk j. Reused by every
+        # fill: a wait captures the event's latest record when it is enqueued.
+        most = max(len(c) for c in self._chunks)
+        self._chunk_copied = [torch.cuda.Event() for _ in range(most)] if streams.copy is not None else []
+        # One slot fits the largest gathered block; every block of every step reuses it.
+        self.slots = self._allocate_slots(max(p.padded_nbytes for p in self.plans), num_slots, device)
+
+    @staticmethod
+    def _chunk_table(plan: ShardPlan) -> tuple[tuple[int, int, int, int], ...]:
+        return tuple((offset, start, c, pos)
+                     for (offset, _), (start, c, pos) in zip(plan.chunks, shard_pieces(plan), strict=True))
+
+    def host_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def device_nbytes(self, block: int) -> int:
+        return self.plans[block].padded_nbytes
+
+    def _allocate_slots(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
+        return plain_slots(nbytes, count, device)
+
+    def fill(self, block, dst, after, ready, marks=None) -> None:
+        src = self.shards[block].tensor
+        group, world = self.group.group, self.group.size
+        copy, comm = self._copy_stream, self._comm_stream
+        if copy is None:  # CPU (gloo): each call completes before it returns
+            if marks is not None:
+                marks[0].record()
+            for offset, mine, c, pos in self._chunks[block]:
+                dst[mine : mine + c].copy_(src[pos : pos + c])
+                _all_gather(dst[offset : offset + world * c], dst[mine : mine + c], group=group)
+            if marks is not None:
+                marks[1].record()
+            return
+        copy.wait_event(after)
+        if marks is not None:
+            marks[0].record(copy)
+        for j, (offset, mine, c, pos) in enumerate(self._chunks[block]):
+            local = dst[mine : mine + c]
+            with torch.cuda.stream(copy):
+                local.copy_(src[pos : pos + c], non_blocking=True)
+            self._chunk_copied[j].record(copy)
+            comm.wait_event(self._chunk_copied[j])
+            with torch.cuda.stream(comm):
+                # In place: the local input is a view into the output.
+                _all_gather(dst[offset : offset + world * c], local, group=group)
+        ready.record(comm)
+        if marks is not None:
+            marks[1].record(comm)
+
+    def close(self) -> None:
+        self.slots = []
+
+    def release(self) -> None:
+        self.close()
+        for s in self.shards:
+            s.release()

@@ -1,0 +1,68 @@
+"""The weight-transfer protocol: how a block's bytes get from host memory into a device slot.
+
+A transfer owns the host copy of one ring's blocks (whole blocks, or this rank's shards) and the
+ring's device slots; both exist once it is constructed. :meth:`WeightTransfer.fill` enqueues
+work and records the slot's ready event; it never waits on the host. The ring decides which
+block goes into which slot and when (``docs/design.md``, [Note: block ring timeline]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+__all__ = ["TransferStreams", "WeightTransfer", "plain_slots"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStreams:
+    """The side streams a transfer enqueues on; both None on the CPU, where every step
+    completes before the call returns."""
+
+    copy: "torch.cuda.Stream | None" = None
+    """Host-to-device copies, so they run beside compute instead of behind it."""
+    comm: "torch.cuda.Stream | None" = None
+    """The gather of an allgather ring (NCCL all-gathers, or copy-engine pulls from the peers'
+    slots), so it runs beside both compute and the host-to-device copies."""
+
+
+class WeightTransfer(Protocol):
+    """What a ring needs of a transfer. Complete once constructed: its host copy is filled and
+    page-locked by the caller, its ``slots`` allocated."""
+
+    name: str
+    """``"rank-local"`` or ``"allgather"`` (what runs, after any fallback)."""
+    gather: str | None
+    """What rebuilds a block from shards (``"copy-engine"``, ``"nccl"``, ``"gloo"``); None for
+    rank-local."""
+    fallback_reason: str | None
+    """Why the asked-for transfer did not run, or None."""
+    slots: list[torch.Tensor]
+    """The ring's device slots (``uint8``, all of one size), allocated once at construction."""
+
+    def host_bytes(self) -> int:
+        """Host bytes this rank holds for the ring."""
+
+    def device_nbytes(self, block: int) -> int:
+        """Slot bytes block ``block`` occupies once on the device."""
+
+    def fill(self, block: int, dst: torch.Tensor, after: "torch.cuda.Event | None",
+             ready: "torch.cuda.Event | None", marks=None) -> None:
+        """Enqueue filling ``dst`` with block ``block``: start once ``after`` has fired (the
+        slot's previous tenant finished computing), record ``ready`` when the bytes are there.
+        Without an accelerator (events are None) the fill is complete when it returns.
+        ``marks``: when tracing, a (start, end) pair of trace marks to record around the fill."""
+
+    def close(self) -> None:
+        """Drop what the transfer holds besides its host copy (slots, helper threads).
+        Idempotent. The caller has synchronised the device."""
+
+    def release(self) -> None:
+        """:meth:`close`, then unpin and free the host copy."""
+
+
+def plain_slots(nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
+    """``count`` device slots of ``nbytes`` from PyTorch's allocator."""
+    return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
