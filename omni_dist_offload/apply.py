@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -23,16 +23,13 @@ from tqdm.auto import tqdm
 
 from .config import OffloadConfig, OffloadConfigError
 from .hostmem import HostBuffer, HostPinner
-from .layout import BlockLayout, TensorEntry, bind, check_ownership, layout_block, restore_blocks
+from .layout import BlockLayout, BlockSource, TensorEntry, bind, check_ownership, layout_block, restore_blocks
 from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
 from .ring import NUM_SLOTS, BlockRing
 from .trace import trace_enabled
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
 from .transfer.sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
-
-if TYPE_CHECKING:  # a protocol the loaders implement; the core never imports them
-    from .loading.checkpoint import BlockSource
 
 __all__ = ["OffloadHandle", "RingSummary", "apply_offload", "resolve_device"]
 
@@ -225,7 +222,7 @@ def apply_offload(
     variable), read with ``handle.trace_report()``. Returns a handle with ``summary()`` and
     ``remove()``.
 
-    ``block_sources`` (component name -> :class:`~omni_dist_offload.loading.checkpoint.BlockSource`)
+    ``block_sources`` (component name -> :class:`~omni_dist_offload.layout.BlockSource`)
     fills the host copies of blocks whose tensors are placeholders from a checkpoint; the
     cold-start loader (``omni_dist_offload.loading.coldstart``) passes it. ``progress`` shows a
     bar per streamed component while its blocks are filled and page-locked (front-ends pass it on

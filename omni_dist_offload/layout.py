@@ -9,7 +9,7 @@ have the strides of the original and kernels see exactly what they saw before of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch import nn
 from .config import OffloadConfigError
 
 __all__ = [
-    "ALIGNMENT", "BlockLayout", "TensorEntry", "align", "bind", "check_ownership", "layout_block", "restore_blocks",
+    "ALIGNMENT", "BlockLayout", "BlockSource", "TensorEntry", "align", "bind", "check_ownership", "layout_block", "restore_blocks",
 ]
 
 #: Offset alignment of every tensor in a block buffer, in bytes.
@@ -64,6 +64,20 @@ class BlockLayout:
     @property
     def tensor_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+
+class BlockSource(Protocol):
+    """Where the bytes of a component's blocks come from when its tensors are placeholders
+    (cold start: :class:`omni_dist_offload.loading.checkpoint.CheckpointSource` reads them from
+    safetensors files). ``apply_offload(block_sources=...)`` takes one per component."""
+
+    def head(self, entry: TensorEntry, count: int) -> torch.Tensor | None:
+        """The first ``count`` elements of an entry in row-major order, or None to read them
+        from the tensor itself."""
+
+    def fill(self, layout: BlockLayout, pieces: Sequence[tuple[int, int, int]], dst: torch.Tensor) -> None:
+        """Write the block image's bytes ``[offset, offset + n)`` to ``dst[at : at + n]`` for
+        every ``(offset, n, at)`` in ``pieces``; bytes past the block's end are zero."""
 
 
 def layout_block(index: int, name: str, block: nn.Module) -> BlockLayout:

@@ -15,7 +15,7 @@ from transformers import UMT5EncoderModel
 
 from omni_dist_offload import OffloadConfigError, Omni, apply_offload
 import tiny_models as tiny
-from omni_dist_offload.loading.checkpoint import BlockSource, CheckpointError, SafetensorsCheckpoint
+from omni_dist_offload.loading.checkpoint import CheckpointSource, CheckpointError, SafetensorsCheckpoint
 from omni_dist_offload.loading.coldstart import load_offloaded, prepare_cold_start
 from omni_dist_offload.loading.folders import pipeline_class
 from omni_dist_offload.layout import layout_block
@@ -168,7 +168,7 @@ def test_shard_fill_reads_only_its_ranges(wan_folder, world):
                               device=torch.device("cpu"), dtype=torch.float32, threads=3)
     source = cold.sources["transformer"]
     counting = _CountingCheckpoint(source.checkpoint.files)
-    source = BlockSource(counting, source.keys, threads=3)
+    source = CheckpointSource(counting, source.keys, threads=3)
     cold_blocks = cold.components["transformer"].blocks
     for i, (block, cold_block) in enumerate(zip(model.blocks, cold_blocks)):
         full = layout_block(i, f"blocks.{i}", block)

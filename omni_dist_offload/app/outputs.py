@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from PIL import Image
 
 __all__ = [
     "VIDEO_FORMATS",
@@ -109,14 +110,10 @@ def to_uint8(pixels: Any) -> np.ndarray:
 
 
 def _write_png(path: Path, frame: np.ndarray) -> None:
-    from PIL import Image
-
     Image.fromarray(frame).save(path)
 
 
 def _write_gif(path: Path, frames: np.ndarray, fps: int) -> None:
-    from PIL import Image
-
     images = [Image.fromarray(frame) for frame in frames]
     # GIF delays are in milliseconds; loop=0 repeats forever.
     images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)),
@@ -124,7 +121,7 @@ def _write_gif(path: Path, frames: np.ndarray, fps: int) -> None:
 
 
 def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
-    import imageio.v2 as imageio
+    import imageio.v2 as imageio  # optional: the video extra (resolve_video_format checked it)
 
     # H.264 in yuv420p needs even sizes; a macro block of 2 pads odd ones instead of resizing
     # every frame to a multiple of 16.

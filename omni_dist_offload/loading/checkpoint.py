@@ -10,7 +10,7 @@ Reads are safe to run from several threads at once; each converts the dtype itse
 checkpoint's differs from the run dtype (through a small scratch buffer, so conversion never
 holds more than ``_SCRATCH_BYTES`` per thread).
 
-:class:`BlockSource` fills a streamed block's host buffer (or this rank's shard of it) from such
+:class:`CheckpointSource` fills a streamed block's host buffer (or this rank's shard of it) from such
 a checkpoint, for blocks whose tensors were built as placeholders and never materialised.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from ..layout import BlockLayout, TensorEntry
 
-__all__ = ["BlockSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "find_weight_files", "placeholder"]
+__all__ = ["CheckpointSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "find_weight_files", "placeholder"]
 
 #: safetensors dtype names.
 DTYPES: dict[str, torch.dtype] = {
@@ -248,8 +248,9 @@ def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 
 
-class BlockSource:
-    """Fills the streamed blocks of one component from its checkpoint.
+class CheckpointSource:
+    """Fills the streamed blocks of one component from its checkpoint (a
+    :class:`~omni_dist_offload.layout.BlockSource`).
 
     ``keys`` maps ``id(tensor)`` of every placeholder to its checkpoint key; tensors of a block
     that are not placeholders (buffers computed at construction, absent from checkpoints) are

@@ -45,7 +45,7 @@ from torch import nn
 from ..apply import apply_offload, resolve_device
 from ..config import OffloadConfig
 from ..plan import OffloadPlan, resolve_component
-from .checkpoint import WEIGHT_NAMES, BlockSource, CheckpointError, SafetensorsCheckpoint, placeholder
+from .checkpoint import WEIGHT_NAMES, CheckpointSource, CheckpointError, SafetensorsCheckpoint, placeholder
 from .folders import dtype_kwarg, pipeline_class
 
 __all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "prepare_cold_start"]
@@ -64,7 +64,7 @@ class ColdStart:
     folder: Path
     components: dict[str, nn.Module] = field(default_factory=dict)
     """Pipeline attribute -> module, to pass to ``DiffusionPipeline.from_pretrained``."""
-    sources: dict[str, BlockSource] = field(default_factory=dict)
+    sources: dict[str, CheckpointSource] = field(default_factory=dict)
     """Pipeline attribute -> the source ``apply_offload(block_sources=...)`` reads blocks from."""
 
     def close(self) -> None:
@@ -138,7 +138,7 @@ def prepare_cold_start(
                 checkpoint.close()
                 raise
             cold.components[name] = module
-            cold.sources[name] = BlockSource(checkpoint, keys, threads)
+            cold.sources[name] = CheckpointSource(checkpoint, keys, threads)
         undo.pop_all()
     return cold
 

@@ -24,7 +24,7 @@ from ..apply import OffloadHandle, apply_offload
 from ..config import OffloadConfig
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINES, cast_like_pretrained
 from ..plan import module_bytes
-from .checkpoint import BlockSource
+from .checkpoint import CheckpointSource
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
 from .folders import dtype_kwarg, pipeline_class
 
@@ -125,7 +125,7 @@ def _prepare_cold_start(model: str, config: OffloadConfig, device: torch.device,
 
 
 def _place(pipe: Any, model: str, config: OffloadConfig | None, device: torch.device,
-           sources: Mapping[str, BlockSource] | None, progress: bool) -> OffloadHandle | None:
+           sources: Mapping[str, CheckpointSource] | None, progress: bool) -> OffloadHandle | None:
     """Stream the selected components; everything else (or all of it) goes to the device.
 
     Never ``pipeline.to(device)`` after ``apply_offload``: that would pull the streamed blocks

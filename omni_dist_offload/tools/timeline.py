@@ -26,7 +26,7 @@ _WAIT = "#d62728"
 
 def _figure(width: float, height: float):
     try:
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # optional: the bench extra
     except ImportError:
         raise ImportError("drawing benchmark charts needs matplotlib: pip install -e '.[bench]'") from None
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
@@ -54,7 +54,7 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
                         ha="center", va="bottom", fontsize=7)
     # A log axis keeps a 1.02x next to a 5x readable; the labels give the exact values.
     if top > 3:
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # optional: the bench extra
 
         ax.set_yscale("log")
         ax.set_ylim(0.9, top * 1.6)
@@ -138,6 +138,6 @@ def _bar(ax, start: float, width: float, y: float, h: float, color: str, label: 
 
 
 def _patch(color: str, label: str, hatch: str = ""):
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # optional: the bench extra
 
     return Patch(facecolor=color, label=label, hatch=hatch, edgecolor="black" if hatch else None)

@@ -23,6 +23,6 @@ def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: Ser
     """Join the ranks, build the pipeline with ``omni_factory()``, serve until SIGTERM."""
     # Imported here: run imports fastapi, uvicorn and prometheus_client, the optional serve extra
     # (serve_options has already checked they are installed).
-    from .run import run_serve as run  # noqa: PLC0415 - optional dependency, see above
+    from .run import run_serve as run  # optional: the serve extra, see above
 
     return run(omni_factory, device, options)
