@@ -26,7 +26,7 @@ __all__ = [
     "to_uint8",
 ]
 
-logger = logging.getLogger("omni_dist_offload")
+logger = logging.getLogger(__name__)
 
 #: ``--video-format`` values: ``auto`` is MP4 when the ``video`` extra is installed, else GIF.
 VIDEO_FORMATS: tuple[str, ...] = ("auto", "mp4", "gif")

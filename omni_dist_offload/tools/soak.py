@@ -121,8 +121,8 @@ def run_soak(opts: SoakOptions, log: Callable[[str], None] | None = None) -> Soa
     with torch.inference_mode():
         refs = [model(**batch)[0] for batch in inputs]
         handle = apply_offload(model, _offload_config(opts), device=opts.device)
-        (row,) = handle.summary()
-        result.weight_transfer, result.fallback_reason = row["weight_transfer"], row["fallback_reason"]
+        (row,) = handle.summary_rows()
+        result.weight_transfer, result.fallback_reason = row.weight_transfer, row.fallback_reason
         try:
             _loop(model, inputs, refs, opts, result, log)
         except BaseException:
