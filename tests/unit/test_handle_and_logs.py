@@ -1,0 +1,93 @@
+"""The handle's typed rows, a transfer complete at construction, and rank-aware logging."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from omni_dist_offload import RingSummary, apply_offload
+from omni_dist_offload.hostmem import HostBuffer
+from omni_dist_offload.layout import layout_block
+from omni_dist_offload.plan import discover
+from omni_dist_offload.config import OffloadConfig
+from omni_dist_offload.ring import NUM_SLOTS, BlockRing
+from omni_dist_offload.runtime.logs import RankFilter, setup_logging
+from omni_dist_offload.transfer import RankLocalTransfer, TransferStreams
+from toys import ToyDiT
+
+#: The summary keys the README documents, in its order.
+SUMMARY_KEYS = ["component", "category", "module_class", "num_blocks", "weight_transfer", "gather",
+                "fallback_reason", "block_bytes", "host_bytes", "device_slot_bytes", "setup_s"]
+
+
+def test_summary_is_the_typed_rows_as_dicts():
+    model = ToyDiT(3)
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]})
+    try:
+        (row,) = handle.summary_rows()
+        assert isinstance(row, RingSummary)
+        (as_dict,) = handle.summary()
+        assert list(as_dict) == SUMMARY_KEYS == [f.name for f in dataclasses.fields(RingSummary)]
+        assert as_dict == dataclasses.asdict(row)
+        assert (row.component, row.num_blocks, row.weight_transfer, row.gather) == ("transformer", 3, "rank-local", None)
+        assert row.host_bytes >= row.block_bytes > 0 and row.setup_s is not None and row.setup_s >= 0
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            row.num_blocks = 4  # type: ignore[misc]
+    finally:
+        handle.remove()
+
+
+def test_a_transfer_holds_its_slots_once_constructed():
+    model = ToyDiT(3)
+    (comp,) = discover(model, OffloadConfig.parse({"mode": "layer", "components": ["dit"]}))
+    layouts = [layout_block(i, n, b) for i, (n, b) in enumerate(comp.blocks)]
+    buffers = [HostBuffer(l.nbytes) for l in layouts]
+    transfer = RankLocalTransfer(buffers, TransferStreams(), torch.device("cpu"), NUM_SLOTS)
+    assert transfer.gather is None and transfer.fallback_reason is None
+    assert [s.numel() for s in transfer.slots] == [max(l.nbytes for l in layouts)] * NUM_SLOTS
+    views = [[e.view_in(b.tensor) for e in l.entries] for l, b in zip(layouts, buffers)]
+    BlockRing(comp, layouts, transfer, torch.device("cpu"), views)  # takes the slots as they are
+    one = RankLocalTransfer(buffers, TransferStreams(), torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match="1 device slots; the ring needs 2"):
+        BlockRing(comp, layouts, one, torch.device("cpu"), views)
+    transfer.release()
+    assert transfer.slots == []
+
+
+def _record(level: int, msg: str = "m") -> logging.LogRecord:
+    return logging.LogRecord("omni_dist_offload.apply", level, __file__, 1, msg, None, None)
+
+
+def test_the_rank_filter_applies_log_rank_and_prefixes(monkeypatch):
+    flt = RankFilter()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("LOG_RANK", raising=False)  # default: rank 0 only
+    info, warning = _record(logging.INFO), _record(logging.WARNING)
+    assert not flt.filter(info)
+    assert flt.filter(warning) and warning.rank_prefix == "[rank1] "
+    monkeypatch.setenv("LOG_RANK", "0,1")
+    assert flt.filter(_record(logging.INFO))
+    monkeypatch.setenv("LOG_RANK", "not-a-rank")  # malformed: rank 0 only
+    assert not flt.filter(_record(logging.INFO))
+
+
+def test_the_library_never_filters_ranks_itself(monkeypatch, caplog):
+    """Rank 1's INFO lines reach the handlers; which ranks show is the entry point's choice."""
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.INFO, logger="omni_dist_offload"):
+        apply_offload(ToyDiT(2), {"mode": "layer", "components": ["dit"]}).remove()
+    assert any(r.name == "omni_dist_offload.apply" and "streaming transformer" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_setup_logging_installs_one_handler(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    setup_logging()
+    setup_logging()
+    package = logging.getLogger("omni_dist_offload")
+    assert sum(type(h).__name__ == "_StderrHandler" for h in package.handlers) == 1
+    logging.getLogger("omni_dist_offload.plan").info("hello")
+    assert capsys.readouterr().err == "[rank0] hello\n"
