@@ -23,13 +23,33 @@ from tqdm.auto import tqdm
 
 from .config import OffloadConfig, OffloadConfigError
 from .hostmem import HostBuffer, HostPinner
-from .layout import BlockLayout, BlockSource, TensorEntry, bind, check_ownership, layout_block, restore_blocks
-from .plan import OffloadPlan, StreamedComponent, discover, is_bare_module, pipeline_modules
+from .layout import (
+    BlockLayout,
+    BlockSource,
+    TensorEntry,
+    bind,
+    check_ownership,
+    layout_block,
+    restore_blocks,
+)
+from .plan import (
+    OffloadPlan,
+    StreamedComponent,
+    discover,
+    is_bare_module,
+    pipeline_modules,
+)
 from .ring import NUM_SLOTS, BlockRing
 from .trace import trace_enabled
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
-from .transfer.sharding import layout_digest, plan_shards, sample_digest, shard_pieces, write_shard
+from .transfer.sharding import (
+    layout_digest,
+    plan_shards,
+    sample_digest,
+    shard_pieces,
+    write_shard,
+)
 
 __all__ = ["OffloadHandle", "RingSummary", "apply_offload", "resolve_device"]
 

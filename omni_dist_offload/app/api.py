@@ -32,7 +32,14 @@ from torch import nn
 
 from ..apply import OffloadHandle, RingSummary, resolve_device
 from ..config import OffloadConfig
-from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes, load_and_place, module_components, resolve_dtype
+from ..loading.pipelines import (
+    DTYPES,
+    ModelLoadError,
+    format_bytes,
+    load_and_place,
+    module_components,
+    resolve_dtype,
+)
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINE_DEFAULTS
 from ..runtime.logs import is_logged_rank
 from .outputs import GenerationResult, to_uint8

@@ -20,9 +20,9 @@ import json
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Mapping, Sequence
 
 import torch

@@ -45,7 +45,13 @@ from torch import nn
 from ..apply import apply_offload, resolve_device
 from ..config import OffloadConfig
 from ..plan import OffloadPlan, resolve_component
-from .checkpoint import WEIGHT_NAMES, CheckpointSource, CheckpointError, SafetensorsCheckpoint, placeholder
+from .checkpoint import (
+    WEIGHT_NAMES,
+    CheckpointError,
+    CheckpointSource,
+    SafetensorsCheckpoint,
+    placeholder,
+)
 from .folders import dtype_kwarg, pipeline_class
 
 __all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "prepare_cold_start"]

@@ -9,7 +9,13 @@ import torch
 from diffusers import DiffusionPipeline, WanPipeline, WanTransformer3DModel
 
 from .presets import PRESETS
-from .tiny import TINY_FLUX_DEFAULTS, TINY_TEXT_DIM, TINY_WAN_DEFAULTS, tiny_flux_pipeline, tiny_wan_pipeline
+from .tiny import (
+    TINY_FLUX_DEFAULTS,
+    TINY_TEXT_DIM,
+    TINY_WAN_DEFAULTS,
+    tiny_flux_pipeline,
+    tiny_wan_pipeline,
+)
 
 __all__ = ["BUILTIN_MODELS", "BUILTIN_PIPELINES", "BUILTIN_PIPELINE_DEFAULTS", "wan_14b_random_pipeline"]
 

@@ -54,7 +54,11 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
                         ha="center", va="bottom", fontsize=7)
     # A log axis keeps a 1.02x next to a 5x readable; the labels give the exact values.
     if top > 3:
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # optional: the bench extra
+        from matplotlib.ticker import (  # optional: the bench extra
+            LogLocator,
+            NullFormatter,
+            ScalarFormatter,
+        )
 
         ax.set_yscale("log")
         ax.set_ylim(0.9, top * 1.6)

@@ -7,16 +7,16 @@ import logging
 
 import pytest
 import torch
+from toys import ToyDiT
 
 from omni_dist_offload import RingSummary, apply_offload
+from omni_dist_offload.config import OffloadConfig
 from omni_dist_offload.hostmem import HostBuffer
 from omni_dist_offload.layout import layout_block
 from omni_dist_offload.plan import discover
-from omni_dist_offload.config import OffloadConfig
 from omni_dist_offload.ring import NUM_SLOTS, BlockRing
 from omni_dist_offload.runtime.logs import RankFilter, setup_logging
 from omni_dist_offload.transfer import RankLocalTransfer, TransferStreams
-from toys import ToyDiT
 
 #: The summary keys the README documents, in its order.
 SUMMARY_KEYS = ["component", "category", "module_class", "num_blocks", "weight_transfer", "gather",

@@ -31,7 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import ServeMetrics
-from .service import GenerationFailed, ModelLimits, ServeOptions, Service, ServiceUnavailable, Slot
+from .service import (
+    GenerationFailed,
+    ModelLimits,
+    ServeOptions,
+    Service,
+    ServiceUnavailable,
+    Slot,
+)
 
 __all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoRequest", "build_app"]
 
