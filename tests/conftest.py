@@ -1,5 +1,15 @@
+"""Shared by every test folder: ``unit/`` (one process), ``dist/`` (several ranks over gloo,
+started by ranks.py) and ``gpu/`` (marked ``gpu``, skipped without CUDA).
+
+Beside this file: ranks.py (the multi-rank launcher), toys.py and tiny_models.py (models),
+faults.py (fault injection), media.py (decoding outputs), serving.py (a server to call)."""
+
+import logging
+
 import pytest
 import torch
+
+import tiny_models as tiny
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,10 +24,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _restore_library_logger():
     """The CLI and the server configure the library logger; leave it as the next test expects."""
-    import logging
-
     lib_logger = logging.getLogger("omni_dist_offload")
     handlers, level = list(lib_logger.handlers), lib_logger.level
     yield
     lib_logger.handlers[:] = handlers
     lib_logger.setLevel(level)
+
+
+@pytest.fixture(scope="session")
+def wan_folder(tmp_path_factory):
+    """The tiny Wan pipeline saved as a folder: fp32, several safetensors shards and an index."""
+    folder = tmp_path_factory.mktemp("tiny-wan")
+    tiny.tiny_wan_pipeline().save_pretrained(folder, max_shard_size="40KB")  # several shards + index
+    return folder

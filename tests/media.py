@@ -16,3 +16,12 @@ def read_frames(path: Path) -> np.ndarray:
             image.seek(i)
             frames.append(np.asarray(image.convert("RGB")))
     return np.stack(frames)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """A written chart's ``(width, height)``, after checking that it is a valid PNG."""
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return image.size

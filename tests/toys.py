@@ -70,6 +70,31 @@ class OddDiT(nn.Module):
         return x
 
 
+class UnevenBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class UnevenDiT(nn.Module):
+    """Blocks of very different sizes in one ring (shards of different sizes)."""
+
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self, hiddens: tuple[int, ...] = (8, 64, 3, 200, 16)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(UnevenBlock(16, h) for h in hiddens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 def snapshot(module: nn.Module) -> dict[str, tuple]:
     """Everything a test needs to say a module is unchanged: identity, values, device, layout."""
     out = {}

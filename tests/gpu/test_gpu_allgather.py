@@ -1,10 +1,11 @@
 """allgather on two GPUs and on all of a larger host (copy-engine and NCCL gathers): bitwise
-parity, shards, uneven blocks (as on gloo)."""
+parity, shards, uneven blocks, with the parity worker of the gloo test (one GPU per rank)."""
 
 import pytest
 import torch
 
-from test_allgather import launch
+from dist.test_allgather_ranks import parity
+from ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -12,13 +13,11 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("gather", ["copy-engine", "nccl"])
 @pytest.mark.parametrize("ranks", [2, "all"])
-def test_parity_on_gpus(tmp_path, monkeypatch, gather, ranks):
+def test_parity_on_gpus(gather, ranks):
     world = torch.cuda.device_count() if ranks == "all" else ranks
     if ranks == "all" and world <= 2:
         pytest.skip("the two-GPU case covers this host")
-    monkeypatch.setenv("OMNI_TEST_DEVICE", "cuda")
-    monkeypatch.setenv("OMNI_TEST_GATHER", gather)
-    results = launch(tmp_path, "parity", world, world)
+    results = run_ranks(parity, world, args=(gather,), device="cuda")
     for r in results:
         assert r["parity"]["equal"] and r["parity"]["equal_after_remove"], r
         assert r["flux_equal"] and r["uneven_equal"], r

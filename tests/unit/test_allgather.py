@@ -1,12 +1,8 @@
-"""The allgather transfer with real processes on gloo (CPU), as torchrun would start them."""
+"""The allgather transfer in one process: the fallback when no group is initialised, every fallback
+reason, the layout check across ranks, and the shard plans. With real ranks on gloo:
+dist/test_allgather_ranks.py."""
 
 from __future__ import annotations
-
-import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,100 +13,6 @@ from omni_dist_offload.transfer.groups import (ComponentFacts, _check_same_layou
                                            _RankFacts, _fallback_reason)
 from omni_dist_offload.transfer.sharding import plan_shards, write_shard
 from toys import ToyDiT
-
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(tmp_path, scenarios: str, world: int, local_world: int, allow_gloo: bool = True,
-           timeout: float = 240) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
-                   LOCAL_WORLD_SIZE=str(local_world), GROUP_RANK=str(rank // local_world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   OMNI_OFFLOAD_ALLOW_GLOO="1" if allow_gloo else "0")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), scenarios], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    results = []
-    for rank, log in enumerate(logs):
-        path = tmp_path / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote nothing:\n{log[-3000:]}"
-        results.append(json.loads(path.read_text()))
-        assert "error" not in results[-1], f"rank {rank}: {results[-1]['error']}\n{log[-3000:]}"
-    return results
-
-
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_parity_shards_and_uneven_blocks(tmp_path, world):
-    results = launch(tmp_path, "parity", world, world)
-    for r in results:
-        assert r["parity"]["equal"] and r["parity"]["equal_after_remove"]
-        assert r["flux_equal"] and r["uneven_equal"]
-        for row in r["parity"]["summary"]:
-            assert row["weight_transfer"] == "allgather" and row["fallback_reason"] is None
-            # Each rank holds its share of the block bytes, plus alignment padding only.
-            blocks = row["num_blocks"]
-            assert row["block_bytes"] / world <= row["host_bytes"] <= row["block_bytes"] / world + blocks * 2 * 256 * 8
-        un = r["uneven"]
-        assert len(set(un["block_nbytes"])) > 1  # blocks of different sizes in one ring
-        assert un["host_bytes"] == sum(un["shard_bytes"])
-        for shard, nbytes in zip(un["shard_bytes"], un["block_nbytes"]):
-            assert shard * world >= nbytes and shard % 256 == 0
-
-
-def test_resident_set_drops_by_the_share(tmp_path):
-    results = launch(tmp_path, "rss", 2, 2)
-    for r in results:
-        s = r["rss"]
-        assert s["host_bytes"] <= s["block_bytes"] / 2 + 8 * 4 * 256
-        assert s["before"] - s["after"] >= 0.3 * s["block_bytes"], s
-
-
-def test_fallback_when_gloo_not_allowed_and_layout_mismatch(tmp_path):
-    results = launch(tmp_path, "fallback_gloo_not_allowed,mismatch", 2, 2, allow_gloo=False)
-    for r in results:
-        (row,) = r["fallback_summary"]
-        assert r["fallback_equal"]
-        assert row["weight_transfer"] == "rank-local"
-        assert "OMNI_OFFLOAD_ALLOW_GLOO=1" in row["fallback_reason"]
-        assert row["host_bytes"] >= row["block_bytes"]
-        # Mismatch is an error on every rank, naming the first block that differs.
-        assert "rank 1" in r["mismatch"] and "blocks.3" in r["mismatch"], r["mismatch"]
-        assert "blocks.0" in r["dtype_mismatch"], r["dtype_mismatch"]
-        assert "weights of block blocks.0 differ" in r["value_mismatch"], r["value_mismatch"]
-
-
-def test_two_hosts_keep_complete_shard_sets(tmp_path):
-    results = launch(tmp_path, "host_groups", 4, 2)
-    groups = [tuple(r["group_ranks"]) for r in results]
-    assert groups == [(0, 1), (0, 1), (2, 3), (2, 3)]
-    for r in results:
-        assert r["equal"]
-        (row,) = r["summary"]
-        assert row["weight_transfer"] == "allgather"
-
-
-def test_one_rank_per_host_falls_back(tmp_path):
-    results = launch(tmp_path, "host_groups", 2, 1)
-    for r in results:
-        (row,) = r["summary"]
-        assert r["equal"] and row["weight_transfer"] == "rank-local"
-        assert "single rank" in row["fallback_reason"]
-
-
-def test_a_diverging_rank_raises_within_the_timeout(tmp_path):
-    results = launch(tmp_path, "diverge", 2, 2)
-    msg = results[0]["diverge"]
-    assert msg.startswith("RuntimeError") and "transformer: moving block blocks." in msg, msg
-    assert float(msg.split(" after ")[1].split("s")[0]) < 15
 
 
 def test_not_initialised_falls_back():

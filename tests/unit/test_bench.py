@@ -1,38 +1,25 @@
 """The benchmark on CPU: variants and their order, reported fields, JSON, charts, the peer's undo,
-the CLI subcommand and the torchrun wrapper. The figures that matter come from GPUs; these check
-that a run completes and reports every field."""
+the CLI subcommand. The figures that matter come from GPUs; these check that a run completes and
+reports every field. The torchrun wrapper: dist/test_bench_torchrun.py; on CUDA: gpu/test_gpu_bench.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from omni_dist_offload.tools import bench
 from omni_dist_offload.tools.bench import CaseResult, PeerOffload, floor_ms, schedule
 from omni_dist_offload.models import PRESETS, build_model, flux_inputs
 from omni_dist_offload.plan import module_bytes
 from omni_dist_offload.app.cli import main as cli_main
+from media import png_size
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_WAN = ["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32",
             "--warmup", "1", "--repeats", "2"]
 FIELDS = {f.name for f in dataclasses.fields(CaseResult)}
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    with Image.open(path) as image:
-        image.verify()
-    with Image.open(path) as image:
-        assert image.format == "PNG"
-        return image.size
 
 
 def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
@@ -153,40 +140,3 @@ def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
     assert cli_main(["bench", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("omni-offload bench: error:") and message in err[0]
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
-def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> None:
-    out_json = tmp_path / "dist.json"
-    env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
-           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32",
-         "--variants", "rank-local", "allgather", "--warmup", "1", "--repeats", "1",
-         "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" allgather ") == 1  # one table, from rank 0
-    data = json.loads(out_json.read_text())
-    assert data["meta"]["world_size"] == 2
-    rows = {r["variant"]: r for r in data["results"]}
-    assert rows["allgather"]["weight_transfer"] == "allgather" and rows["allgather"]["bitwise_equal"]
-    assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard
-
-
-@pytest.mark.gpu
-def test_gpu_run_peer_with_streams_floor_and_timeline(tmp_path, capsys) -> None:
-    """On CUDA: the peer runs with use_stream=True, the floor uses the measured link, the
-    timeline comes from CUDA events; every variant of this project is bitwise equal."""
-    out_json = tmp_path / "gpu.json"
-    argv = ["--preset", "tiny-flux", "--px", "64", "--warmup", "1", "--repeats", "3",
-            "--json", str(out_json), "--png", str(tmp_path / "o.png"), "--timeline", str(tmp_path / "t.png")]
-    assert bench.main(argv) == 0
-    data = json.loads(out_json.read_text())
-    rows = {r["variant"]: r for r in data["results"]}
-    assert data["meta"]["peer"]["use_stream"] is True and rows["peer"]["note"] == ""
-    assert data["meta"]["h2d_bytes_per_s"] > 1e9
-    assert rows["rank-local"]["bitwise_equal"]
-    assert rows["rank-local"]["floor_ms"] >= rows["resident"]["forward_ms"]
-    assert all(r["peak_device_mib"] > 0 for r in data["results"])
-    if "timeline" in data:
-        assert png_size(tmp_path / "t.png")[0] > 100

@@ -14,7 +14,7 @@ import pytest
 from omni_dist_offload.app.cli import main
 from media import read_frames
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sidecar(path: Path) -> dict:

@@ -1,6 +1,6 @@
-"""Faults: setup failing part-way, host memory that cannot be pinned, interrupted forwards, and
-allgather ranks that fail or die (a diverging rank: test_allgather.py). The model is never lost
-and no rank hangs."""
+"""Faults in one process: setup failing part-way, host memory that cannot be pinned, interrupted
+forwards. The model is never lost. With allgather ranks that fail or die:
+dist/test_faults_ranks.py (a diverging rank: dist/test_allgather_ranks.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from unittest import mock
 import pytest
 import torch
 
-from dist_worker import failing_pin, interrupt
+from faults import failing_pin, interrupt
 from omni_dist_offload import apply_offload
 from omni_dist_offload.hostmem import HostBuffer, HostPinner, PinMemoryError
-from test_allgather import launch
 from toys import ToyDiT, assert_same, snapshot
 
 DIT = {"mode": "layer", "components": ["dit"]}
@@ -291,62 +290,3 @@ def test_an_exception_in_a_block_gives_no_false_order_warning():
     with pytest.warns(RuntimeWarning, match="not prefetched"):  # a real order problem still warns
         model(x, order=[0, 2, 3])
     handle.remove()
-
-
-# -- allgather on two gloo ranks: one launch for every scenario ----------------------------
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    scenarios = "setup_faults,interrupts,soak_short,one_rank_setup_fault,rank_dies"
-    return launch(tmp_path_factory.mktemp("faults"), scenarios, world=2, local_world=2)
-
-
-def test_allgather_setup_failing_part_way_leaves_every_rank_unchanged(ranks):
-    for r in ranks:
-        assert r["shard_fault"] == "RuntimeError: simulated failure writing shard 2", r["shard_fault"]
-        assert r["shard_fault_unchanged"] is True, r["shard_fault_unchanged"]
-        assert r["pin_fault"].startswith("PinMemoryError: transformer: page-locking the host copy of "
-                                         "block blocks.1 failed"), r["pin_fault"]
-        assert r["pin_fault_unchanged"] is True, r["pin_fault_unchanged"]
-
-
-def test_allgather_pin_failure_pageable(ranks):
-    for r in ranks:
-        (warning,) = r["pageable_warnings"]
-        assert "block blocks.1" in warning and "several times slower" in warning
-        assert r["pageable_pinned"] == [True, False, False, False]
-        assert r["pageable_transfer"] == "allgather" and r["pageable_equal"] is True
-        assert r["pageable_unchanged_after_remove"] is True
-
-
-def test_allgather_interrupt_then_correct_forwards(ranks):
-    for r in ranks:
-        assert r["interrupts"] == {"body": True, "pre-hook": True}
-        assert r["interrupts_unchanged_after_remove"] is True, r["interrupts_unchanged_after_remove"]
-
-
-def test_allgather_soak_alternating_shapes(ranks):
-    for r in ranks:
-        soak = r["soak"]
-        assert soak["passed"], soak["failures"]
-        assert soak["weight_transfer"] == "allgather"
-        assert soak["equal"] == soak["forwards_done"] == 60 and soak["equal_after_remove"]
-        assert soak["rss_growth_mib"] <= 8 and soak["live_tensors"][1] <= soak["live_tensors"][0]
-
-
-def test_one_rank_failing_setup_undoes_setup_on_every_rank(ranks):
-    failed, other = ranks[1], ranks[0]
-    assert failed["one_rank_fault"].startswith("PinMemoryError: transformer: page-locking the host "
-                                               "copy of block blocks.2"), failed["one_rank_fault"]
-    msg = other["one_rank_fault"]
-    assert msg.startswith("RuntimeError: apply_offload failed on rank 1 (PinMemoryError: "), msg
-    assert "every rank undid its setup" in msg
-    for r in ranks:
-        assert r["one_rank_fault_unchanged"] is True, r["one_rank_fault_unchanged"]
-        assert r["one_rank_fault_s"] < 10  # at setup, not a collective timeout later
-
-
-def test_a_rank_that_dies_mid_forward_makes_the_others_raise(ranks):
-    assert ranks[1]["rank_dies"] == "exited in the pre-forward of blocks.2"
-    msg = ranks[0]["rank_dies"]
-    assert msg.startswith("RuntimeError: transformer: moving block blocks.") and "every rank" in msg, msg
-    assert ranks[0]["rank_dies_s"] < 3 + 10

@@ -2,7 +2,8 @@
 runs neither drift nor leak, and nothing in the package unpickles or evaluates its input.
 
 Config mistakes, discovery and ownership errors are in test_config.py and test_discovery.py;
-faults (setup failures, pinning, interrupts, dying ranks) in test_faults.py."""
+faults (setup failures, pinning, interrupts) in test_faults.py, dying ranks in
+dist/test_faults_ranks.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from toys import ToyDiT, assert_same, snapshot
 
 DIT = {"mode": "layer", "components": ["dit"]}
 AG = {**DIT, "layer_options": {"dit": {"weight_transfer": "allgather"}}}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- bad call arguments --------------------------------------------------------------------

@@ -1,27 +1,18 @@
-"""``omni-offload serve``: real servers on loopback, real HTTP requests (urllib), one and two ranks."""
+"""``omni-offload serve``: a real one-rank server on loopback, real HTTP requests (urllib); the
+queue, the limits and the flags in process. Two ranks: dist/test_serve_ranks.py."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from PIL import Image
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -39,99 +30,9 @@ from omni_dist_offload.app.serve.service import (  # noqa: E402
     WaveQueue,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-IMAGES = "/v1/images/generations"
-VIDEOS = "/v1/videos/generations"
-CONFIG = '{"mode":"layer","components":["dit","text_encoder"]}'
+from serving import CONFIG, IMAGES, VIDEOS, Server, call, decode, free_port, metric, reference  # noqa: E402
 
-
-# -- helpers ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def call(port: int, path: str, body: object | bytes | None = None,
-         timeout: float = 120) -> tuple[int, dict | str]:
-    """``POST`` JSON (or raw bytes) when ``body`` is given, else ``GET``; (status, parsed body)."""
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"} if data is not None else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, text = response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode()
-    return status, (text if path == "/metrics" else json.loads(text))
-
-
-def decode(item: dict) -> np.ndarray:
-    """A response item's media as ``(frames, height, width, 3)`` uint8."""
-    raw = base64.b64decode(item["b64_json"]) if "b64_json" in item else Path(item["path"]).read_bytes()
-    if item["format"] == "mp4":
-        import imageio.v2 as imageio
-
-        return np.stack(imageio.mimread(io.BytesIO(raw), format="mp4"))
-    with Image.open(io.BytesIO(raw)) as image:
-        frames = []
-        for i in range(getattr(image, "n_frames", 1)):
-            image.seek(i)
-            frames.append(np.asarray(image.convert("RGB")))
-    return np.stack(frames)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of the Prometheus text; 0 when absent."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        match = re.match(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$", line)
-        if match and match[1] == name and ",".join(sorted((match[2] or "").split(","))) == wanted:
-            return float(match[3])
-    return 0.0
-
-
-class Server:
-    """``omni-offload serve`` as a subprocess (or two ranks under torchrun)."""
-
-    def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1) -> None:
-        self.port = free_port()
-        self.out_dir = tmp / "out"
-        cli = ["-m", "omni_dist_offload.app.cli", "serve", "--model", model, "--diffusion-offload-config",
-               CONFIG, "--port", str(self.port), "--output-dir", str(self.out_dir), "--video-format",
-               "gif", *flags]
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOG_RANK": "0,1"}
-        self.log = (tmp / "server.log").open("w+")
-        self.proc = subprocess.Popen([sys.executable, *(launcher if ranks > 1 else []), *cli], cwd=tmp,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if call(self.port, "/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError(f"server did not come up:\n{self.output()}")
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return Path(self.log.name).read_text()
-
-    def terminate(self, pid: int | None = None) -> int:
-        """SIGTERM (to ``pid``, default the process started) and the exit status."""
-        os.kill(pid or self.proc.pid, signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            self.log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -142,18 +43,6 @@ def flux(tmp_path_factory) -> Server:
         rc = server.terminate()
         assert rc == 0, server.output()
         assert "stopped" in server.output()
-
-
-def reference(model: str, seeds: list[int], **options) -> list[np.ndarray]:
-    """``Omni.generate`` in this process, with the server's thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with Omni(model, CONFIG, progress=False) as omni:
-            outs = [omni.generate("a red fox", seed=s, **options).frames for s in seeds]
-    finally:
-        torch.set_num_threads(threads)
-    return [o if o.ndim == 4 else o[None] for o in outs]
 
 
 # -- one rank --------------------------------------------------------------------------------
@@ -282,47 +171,6 @@ def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
         assert "stopping: finishing the running wave" in server.output()
     finally:
         server.kill()
-
-
-# -- two ranks -------------------------------------------------------------------------------
-def test_two_ranks_answer_8_concurrent_requests_then_stop_on_sigterm(tmp_path) -> None:
-    server = Server(tmp_path, "tiny-flux", "--wave-wait", "0.5", ranks=2)
-    try:
-        seeds = list(range(100, 108))
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda s: call(server.port, IMAGES, {"prompt": "a red fox", "seed": s}),
-                                    seeds))
-        assert [status for status, _ in answers] == [200] * 8
-        assert len({body["id"] for _, body in answers}) == 8
-        assert [body["data"][0]["seed"] for _, body in answers] == seeds
-        for (_, body), want in zip(answers, reference("tiny-flux", seeds), strict=True):
-            assert np.array_equal(decode(body["data"][0]), want)  # each its own seed's image
-        text = call(server.port, "/metrics")[1]
-        assert metric(text, "omni_serve_outputs_total", kind="image") == 8
-        assert metric(text, "omni_serve_world_size") == 2
-        waves, padded = metric(text, "omni_serve_waves_total"), metric(text, "omni_serve_padded_slots_total")
-        assert 2 * waves - padded == 8
-        assert "[rank1]" in server.output() and "wave of 2 image(s) + 0 padding" in server.output()
-
-        # A lone request starts padded after --wave-wait.
-        assert call(server.port, IMAGES, {"prompt": "a cat", "seed": 1})[0] == 200
-        assert "wave of 1 image(s) + 1 padding" in server.output()
-
-        # SIGTERM to rank 0: it stops, sends the stop wave, and every rank (and torchrun) exits 0.
-        assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
-        assert re.search(r"^\[rank0\] stopped$", server.output(), re.M)
-        assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
-    finally:
-        server.kill()
-
-
-def _rank0_pid(launcher: int) -> int:
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    for pid in children:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if b"RANK=0" in env:
-            return int(pid)
-    raise AssertionError(f"no rank 0 among {children}")
 
 
 # -- in process: a failing generation, the queue, the flags ----------------------------------

@@ -1,0 +1,245 @@
+"""The allgather transfer with real ranks on gloo (CPU), as torchrun would start them: bitwise
+parity at 2, 4 and 8 ranks, each rank's share of host memory, the fallbacks, layout mismatches,
+host groups and a diverging rank. Each test's worker runs on every rank (tests/ranks.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tiny_models as tiny
+from omni_dist_offload import OffloadConfigError, apply_offload
+from ranks import Rank, run_ranks
+from toys import ToyDiT, UnevenDiT
+
+
+def allgather_config(gather: str | None = None, text_encoder: bool = True, **top) -> dict:
+    """allgather for the DiT (small chunks: several per block) and the text encoder; ``gather``
+    picks the GPU gather (copy-engine or nccl)."""
+    options = {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.01}}
+    if text_encoder:
+        options["text_encoder"] = {"weight_transfer": "allgather"}
+    if gather:
+        for opts in options.values():
+            opts["gather"] = gather
+    return {"mode": "layer", "components": list(options), "layer_options": options, "collective_timeout_s": 20,
+            **top}
+
+
+AG_DIT = allgather_config(text_encoder=False)
+
+
+def _status(field: str) -> int:
+    """A memory figure of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- parity ----------------------------------------------------------------------------------
+@torch.no_grad()
+def parity(rank: Rank, gather: str | None = None) -> dict:
+    """Wan DiT and UMT5 encoder, a Flux DiT, and a model of uneven blocks: bitwise equal outputs
+    with allgather, and after remove(). Also run on GPUs (gpu/test_gpu_allgather.py)."""
+    device = rank.device
+    ag, ag_dit = allgather_config(gather), allgather_config(gather, text_encoder=False)
+
+    def to(batch: dict) -> dict:
+        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pipe = types.SimpleNamespace(transformer=tiny.tiny_wan_transformer(num_layers=3, dtype=dtype).to(device),
+                                 text_encoder=tiny.tiny_umt5_encoder(num_layers=3).to(device))
+    x = to(tiny.wan_transformer_inputs(pipe.transformer, batch=2))
+    t = to(tiny.text_encoder_inputs(pipe.text_encoder))
+    ref = (pipe.transformer(**x)[0], pipe.text_encoder(**t).last_hidden_state)
+    handle = apply_offload(pipe, ag)
+    rows = handle.summary()
+    eq = all(torch.equal(pipe.transformer(**x)[0], ref[0]) and
+             torch.equal(pipe.text_encoder(**t).last_hidden_state, ref[1]) for _ in range(2))
+    handle.remove()
+    eq_after = torch.equal(pipe.transformer(**x)[0], ref[0])
+    out = {"parity": {"equal": eq, "equal_after_remove": eq_after, "summary": rows}}
+
+    flux = tiny.tiny_flux_transformer(dtype=dtype).to(device)
+    fx = to(tiny.flux_transformer_inputs(flux))
+    fref = flux(**fx)[0]
+    handle = apply_offload(flux, ag_dit)
+    out["flux_equal"] = all(torch.equal(flux(**fx)[0], fref) for _ in range(2))
+    handle.remove()
+
+    uneven = UnevenDiT().to(device)
+    ux = torch.randn(4, 16).to(device)
+    uref = uneven(ux)
+    handle = apply_offload(uneven, ag_dit)
+    out["uneven_equal"] = all(torch.equal(uneven(ux), uref) for _ in range(3))
+    ring = handle.rings[0]
+    out["uneven"] = {"shard_bytes": [p.shard_nbytes for p in ring.transfer.plans],
+                     "block_nbytes": [l.nbytes for l in ring.layouts],
+                     "host_bytes": handle.summary()[0]["host_bytes"]}
+    handle.remove()
+    return out
+
+
+@pytest.mark.parametrize("world", [8, 4, 2])
+def test_parity_shards_and_uneven_blocks(world):
+    results = run_ranks(parity, world)
+    for r in results:
+        assert r["parity"]["equal"] and r["parity"]["equal_after_remove"]
+        assert r["flux_equal"] and r["uneven_equal"]
+        for row in r["parity"]["summary"]:
+            assert row["weight_transfer"] == "allgather" and row["fallback_reason"] is None
+            # Each rank holds its share of the block bytes, plus alignment padding only.
+            blocks = row["num_blocks"]
+            assert row["block_bytes"] / world <= row["host_bytes"] <= row["block_bytes"] / world + blocks * 2 * 256 * 8
+        un = r["uneven"]
+        assert len(set(un["block_nbytes"])) > 1  # blocks of different sizes in one ring
+        assert un["host_bytes"] == sum(un["shard_bytes"])
+        for shard, nbytes in zip(un["shard_bytes"], un["block_nbytes"]):
+            assert shard * world >= nbytes and shard % 256 == 0
+
+
+# -- host memory -----------------------------------------------------------------------------
+def resident_set(rank: Rank) -> dict:
+    # Warm up first: the code of the allgather path (the library pages and the allocator pools
+    # it touches the first time) must not count against the weights released below.
+    warm = ToyDiT(8, dim=64)
+    handle = apply_offload(warm, AG_DIT)
+    warm(torch.randn(2, 64))
+    handle.remove()
+    model = ToyDiT(8, dim=1024)  # 8 blocks of ~4 MiB
+    block_bytes = sum(p.numel() * p.element_size() for b in model.blocks for p in list(b.parameters()) + list(b.buffers()))
+    gc.collect()
+    before = _status("VmRSS")
+    handle = apply_offload(model, AG_DIT)
+    gc.collect()
+    after = _status("VmRSS")
+    model(torch.randn(2, 1024))
+    out = {"before": before, "after": after, "block_bytes": block_bytes, "host_bytes": handle.summary()[0]["host_bytes"]}
+    handle.remove()
+    return out
+
+
+def test_resident_set_drops_by_the_share():
+    for s in run_ranks(resident_set, 2):
+        assert s["host_bytes"] <= s["block_bytes"] / 2 + 8 * 4 * 256
+        assert s["before"] - s["after"] >= 0.3 * s["block_bytes"], s
+
+
+# -- fallbacks and mismatches ----------------------------------------------------------------
+def fallback_then_mismatch(rank: Rank) -> dict:
+    """Started without OMNI_OFFLOAD_ALLOW_GLOO: the fallback; then, with it, models that differ
+    between the ranks in block count, dtype and values."""
+    out = {}
+    model = ToyDiT(3)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    handle = apply_offload(model, AG_DIT)
+    with torch.no_grad():
+        out["fallback_equal"] = torch.equal(model(x), ref)
+    out["fallback_summary"] = handle.summary()
+    handle.remove()
+
+    os.environ["OMNI_OFFLOAD_ALLOW_GLOO"] = "1"
+    models = {"mismatch": tiny.tiny_wan_transformer(num_layers=3 if rank.rank == 0 else 4),
+              "dtype_mismatch": tiny.tiny_wan_transformer(num_layers=3, dtype=torch.bfloat16 if rank.rank == 1 else torch.float32),
+              "value_mismatch": tiny.tiny_wan_transformer(num_layers=3, seed=rank.rank)}
+    for key, model in models.items():
+        try:
+            apply_offload(model, AG_DIT)
+            out[key] = None
+        except OffloadConfigError as exc:
+            out[key] = str(exc)
+    return out
+
+
+def test_fallback_when_gloo_not_allowed_and_layout_mismatch():
+    results = run_ranks(fallback_then_mismatch, 2, env={"OMNI_OFFLOAD_ALLOW_GLOO": None})
+    for r in results:
+        (row,) = r["fallback_summary"]
+        assert r["fallback_equal"]
+        assert row["weight_transfer"] == "rank-local"
+        assert "OMNI_OFFLOAD_ALLOW_GLOO=1" in row["fallback_reason"]
+        assert row["host_bytes"] >= row["block_bytes"]
+        # Mismatch is an error on every rank, naming the first block that differs.
+        assert "rank 1" in r["mismatch"] and "blocks.3" in r["mismatch"], r["mismatch"]
+        assert "blocks.0" in r["dtype_mismatch"], r["dtype_mismatch"]
+        assert "weights of block blocks.0 differ" in r["value_mismatch"], r["value_mismatch"]
+
+
+# -- host groups -----------------------------------------------------------------------------
+def host_groups(rank: Rank) -> dict:
+    model = ToyDiT(3, dim=64)
+    x = torch.randn(2, 64)
+    ref = model(x)
+    handle = apply_offload(model, AG_DIT)
+    out = {}
+    with torch.no_grad():
+        out["equal"] = all(torch.equal(model(x), ref) for _ in range(2))
+    g = handle.rings[0].transfer.group if handle.summary()[0]["weight_transfer"] == "allgather" else None
+    out["group_ranks"] = list(g.ranks) if g else None
+    out["summary"] = handle.summary()
+    handle.remove()
+    return out
+
+
+def test_two_hosts_keep_complete_shard_sets():
+    results = run_ranks(host_groups, 4, local_world=2)
+    groups = [tuple(r["group_ranks"]) for r in results]
+    assert groups == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    for r in results:
+        assert r["equal"]
+        (row,) = r["summary"]
+        assert row["weight_transfer"] == "allgather"
+
+
+def test_one_rank_per_host_falls_back():
+    results = run_ranks(host_groups, 2, local_world=1)
+    for r in results:
+        (row,) = r["summary"]
+        assert r["equal"] and row["weight_transfer"] == "rank-local"
+        assert "single rank" in row["fallback_reason"]
+
+
+# -- a diverging rank ------------------------------------------------------------------------
+def diverge(rank: Rank) -> str:
+    """Rank 1 stops taking part after one forward (it idles until rank 0 is done, at most 12 s):
+    rank 0 must raise within the timeout."""
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    handle = apply_offload(model, dict(AG_DIT, collective_timeout_s=4))
+    with torch.no_grad():
+        model(x)
+    store = dist.distributed_c10d._get_default_store()  # outside the gloo group rank 0 gives up on
+    if rank.rank == 1:
+        try:
+            store.wait(["rank0 done"], timedelta(seconds=12))
+        except Exception:  # noqa: BLE001 - waited the 12 s: the same idling
+            pass
+        return "idle"
+    t0 = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(x)
+            model(x)
+        result = "no error"
+    except Exception as exc:  # gloo raises RuntimeError on timeout
+        result = f"{type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}"[:400]
+    store.set("rank0 done", "1")
+    del handle
+    return result
+
+
+def test_a_diverging_rank_raises_within_the_timeout():
+    msg = run_ranks(diverge, 2, broken_group=True, timeout=60)[0]
+    assert msg.startswith("RuntimeError") and "transformer: moving block blocks." in msg, msg
+    assert float(msg.split(" after ")[1].split("s")[0]) < 15

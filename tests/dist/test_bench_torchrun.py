@@ -1,0 +1,32 @@
+"""The benchmark's torchrun wrapper (launch/bench.sh) on two CPU ranks (gloo): allgather against
+rank-local, one table from rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
+def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> None:
+    out_json = tmp_path / "dist.json"
+    env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
+           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32",
+         "--variants", "rank-local", "allgather", "--warmup", "1", "--repeats", "1",
+         "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" allgather ") == 1  # one table, from rank 0
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["world_size"] == 2
+    rows = {r["variant"]: r for r in data["results"]}
+    assert rows["allgather"]["weight_transfer"] == "allgather" and rows["allgather"]["bitwise_equal"]
+    assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard

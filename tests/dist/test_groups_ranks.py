@@ -1,0 +1,74 @@
+"""Process groups that ``apply_offload`` creates belong to its handle: the side group for
+exchanging facts is gone once setup is agreed, the weight group once the handle is removed, and a
+job that tears down its process group and starts another gets fresh groups."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from omni_dist_offload import apply_offload
+from ranks import run_ranks
+from toys import ToyDiT
+
+AG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}},
+      "collective_timeout_s": 20}
+
+
+def _groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _apply_remove(counts: dict, key: str) -> bool:
+    model = ToyDiT(3)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    handle = apply_offload(model, AG)
+    counts[f"{key}_during"] = _groups()
+    counts[f"{key}_transfer"] = handle.summary_rows()[0].weight_transfer
+    equal = torch.equal(model(x), ref)
+    handle.remove()
+    counts[f"{key}_after"] = _groups()
+    return equal
+
+
+def _owned_groups(rank, port: int) -> dict:
+    counts = {"before": _groups()}
+    counts["equal"] = _apply_remove(counts, "first")
+    # The job ends its process group and starts another: nothing of the first may be reused.
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank.rank, world_size=rank.world)
+    counts["restarted"] = _groups()
+    counts["equal_again"] = _apply_remove(counts, "second")
+    return counts
+
+
+def test_groups_are_released_with_the_handle_and_never_outlive_the_job():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for r in run_ranks(_owned_groups, 2, args=(port,)):
+        assert r["first_transfer"] == r["second_transfer"] == "allgather"
+        assert r["equal"] and r["equal_again"]
+        # During: the weight group only (the side group was released once setup agreed).
+        assert r["first_during"] == r["before"] + 1 and r["first_after"] == r["before"]
+        assert r["restarted"] == r["before"]
+        assert r["second_during"] == r["restarted"] + 1 and r["second_after"] == r["restarted"]
+
+
+def _fallback_groups(rank) -> dict:
+    before = _groups()
+    handle = apply_offload(ToyDiT(3), AG)
+    during = _groups()
+    row = handle.summary_rows()[0]
+    handle.remove()
+    return {"before": before, "during": during, "after": _groups(), "transfer": row.weight_transfer,
+            "reason": row.fallback_reason}
+
+
+def test_a_fallback_keeps_no_group():
+    for r in run_ranks(_fallback_groups, 2, env={"OMNI_OFFLOAD_ALLOW_GLOO": None}):
+        assert r["transfer"] == "rank-local" and "OMNI_OFFLOAD_ALLOW_GLOO=1" in r["reason"]
+        assert r["before"] == r["during"] == r["after"]

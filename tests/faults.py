@@ -1,0 +1,68 @@
+"""Fault injection shared by the single-process and the multi-rank fault tests: host memory that
+cannot be pinned, a shard that cannot be written, an interrupted forward."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from unittest import mock
+
+import torch
+from torch import nn
+
+from omni_dist_offload import apply as apply_mod
+from omni_dist_offload.hostmem import HostBuffer, HostPinner, PinMemoryError
+
+
+@contextlib.contextmanager
+def failing_pin(fail_at: int | None):
+    """Make the pin path reachable on the CPU: with "pin_memory" set, every host buffer is
+    "pinned" (a flag, no cudaHostRegister) except the ``fail_at``-th, which fails the way an
+    exhausted memlock limit does."""
+    calls = itertools.count()
+
+    def pin(self: HostBuffer) -> None:
+        if next(calls) == fail_at:
+            raise PinMemoryError("could not page-lock 0.1 MiB of host memory (CUDA error 2)")
+        self.pinned = True
+
+    def for_device(cls, pin_memory: bool, on_failure: str, device: torch.device) -> HostPinner:
+        return cls(pin_memory, on_failure)
+
+    with mock.patch.object(HostBuffer, "pin", pin), \
+            mock.patch.object(HostPinner, "for_device", classmethod(for_device)):
+        yield
+
+
+@contextlib.contextmanager
+def failing_shard(fail_at: int):
+    """The ``fail_at``-th block's shard cannot be written: setup fails part-way through."""
+    calls = itertools.count()
+    real = apply_mod.write_shard
+
+    def write_shard(*args):
+        if next(calls) == fail_at:
+            raise RuntimeError(f"simulated failure writing shard {fail_at}")
+        return real(*args)
+
+    with mock.patch.object(apply_mod, "write_shard", write_shard):
+        yield
+
+
+@contextlib.contextmanager
+def interrupt(block: nn.Module, where: str, exc: type[BaseException] = KeyboardInterrupt):
+    """Raise ``exc`` once, from the block body or between the ring's pre-forward and the body."""
+    def raise_once(*args, **kwargs):
+        remove()
+        raise exc(f"simulated interrupt ({where})")
+
+    if where == "body":
+        block.forward = raise_once
+        remove = lambda: block.__dict__.pop("forward", None)  # noqa: E731
+    else:  # registered after apply_offload, so it runs after the ring's pre-forward
+        handle = block.register_forward_pre_hook(lambda m, a: raise_once())
+        remove = handle.remove
+    try:
+        yield
+    finally:
+        remove()

@@ -1,0 +1,210 @@
+"""Run a test's worker function on several ranks, as torchrun would start them.
+
+``run_ranks(worker, world=2)`` starts ``world`` processes with torchrun's environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``PORT`` on a
+free port, ``OMP_NUM_THREADS=1``, ``OMNI_OFFLOAD_ALLOW_GLOO=1``), initialises the process group on
+each (gloo on the CPU; NCCL with one GPU per rank, ``cuda:LOCAL_RANK``, on CUDA), calls
+``worker(rank, *args)`` there and returns what each rank's call returned, in rank order.
+
+The worker is a module-level function of the test file, so it travels by reference (the rank
+imports its module); ``rank`` is a :class:`Rank`. What it returns goes back as JSON (tuples
+come back as lists, anything else JSON cannot hold as its ``str``). A rank that raises fails the
+test with its traceback and the tail of its output; so does one that writes nothing, or that is
+still running after ``timeout`` seconds (the others are stopped).
+
+On the CPU the ranks are forked from a server process (multiprocessing's forkserver) that has
+already imported torch, diffusers and the package: a rank starts in a fraction of a second
+instead of the several seconds those imports take. On CUDA they are spawned (CUDA cannot be
+used in a forked child). Each rank's environment is this process's at the call (plus the above
+and ``env``), as for a subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+__all__ = ["Rank", "run_ranks"]
+
+#: Imported once by the forkserver, before it forks any rank.
+PRELOAD = ["torch", "torch.distributed", "omni_dist_offload", "omni_dist_offload.loading.coldstart",
+           "omni_dist_offload.tools.soak", "diffusers", "transformers", "tiny_models", "toys", "faults"]
+#: After a rank has failed, how long the others get to finish before they are stopped.
+GRACE_S = 10.0
+LOG_TAIL = 3000
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """Where the worker runs: its rank, the job's shape, and its device."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+    """``cpu``, or this rank's ``cuda:LOCAL_RANK`` (the current device)."""
+    result_path: str
+
+    def report(self, result: Any) -> None:
+        """Publish this rank's result now: for a rank about to end itself on purpose
+        (``os._exit``), which returns nothing. A later return replaces it."""
+        _write(self.result_path, {"result": result})
+
+
+def run_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | None = None,
+              args: tuple = (), env: dict[str, str | None] | None = None, device: str = "cpu",
+              timeout: float = 180.0, broken_group: bool = False) -> list[Any]:
+    """Run ``worker(rank, *args)`` on ``world`` ranks, ``local_world`` per host (default: all on
+    one host), and return each rank's result.
+
+    ``env`` adds variables to the ranks' environment, or removes them (value ``None``); e.g.
+    ``{"OMNI_OFFLOAD_ALLOW_GLOO": None}``. ``broken_group``: the worker breaks the process group
+    on purpose (a rank that diverges or dies), so the ranks end without its teardown."""
+    assert "<locals>" not in worker.__qualname__, f"{worker.__qualname__}: the worker must be a module-level function"
+    local_world = local_world or world
+    assert world % local_world == 0, (world, local_world)
+    device = torch.device(device)
+    context = _context(device)
+    port = _free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local_world), "OMP_NUM_THREADS": "1", "OMNI_OFFLOAD_ALLOW_GLOO": "1"}
+    for key, value in (env or {}).items():
+        if value is None:
+            base.pop(key, None)
+        else:
+            base[key] = value
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        files = [(Path(tmp) / f"rank{r}.json", Path(tmp) / f"rank{r}.log") for r in range(world)]
+        procs = []
+        try:
+            for rank, (result, log) in enumerate(files):
+                rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % local_world),
+                            "GROUP_RANK": str(rank // local_world)}
+                info = Rank(rank, world, rank % local_world, local_world, device, str(result))
+                target = (worker.__module__, worker.__qualname__)  # imported by the rank, into its log
+                proc = context.Process(target=_rank_main, args=(target, args, rank_env, info, str(log), broken_group),
+                                       name=f"{worker.__name__}-rank{rank}")
+                proc.start()
+                procs.append(proc)
+            running, first_failure = _wait(procs, [result for result, _ in files], timeout)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+        outcomes = [_read(result) for result, _ in files]
+        problems = []
+        for rank, ((_, log), proc, outcome) in enumerate(zip(files, procs, outcomes)):
+            if outcome is not None and "error" in outcome:
+                why = f"failed:\n{outcome['error']}"
+            elif rank in running and first_failure is not None:
+                why = f"was still running {GRACE_S:.0f} s after rank {first_failure} failed, and was stopped"
+            elif rank in running:
+                why = f"was still running after {timeout:.0f} s, and was stopped"
+            elif outcome is None:
+                why = f"ended without a result (exit code {proc.exitcode})"
+            else:
+                continue
+            tail = log.read_text(errors="replace")[-LOG_TAIL:] if log.exists() else ""
+            problem = (f"rank {rank} of {world} ({worker.__name__}) {why}\n--- its output, last "
+                       f"{LOG_TAIL} characters ---\n{tail}")
+            problems.insert(0 if rank == first_failure else len(problems), problem)  # the first failure first
+        if problems:
+            pytest.fail("\n\n".join(problems), pytrace=False)
+        return [outcome["result"] for outcome in outcomes]
+
+
+def _context(device: torch.device) -> multiprocessing.context.BaseContext:
+    if device.type == "cuda":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
+    return context
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(procs: list, results: list[Path], timeout: float) -> tuple[set[int], int | None]:
+    """Wait for every rank, at most ``timeout`` s, or ``GRACE_S`` after a rank has failed (or
+    ended without a result). Return the ranks still running then, and the rank that failed first."""
+    deadline = time.monotonic() + timeout
+    running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    first_failure = None
+    while running:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=left):
+            rank = running.pop(sentinel)
+            outcome = _read(results[rank])
+            if first_failure is None and (outcome is None or "error" in outcome):
+                first_failure = rank
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+    return set(running.values()), first_failure
+
+
+def _write(path: str, outcome: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(outcome, f, default=str)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _rank_main(target: tuple[str, str], args: tuple, env: dict[str, str], info: Rank, log: str,
+               broken_group: bool) -> None:
+    """One rank: output to its log, torchrun's environment, the process group, the worker."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the server imported torch: set it here
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = 0
+    try:
+        worker = importlib.import_module(target[0])
+        for name in target[1].split("."):
+            worker = getattr(worker, name)
+        if info.device.type == "cuda":
+            device = torch.device("cuda", info.local_rank)
+            torch.cuda.set_device(device)
+            info = dataclasses.replace(info, device=device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        _write(info.result_path, {"result": worker(info, *args)})
+    except BaseException:
+        _write(info.result_path, {"error": traceback.format_exc()})
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code or broken_group:
+        os._exit(code)  # no teardown: the group is broken, on purpose or by the failure
+    dist.destroy_process_group()
