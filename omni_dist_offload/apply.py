@@ -37,6 +37,7 @@ from .plan import (
     StreamedComponent,
     discover,
     is_bare_module,
+    module_bytes,
     pipeline_modules,
 )
 from .ring import NUM_SLOTS, BlockRing
@@ -80,6 +81,10 @@ class RingSummary:
     device_slot_bytes: int
     setup_s: float | None
     """Seconds spent filling and page-locking the ring's host copy."""
+    resident_blocks: list[int]
+    """Blocks kept on the device instead of streaming (indices in ring order)."""
+    resident_bytes: int
+    """Bytes of those blocks' tensors."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,6 +122,8 @@ class OffloadHandle:
             host_bytes=ring.transfer.host_bytes(),
             device_slot_bytes=sum(s.numel() for s in ring.slots),
             setup_s=ring.setup_s,
+            resident_blocks=list(ring.resident_blocks),
+            resident_bytes=ring.resident_bytes,
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:
@@ -255,7 +262,7 @@ def apply_offload(
     cfg = OffloadConfig.parse(config)
     dev = _checked_device(device)
     modules = _fresh_modules(target)
-    components = discover(target, cfg, plan)
+    components, residents = _split_resident(discover(target, cfg, plan), cfg)
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
     sources = _checked_sources(block_sources, components)
@@ -273,6 +280,7 @@ def apply_offload(
     try:
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
+            ring.resident_blocks, ring.resident_bytes = residents[spec.component.name]
             handle._add_ring(ring, originals)
         handle._move_resident({id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries})
         handle._install(trace_enabled(trace))
@@ -324,6 +332,47 @@ def _fresh_modules(target: Any) -> dict[str, nn.Module]:
                 "that apply_offload returned before applying again."
             )
     return modules
+
+
+def _split_resident(components: Sequence[StreamedComponent], cfg: OffloadConfig
+                    ) -> tuple[list[StreamedComponent], dict[str, tuple[tuple[int, ...], int]]]:
+    """Each component with only the blocks that stream (``layer_options.resident_blocks``),
+    and per component the resident block indices and their bytes. Resident blocks are ordinary
+    resident modules from here on: moved to the device with everything else, no host copy."""
+    streamed, residents = [], {}
+    for comp in components:
+        keep = _resident_indices(comp, cfg.options_for(comp.category).resident_blocks)
+        streamed.append(dataclasses.replace(
+            comp, blocks=tuple(b for i, b in enumerate(comp.blocks) if i not in keep)))
+        residents[comp.name] = (keep, sum(module_bytes(comp.blocks[i][1]) for i in keep))
+    return streamed, residents
+
+
+def _resident_indices(comp: StreamedComponent, asked: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """Which blocks stay on the device. A count is spread evenly through the ring, so the copies
+    of the streamed blocks between two resident ones hide under their compute."""
+    n = len(comp.blocks)
+    where = f"{comp.name} ({type(comp.module).__name__}): layer_options.{comp.category}.resident_blocks"
+    if asked is None or asked == 0:
+        return ()
+    if isinstance(asked, int):
+        if asked >= n:
+            raise OffloadConfigError(
+                f"{where} is {asked}, but the component has {n} blocks: keep at most {n - 1} "
+                f"resident, or leave {comp.category!r} out of 'components' to keep it all on the device."
+            )
+        return tuple(int((j + 0.5) * n / asked) for j in range(asked))
+    if out := [i for i in asked if i >= n]:
+        raise OffloadConfigError(
+            f"{where} lists {out}, but the component has {n} blocks (indices 0 to {n - 1}): "
+            "give indices in ring order from 0."
+        )
+    if len(asked) >= n:
+        raise OffloadConfigError(
+            f"{where} lists every block of the component: leave {comp.category!r} out of "
+            "'components' to keep it all on the device."
+        )
+    return asked
 
 
 def _checked_sources(block_sources: Mapping[str, BlockSource] | None,
@@ -571,10 +620,12 @@ def _log_summary(handle: OffloadHandle) -> None:
             logger.warning("%s: allgather not used, streaming rank-local instead: %s",
                            row.component, row.fallback_reason)
         logger.info(
-            "streaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots",
+            "streaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots%s",
             row.component, row.module_class, row.category, row.num_blocks, row.block_bytes / 2**20,
             row.weight_transfer + (f" ({row.gather} gather)" if row.gather else ""),
             row.host_bytes / 2**20, row.device_slot_bytes / 2**20,
+            f"; blocks {row.resident_blocks} resident ({row.resident_bytes / 2**20:.1f} MiB)"
+            if row.resident_blocks else "",
         )
 
 

@@ -64,7 +64,14 @@ class LayerOptions:
     where every GPU of the weight group can reach the others' memory, else nccl (and on the CPU,
     gloo's all-gather)."""
 
+    resident_blocks: int | tuple[int, ...] | None = None
+    """Blocks that stay on the device instead of streaming (they keep no host copy, and
+    allgather keeps no shard of them). An int: how many, spread evenly through the ring so the
+    streamed blocks' copies hide under their compute; a list: exactly these block indices (ring
+    order, from 0). ``None``: every block streams."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "resident_blocks", _checked_resident(self.resident_blocks))
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
         _check_choice("gather", self.gather, GATHERS, "layer_options.<component>")
         if not _is_positive_number(self.chunk_mib):
@@ -217,7 +224,9 @@ class OffloadConfig:
             "components": list(self.components),
             "layer_options": {
                 name: {"weight_transfer": opts.weight_transfer, "chunk_mib": opts.chunk_mib,
-                       "gather": opts.gather}
+                       "gather": opts.gather,
+                       "resident_blocks": list(opts.resident_blocks)
+                       if isinstance(opts.resident_blocks, tuple) else opts.resident_blocks}
                 for name, opts in self.layer_options.items()
             },
             "pin_memory": self.pin_memory,
@@ -252,6 +261,32 @@ def _reject_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _is_positive_number(value: Any) -> bool:
     return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             and value > 0)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _checked_resident(value: Any) -> int | tuple[int, ...] | None:
+    """``resident_blocks`` as an int, a sorted tuple of distinct indices, or None."""
+    where = "layer_options.<component> key 'resident_blocks'"
+    if value is None or _is_index(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        bad = [v for v in value if not _is_index(v)]
+        if bad:
+            raise OffloadConfigError(
+                f"{where} lists {bad[0]!r}, which is not a block index: give whole numbers from 0, "
+                "e.g. [0, 4, 8]."
+            )
+        repeated = sorted({v for v in value if list(value).count(v) > 1})
+        if repeated:
+            raise OffloadConfigError(f"{where} repeats {repeated}: list each block once.")
+        return tuple(sorted(value))
+    raise OffloadConfigError(
+        f"{where} must be a count (a whole number from 0) or a list of block indices, found "
+        f"{value!r}: e.g. 4, or [0, 4, 8]."
+    )
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], where: str = "config") -> None:

@@ -78,6 +78,9 @@ class BlockRing:
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
         """Seconds spent filling and page-locking the host copy (set by ``apply_offload``)."""
+        self.resident_blocks: tuple[int, ...] = ()
+        """The component's blocks kept on the device, not in this ring (set by ``apply_offload``)."""
+        self.resident_bytes = 0
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""
