@@ -122,8 +122,8 @@ class OffloadHandle:
             host_bytes=ring.transfer.host_bytes(),
             device_slot_bytes=sum(s.numel() for s in ring.slots),
             setup_s=ring.setup_s,
-            resident_blocks=list(ring.resident_blocks),
-            resident_bytes=ring.resident_bytes,
+            resident_blocks=list(ring.component.resident_blocks),
+            resident_bytes=ring.component.resident_bytes,
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:
@@ -262,7 +262,7 @@ def apply_offload(
     cfg = OffloadConfig.parse(config)
     dev = _checked_device(device)
     modules = _fresh_modules(target)
-    components, residents = _split_resident(discover(target, cfg, plan), cfg)
+    components = [_without_resident(c, cfg) for c in discover(target, cfg, plan)]
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
     sources = _checked_sources(block_sources, components)
@@ -280,7 +280,6 @@ def apply_offload(
     try:
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
-            ring.resident_blocks, ring.resident_bytes = residents[spec.component.name]
             handle._add_ring(ring, originals)
         handle._move_resident({id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries})
         handle._install(trace_enabled(trace))
@@ -334,18 +333,14 @@ def _fresh_modules(target: Any) -> dict[str, nn.Module]:
     return modules
 
 
-def _split_resident(components: Sequence[StreamedComponent], cfg: OffloadConfig
-                    ) -> tuple[list[StreamedComponent], dict[str, tuple[tuple[int, ...], int]]]:
-    """Each component with only the blocks that stream (``layer_options.resident_blocks``),
-    and per component the resident block indices and their bytes. Resident blocks are ordinary
-    resident modules from here on: moved to the device with everything else, no host copy."""
-    streamed, residents = [], {}
-    for comp in components:
-        keep = _resident_indices(comp, cfg.options_for(comp.category).resident_blocks)
-        streamed.append(dataclasses.replace(
-            comp, blocks=tuple(b for i, b in enumerate(comp.blocks) if i not in keep)))
-        residents[comp.name] = (keep, sum(module_bytes(comp.blocks[i][1]) for i in keep))
-    return streamed, residents
+def _without_resident(comp: StreamedComponent, cfg: OffloadConfig) -> StreamedComponent:
+    """The component with only the blocks that stream (``layer_options.resident_blocks``).
+    Resident blocks are ordinary resident modules from here on: moved to the device with
+    everything else, no host copy."""
+    keep = _resident_indices(comp, cfg.options_for(comp.category).resident_blocks)
+    return dataclasses.replace(
+        comp, blocks=tuple(b for i, b in enumerate(comp.blocks) if i not in keep), resident_blocks=keep,
+        resident_bytes=sum(module_bytes(comp.blocks[i][1]) for i in keep))
 
 
 def _resident_indices(comp: StreamedComponent, asked: int | tuple[int, ...] | None) -> tuple[int, ...]:

@@ -1,8 +1,9 @@
 """The block ring: the per-component coordinator and its hooks.
 
 One :class:`BlockRing` per streamed component. It uses its transfer's two device slots and owns
-the slot events and the block hooks. Before block ``i`` runs, the compute stream waits until ``i`` is in a slot and the
-ring prefetches block ``i + 1`` (block 0 after the last) into the other slot; after block ``i``
+the slot events and the block hooks. Before block ``i`` runs, the compute stream waits until
+``i`` is in a slot and the ring prefetches block ``i + 1`` (block 0 after the last) into the
+other slot; after block ``i``
 runs, the slot is marked free on the compute stream and the block's parameters point back at
 their host copies. The timeline and its invariants are in ``docs/design.md``,
 [Note: block ring timeline].
@@ -78,9 +79,6 @@ class BlockRing:
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
         """Seconds spent filling and page-locking the host copy (set by ``apply_offload``)."""
-        self.resident_blocks: tuple[int, ...] = ()
-        """The component's blocks kept on the device, not in this ring (set by ``apply_offload``)."""
-        self.resident_bytes = 0
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""

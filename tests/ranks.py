@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["Rank", "run_ranks"]
+__all__ = ["Rank", "proc_status", "run_ranks"]
 
 #: Imported once by the forkserver, before it forks any rank.
 PRELOAD = ["torch", "torch.distributed", "omni_dist_offload", "omni_dist_offload.loading.coldstart",
@@ -128,6 +128,15 @@ def run_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | 
         if problems:
             pytest.fail("\n\n".join(problems), pytrace=False)
         return [outcome["result"] for outcome in outcomes]
+
+
+def proc_status(field: str) -> int:
+    """A memory figure of this process's /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _context(device: torch.device) -> multiprocessing.context.BaseContext:

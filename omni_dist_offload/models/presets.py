@@ -113,9 +113,9 @@ def flux_inputs(model, px: int, device, dtype, seed: int = 0, text_tokens: int =
 
 
 def case_inputs(preset: Preset, model: nn.Module, shape: tuple[int, ...], device: torch.device,
-                dtype: torch.dtype) -> dict:
+                dtype: torch.dtype, seed: int = 0) -> dict:
     """Inputs for one forward of ``model`` at ``shape``: (frames, height, width) for a video
     preset, (px,) for an image preset."""
     if preset.video:
-        return wan_inputs(model, *shape, device, dtype, text_tokens=preset.text_tokens)
-    return flux_inputs(model, shape[0], device, dtype, text_tokens=preset.text_tokens)
+        return wan_inputs(model, *shape, device, dtype, seed=seed, text_tokens=preset.text_tokens)
+    return flux_inputs(model, shape[0], device, dtype, seed=seed, text_tokens=preset.text_tokens)

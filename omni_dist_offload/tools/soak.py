@@ -32,7 +32,7 @@ from torch import nn
 
 from ..apply import apply_offload
 from ..config import GATHERS, Gather
-from ..models import PRESETS, build_model, flux_inputs, wan_inputs
+from ..models import PRESETS, build_model, case_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import rank_prefix
@@ -202,13 +202,8 @@ def _build(opts: SoakOptions) -> tuple[nn.Module, list[dict[str, Any]]]:
     preset = PRESETS[opts.model]
     model = build_model(preset, opts.blocks or preset.default_blocks, opts.device, opts.dtype).eval()
     shapes = opts.shapes or DEFAULT_SHAPES.get(opts.model) or DEFAULT_SHAPES["tiny-wan" if preset.video else "tiny-flux"]
-    inputs = []
-    for seed, shape in enumerate(shapes):
-        if preset.video:
-            inputs.append(wan_inputs(model, *shape, opts.device, opts.dtype, seed=seed, text_tokens=preset.text_tokens))
-        else:
-            inputs.append(flux_inputs(model, shape[0], opts.device, opts.dtype, seed=seed, text_tokens=preset.text_tokens))
-    return model, inputs
+    return model, [case_inputs(preset, model, shape, opts.device, opts.dtype, seed=seed)
+                   for seed, shape in enumerate(shapes)]
 
 
 def _offload_config(opts: SoakOptions) -> dict[str, Any]:

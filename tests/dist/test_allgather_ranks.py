@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import tiny_models as tiny
 from omni_dist_offload import OffloadConfigError, apply_offload
-from ranks import Rank, run_ranks
+from ranks import Rank, proc_status, run_ranks
 from toys import ToyDiT, UnevenDiT
 
 
@@ -34,15 +34,6 @@ def allgather_config(gather: str | None = None, text_encoder: bool = True, **top
 
 
 AG_DIT = allgather_config(text_encoder=False)
-
-
-def _status(field: str) -> int:
-    """A memory figure of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 # -- parity ----------------------------------------------------------------------------------
@@ -119,10 +110,10 @@ def resident_set(rank: Rank) -> dict:
     model = ToyDiT(8, dim=1024)  # 8 blocks of ~4 MiB
     block_bytes = sum(p.numel() * p.element_size() for b in model.blocks for p in list(b.parameters()) + list(b.buffers()))
     gc.collect()
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     handle = apply_offload(model, AG_DIT)
     gc.collect()
-    after = _status("VmRSS")
+    after = proc_status("VmRSS")
     model(torch.randn(2, 1024))
     out = {"before": before, "after": after, "block_bytes": block_bytes, "host_bytes": handle.summary()[0]["host_bytes"]}
     handle.remove()

@@ -16,7 +16,7 @@ from diffusers import WanTransformer3DModel
 
 import tiny_models as tiny
 from omni_dist_offload import apply_offload
-from ranks import Rank, run_ranks
+from ranks import Rank, proc_status, run_ranks
 
 AG = {"mode": "layer", "components": ["dit", "text_encoder"], "collective_timeout_s": 20,
       "layer_options": {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.02},
@@ -39,21 +39,12 @@ def big_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def _status(field: str) -> int:
-    """A memory figure of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _peak_reset() -> int:
     """Reset this process's peak RSS (VmHWM) to its current RSS, and return that."""
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    return proc_status("VmRSS")
 
 
 @torch.no_grad()
@@ -98,7 +89,7 @@ def cold_start_rss(folder: str, big: str) -> dict:
     model = cold.components["transformer"]
     handle = apply_offload(types.SimpleNamespace(transformer=model), cfg, block_sources=cold.sources)
     cold.close()
-    peak_cold = _status("VmHWM") - base
+    peak_cold = proc_status("VmHWM") - base
     row = handle.summary()[0]
     nonblock = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("blocks."))
     x = tiny.wan_transformer_inputs(model, batch=1)
@@ -109,7 +100,7 @@ def cold_start_rss(folder: str, big: str) -> dict:
     base = _peak_reset()
     model = WanTransformer3DModel.from_pretrained(big, subfolder="transformer", dtype=dtype)
     handle = apply_offload(types.SimpleNamespace(transformer=model), cfg)
-    peak_ordinary = _status("VmHWM") - base
+    peak_ordinary = proc_status("VmHWM") - base
     y_ordinary = model(**x)[0]
     handle.remove()
     return {
