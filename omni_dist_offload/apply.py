@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -40,11 +41,21 @@ from .plan import (
     module_bytes,
     pipeline_modules,
 )
+from .residency import (
+    ResidencyPlan,
+    RingCosts,
+    format_bytes,
+    min_budget,
+    plan_fewest,
+    plan_residency,
+    prior_costs,
+)
 from .ring import NUM_SLOTS, BlockRing
 from .trace import trace_enabled
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
 from .transfer.sharding import (
+    ShardPlan,
     layout_digest,
     plan_shards,
     sample_digest,
@@ -85,6 +96,12 @@ class RingSummary:
     """Blocks kept on the device instead of streaming (indices in ring order)."""
     resident_bytes: int
     """Bytes of those blocks' tensors."""
+    predicted_ratio: float | None
+    """The residency plan's predicted forward / the resident forward; None before a forward
+    was measured (and for rings without a device budget)."""
+    device_budget: int | None
+    """Device bytes this ring's resident blocks and slots may take (its share of
+    ``device_budget``, after ``"auto"`` is resolved); None without a budget."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,16 +131,18 @@ class OffloadHandle:
             component=ring.component.name,
             category=ring.component.category,
             module_class=type(ring.component.module).__name__,
-            num_blocks=len(ring.layouts),
+            num_blocks=len(ring.streamed),
             weight_transfer=ring.transfer.name,
             gather=ring.transfer.gather,
             fallback_reason=ring.transfer.fallback_reason,
-            block_bytes=sum(layout.tensor_bytes for layout in ring.layouts),
+            block_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.streamed),
             host_bytes=ring.transfer.host_bytes(),
             device_slot_bytes=sum(s.numel() for s in ring.slots),
             setup_s=ring.setup_s,
-            resident_blocks=list(ring.component.resident_blocks),
-            resident_bytes=ring.component.resident_bytes,
+            resident_blocks=sorted(ring.resident),
+            resident_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.resident),
+            predicted_ratio=ring.plan.predicted_ratio if ring.plan is not None else None,
+            device_budget=ring.budget,
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:
@@ -169,10 +188,12 @@ class OffloadHandle:
         if originals is not None:
             self._originals[id(ring)] = originals
 
-    def _install(self, trace: bool) -> None:
-        for ring in self.rings:
-            if trace:
+    def _install(self, trace: bool, specs: Sequence["_RingSpec"]) -> None:
+        for ring, spec in zip(self.rings, specs, strict=True):
+            if trace or not spec.settled:
                 ring.enable_trace()
+            if not spec.settled:  # measure a forward, then plan for good
+                ring.watch_forwards(_Replanner(spec, self.device, keep_trace=trace))
             ring.install_hooks()
         for mod in self._modules.values():
             setattr(mod, _STATE_ATTR, self)
@@ -262,7 +283,7 @@ def apply_offload(
     cfg = OffloadConfig.parse(config)
     dev = _checked_device(device)
     modules = _fresh_modules(target)
-    components = [_without_resident(c, cfg) for c in discover(target, cfg, plan)]
+    components = discover(target, cfg, plan)
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
     sources = _checked_sources(block_sources, components)
@@ -270,6 +291,7 @@ def apply_offload(
     groups = GroupSession(cfg.collective_timeout_s)
     try:
         specs = _ring_specs(components, layouts, cfg, dev, process_group, sources, groups)
+        specs = _with_residency(specs, cfg, dev, modules)
     except BaseException:
         groups.close()
         raise
@@ -282,7 +304,7 @@ def apply_offload(
             ring, originals = _build_ring(spec, setup)
             handle._add_ring(ring, originals)
         handle._move_resident({id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries})
-        handle._install(trace_enabled(trace))
+        handle._install(trace_enabled(trace), specs)
     except BaseException as exc:
         handle._rollback()
         if groups.active:  # tell the other ranks, which would otherwise wait in their first fill
@@ -312,6 +334,26 @@ class _RingSpec:
     chunk_bytes: int = 0
     fallback_reason: str | None = None
     """Why an allgather ring streams rank-local."""
+    resident: tuple[int, ...] = ()
+    """Blocks that stay on the device from the start."""
+    num_slots: int = NUM_SLOTS
+    settled: bool = True
+    """The residency is final: resident blocks keep no host copy. Otherwise every block keeps
+    one until a measured forward has been planned for (``_Replanner``)."""
+    budget: int | None = None
+    """The ring's share of ``device_budget``."""
+    fewest: bool = False
+    """``device_budget: "auto"``: re-plan to the fewest resident blocks within 1% of resident."""
+    plan: ResidencyPlan | None = None
+
+    def slot_bytes(self) -> list[int]:
+        """Per block, the slot bytes it needs when it streams."""
+        if self.group is None:
+            return [l.nbytes for l in self.layouts]
+        return [s.padded_nbytes for s in self.shard_plans()]
+
+    def shard_plans(self) -> list[ShardPlan]:
+        return [plan_shards(l.nbytes, self.group.size, self.group.rank, self.chunk_bytes) for l in self.layouts]
 
 
 def _checked_device(device: torch.device | str | None) -> torch.device:
@@ -331,16 +373,6 @@ def _fresh_modules(target: Any) -> dict[str, nn.Module]:
                 "that apply_offload returned before applying again."
             )
     return modules
-
-
-def _without_resident(comp: StreamedComponent, cfg: OffloadConfig) -> StreamedComponent:
-    """The component with only the blocks that stream (``layer_options.resident_blocks``).
-    Resident blocks are ordinary resident modules from here on: moved to the device with
-    everything else, no host copy."""
-    keep = _resident_indices(comp, cfg.options_for(comp.category).resident_blocks)
-    return dataclasses.replace(
-        comp, blocks=tuple(b for i, b in enumerate(comp.blocks) if i not in keep), resident_blocks=keep,
-        resident_bytes=sum(module_bytes(comp.blocks[i][1]) for i in keep))
 
 
 def _resident_indices(comp: StreamedComponent, asked: int | tuple[int, ...] | None) -> tuple[int, ...]:
@@ -448,6 +480,194 @@ def _gather_of(cfg: OffloadConfig, comp: StreamedComponent, group: WeightGroup, 
     return asked
 
 
+# -- phase 1: residency ----------------------------------------------------------------------
+#: The forward a budgeted ring measures before planning for good: the first pays one-off costs
+#: (kernel autotuning, workspace and allocator growth, compilation) that would misstate compute.
+MEASURED_FORWARD = 2
+#: ``device_budget: "auto"`` plans the fewest resident blocks predicted within this of resident.
+AUTO_TOLERANCE = 0.01
+_MIN_RESERVE = 2 * 2**30
+
+
+def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.device,
+                    modules: Mapping[str, nn.Module]) -> list[_RingSpec]:
+    """Which blocks of each ring start resident, with how many slots: ``resident_blocks`` where
+    given, else the budget's plan (before anything is measured, from :func:`prior_costs`), else
+    none. Raises before anything changes when the budget cannot hold the rings."""
+    fixed = {s.component.name: _resident_indices(s.component, cfg.options_for(s.component.category).resident_blocks)
+             for s in specs if cfg.options_for(s.component.category).resident_blocks is not None}
+    out = {s.component.name: dataclasses.replace(s, resident=fixed.get(s.component.name, ())) for s in specs}
+    if cfg.device_budget is None:
+        return list(out.values())
+    planned = [s for s in specs if s.component.name not in fixed]
+    slot_bytes = {s.component.name: s.slot_bytes() for s in specs}
+
+    def fixed_bytes(spec: _RingSpec) -> int:
+        keep = set(out[spec.component.name].resident)
+        streamed = [b for i, b in enumerate(slot_bytes[spec.component.name]) if i not in keep]
+        return sum(spec.layouts[i].nbytes for i in keep) + NUM_SLOTS * max(streamed)
+
+    held = sum(fixed_bytes(s) for s in specs if s.component.name in fixed)
+    floors = {s.component.name: min_budget(slot_bytes[s.component.name]) for s in planned}
+    whole = {s.component.name: sum(l.nbytes for l in s.layouts) for s in planned}
+    budget = cfg.device_budget
+    auto = budget == "auto"
+    if auto:
+        budget = _auto_budget(cfg, dev, modules, specs)
+        if budget is None or budget >= held + sum(whole.values()):
+            for s in planned:
+                out[s.component.name] = dataclasses.replace(
+                    s, resident=tuple(range(len(s.layouts))), num_slots=0, budget=whole[s.component.name])
+            logger.info("device_budget auto: %s free for block weights; every block of %s fits and stays "
+                        "resident", "the whole device" if budget is None else format_bytes(budget),
+                        [s.component.name for s in planned])
+            return list(out.values())
+    smallest = held + sum(floors.values())
+    if budget < smallest:
+        what = "auto resolved to " if auto else ""
+        raise OffloadConfigError(
+            f"config key 'device_budget' is {what}{format_bytes(budget)} ({budget} bytes), below the "
+            f"smallest budget that works here, {format_bytes(smallest)} ({smallest} bytes): two slots of "
+            f"the largest block of each streamed component{' plus the resident_blocks given' if held else ''}. "
+            "Raise the budget" + (", lower activation_reserve" if auto else "") +
+            ", or drop device_budget to stream every block.")
+    shares = _shares(planned, budget - held, floors, whole)
+    for s in planned:
+        name = s.component.name
+        share = shares[name]
+        prior = plan_residency(prior_costs([l.nbytes for l in s.layouts], slot_bytes[name], share), share)
+        settled = prior.slots == 0  # everything fits: nothing to measure
+        out[name] = dataclasses.replace(s, resident=prior.resident, num_slots=prior.slots or NUM_SLOTS,
+                                        settled=settled, budget=share, fewest=auto, plan=prior)
+    return list(out.values())
+
+
+def _shares(specs: Sequence[_RingSpec], budget: int, floors: Mapping[str, int],
+            whole: Mapping[str, int]) -> dict[str, int]:
+    """Split a budget between rings (the rule in ``docs/design.md``, [Note: residency planner]):
+    each gets two slots of its largest block; what is left goes to the DiTs, in proportion to
+    what more they could use (up to all their blocks resident), then to the text encoders alike."""
+    share = dict(floors)
+    left = budget - sum(floors.values())
+    for category in ("dit", "text_encoder"):
+        want = {s.component.name: max(0, whole[s.component.name] - floors[s.component.name])
+                for s in specs if s.component.category == category}
+        total = sum(want.values())
+        if total == 0 or left <= 0:
+            continue
+        give = min(left, total)
+        for name, w in want.items():
+            share[name] += give * w // total
+        left -= give
+    return share
+
+
+def _auto_budget(cfg: OffloadConfig, dev: torch.device, modules: Mapping[str, nn.Module],
+                 specs: Sequence[_RingSpec]) -> int | None:
+    """``device_budget: "auto"``: device memory free now, less what the non-streamed modules will
+    take when they move there, less the activation reserve. None on the CPU (no device memory
+    apart from the host's: every block fits). Under allgather, the smallest over the weight group,
+    so every rank plans alike."""
+    free = _free_device_bytes(dev)
+    if free is None:
+        return None
+    in_blocks = {id(e.tensor) for s in specs for l in s.layouts for e in l.entries}
+    seen: set[int] = set()
+    incoming = 0
+    for root in modules.values():
+        for t in [*root.parameters(), *root.buffers()]:
+            if id(t) in seen or id(t) in in_blocks or t.device == dev:
+                continue
+            seen.add(id(t))
+            incoming += t.numel() * t.element_size()
+    reserve = cfg.activation_reserve
+    if reserve is None:
+        reserve = max(_MIN_RESERVE, _total_device_bytes(dev) // 10)
+    budget = max(0, free - incoming - reserve)
+    group = next((s.group for s in specs if s.group is not None), None)
+    if group is not None:
+        budget = int(_group_reduce([float(budget)], group, dev, dist.ReduceOp.MIN)[0])
+    return budget
+
+
+def _free_device_bytes(dev: torch.device) -> int | None:
+    if dev.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(dev)[0]
+
+
+def _total_device_bytes(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
+
+
+def _group_reduce(values: Sequence[float], group: WeightGroup, dev: torch.device, op) -> list[float]:
+    """One reduction over the weight group (on the device for NCCL, on the host for gloo)."""
+    where = dev if "nccl" in group.backend else torch.device("cpu")
+    t = torch.tensor(list(values), dtype=torch.float64, device=where)
+    dist.all_reduce(t, op=op, group=group.group)
+    return t.tolist()
+
+
+class _Replanner:
+    """Called by a ring after each complete forward until it returns True: after the measured
+    forward it plans from what was measured (agreed across the weight group: the slowest rank's
+    figures), applies the plan and drops the host copies of the blocks that stay."""
+
+    def __init__(self, spec: _RingSpec, device: torch.device, keep_trace: bool) -> None:
+        self.budget = spec.budget
+        self.fewest = spec.fewest
+        self.group = spec.group
+        self.device = device
+        self.keep_trace = keep_trace
+        self.forwards = 0
+
+    def __call__(self, ring: BlockRing) -> bool:
+        self.forwards += 1
+        if self.forwards < MEASURED_FORWARD:
+            return False
+        costs = ring.measured_costs(ring.tracer.report())
+        if self.group is not None:  # every rank must take the same plan: agree on the figures first
+            costs = _agreed(costs, len(ring.layouts), self.group, self.device)
+        if costs is None:  # the forward skipped blocks: keep the current plan, and settle it
+            plan = ring.plan
+            ring.apply_plan(ring.resident, ring.num_slots or NUM_SLOTS, settle=True)
+            logger.warning("%s: the measured forward did not run every block; keeping the unmeasured "
+                           "residency plan", ring.component.name)
+        else:
+            plan = plan_fewest(costs, self.budget, AUTO_TOLERANCE) if self.fewest else plan_residency(costs, self.budget)
+            ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True)
+            ring.plan = plan
+            _log_plan(ring, plan, costs)
+        if not self.keep_trace:
+            ring.tracer = None
+        return True
+
+
+def _agreed(costs: RingCosts | None, n: int, group: WeightGroup, dev: torch.device) -> RingCosts | None:
+    """The slowest rank's figures, per block (all ranks call this; a rank without a complete
+    measurement makes every rank keep its current plan)."""
+    flat = [0.0] * (2 * n + 3)
+    if costs is not None:
+        flat = [*costs.compute_ms, *costs.copy_ms, costs.pre_ms, costs.post_ms, 1.0]
+    worst = _group_reduce(flat, group, dev, dist.ReduceOp.MAX)
+    complete = _group_reduce([1.0 if costs is not None else 0.0], group, dev, dist.ReduceOp.MIN)[0]
+    if costs is None or complete < 1.0:
+        return None
+    return dataclasses.replace(costs, compute_ms=tuple(worst[:n]), copy_ms=tuple(worst[n:2 * n]),
+                               pre_ms=worst[2 * n], post_ms=worst[2 * n + 1])
+
+
+def _log_plan(ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> None:
+    streamed = len(ring.layouts) - len(plan.resident)
+    logger.info(
+        "%s: residency plan from a measured forward: %d of %d blocks resident (%s), %d streamed "
+        "through %d slots (%s); predicted forward %.1f ms, %.3fx resident (%.1f ms); budget %s",
+        ring.component.name, len(plan.resident), len(ring.layouts),
+        format_bytes(sum(ring.layouts[i].nbytes for i in plan.resident)), streamed, ring.num_slots,
+        format_bytes(sum(s.numel() for s in ring.slots)), plan.predicted_ms, plan.predicted_ratio or 0.0,
+        costs.resident_ms, format_bytes(ring.budget or 0))
+
+
 # -- phase 2: fill host copies, build rings ---------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Setup:
@@ -478,13 +698,41 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
     start = time.perf_counter()
     with _setup_bar(setup.progress, spec) as step:
         if spec.group is not None:
-            transfer, parked, originals = _fill_shards(spec, setup, step)
+            transfer, parked, resident, originals = _fill_shards(spec, setup, step)
         else:
-            transfer, parked = _fill_buffers(spec, setup, step)
+            transfer, parked, resident = _fill_buffers(spec, setup, step)
             originals = None
-    ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked)
+    try:
+        ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident, spec.num_slots)
+    except BaseException:
+        if originals is None:  # give the blocks their storage back, as _fill_buffers does on failure
+            restore_blocks(spec.layouts, [parked[i] if parked[i] is not None else
+                                          [e.view_in(resident[i]) for e in l.entries]
+                                          for i, l in enumerate(spec.layouts)], None)
+        else:
+            for layout, data in zip(spec.layouts, originals):
+                bind(layout.entries, data)
+        transfer.release()
+        raise
     ring.setup_s = time.perf_counter() - start
+    ring.plan = spec.plan
+    ring.budget = spec.budget
     return ring, originals
+
+
+def _device_copy(spec: _RingSpec, layout: BlockLayout, setup: _Setup, image: torch.Tensor | None) -> torch.Tensor:
+    """A resident block's device buffer, filled from ``image`` (its bytes on the host), or from
+    the source, or from the block's own tensors."""
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=setup.device)
+    if image is None and spec.source is not None:
+        image = torch.empty(layout.nbytes, dtype=torch.uint8)
+        spec.source.fill(layout, [(0, layout.nbytes, 0)], image)
+    if image is not None:
+        buf.copy_(image)
+    else:
+        for entry in layout.entries:
+            entry.view_in(buf).copy_(entry.tensor.detach())
+    return buf
 
 
 @contextlib.contextmanager
@@ -504,35 +752,47 @@ def _no_step(n: int = 1) -> None:
 
 def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     """Rank-local: whole blocks, consolidated one at a time; each block's original storage is
-    dropped as soon as its host buffer holds it, so host memory is never doubled. With a source,
-    placeholder tensors are read from the checkpoint straight into the buffer. A failure copies
-    the done blocks back."""
+    dropped as soon as its host buffer (or, for a resident block, its device buffer) holds it,
+    so host memory is never doubled. With a source, placeholder tensors are read from the
+    checkpoint straight into the buffer. A failure copies the done blocks back."""
     layouts, pin = spec.layouts, setup.pin
-    buffers: list[HostBuffer] = []
-    host_views: list[tuple[torch.Tensor, ...]] = []
+    keep = set(spec.resident)
+    buffers: list[HostBuffer | None] = []
+    current: list[tuple[torch.Tensor, ...]] = []   # what each done block's tensors point at now
+    resident: dict[int, torch.Tensor] = {}
     try:
         for layout in layouts:
-            buf = HostBuffer(layout.nbytes)
-            views = tuple(e.view_in(buf.tensor) for e in layout.entries)
-            if spec.source is not None:
-                spec.source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
+            i = layout.index
+            buf = None
+            if i in keep and spec.settled:  # resident for good: no host copy
+                resident[i] = _device_copy(spec, layout, setup, None)
             else:
-                for entry, view in zip(layout.entries, views):
-                    view.copy_(entry.tensor.detach())
-            pin.pin_later(buf, spec.component.name, layout.name)
+                buf = HostBuffer(layout.nbytes)
+                if spec.source is not None:
+                    spec.source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
+                else:
+                    for entry in layout.entries:
+                        entry.view_in(buf.tensor).copy_(entry.tensor.detach())
+                if i in keep:  # resident until a measured forward is planned for: both copies
+                    resident[i] = _device_copy(spec, layout, setup, buf.tensor)
+                pin.pin_later(buf, spec.component.name, layout.name)
+            views = tuple(e.view_in(buf.tensor if buf is not None else resident[i]) for e in layout.entries)
             bind(layout.entries, views)
             buffers.append(buf)
-            host_views.append(views)
+            current.append(views)
             step(1)
         pin.wait()
-        transfer = RankLocalTransfer(buffers, setup.streams, setup.device, NUM_SLOTS, spec.fallback_reason)
-        return transfer, host_views
+        parked = [v if b is not None else None for v, b in zip(current, buffers)]
+        transfer = RankLocalTransfer(buffers, [l.nbytes for l in layouts], setup.streams, setup.device,
+                                     spec.fallback_reason)
+        return transfer, parked, resident
     except BaseException:
         with contextlib.suppress(BaseException):
             pin.wait()  # no registration may still be running on a buffer released below
-        restore_blocks(layouts[: len(host_views)], host_views, None)
+        restore_blocks(layouts[: len(current)], current, None)
         for buf in buffers:
-            buf.release()
+            if buf is not None:
+                buf.release()
         raise
 
 
@@ -540,42 +800,54 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     """allgather: this rank's shard of every block. With a source, only this rank's byte ranges
     are read from the checkpoint, straight into the shard. Between uses a block's tensors hold
     placeholders; their original storage is returned for the caller to keep until every rank
-    has succeeded."""
+    has succeeded. A block resident for good has no shard, and its whole bytes on the device."""
     layouts, pin, group = spec.layouts, setup.pin, spec.group
-    plans = [plan_shards(l.nbytes, group.size, group.rank, spec.chunk_bytes) for l in layouts]
+    keep = set(spec.resident)
+    plans = spec.shard_plans()
     # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
     image = torch.empty(max(l.nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)
     placeholders: dict[torch.dtype, torch.Tensor] = {}
-    shards: list[HostBuffer] = []
+    shards: list[HostBuffer | None] = []
     originals: list[list[torch.Tensor]] = []
+    parked: list[list[torch.Tensor] | None] = []
+    resident: dict[int, torch.Tensor] = {}
     try:
         for layout, shard_plan in zip(layouts, plans):
-            shard = HostBuffer(shard_plan.shard_nbytes)
-            if spec.source is not None:
-                spec.source.fill(layout, shard_pieces(shard_plan), shard.tensor)
-            else:
+            i = layout.index
+            block_image = None
+            if spec.source is None:
                 block_image = image[: layout.nbytes]
                 for entry in layout.entries:
                     entry.view_in(block_image).copy_(entry.tensor.detach())
-                write_shard(shard_plan, block_image, shard.tensor)
-            pin.pin_later(shard, spec.component.name, layout.name)
+            shard = None
+            if not (i in keep and spec.settled):
+                shard = HostBuffer(shard_plan.shard_nbytes)
+                if spec.source is not None:
+                    spec.source.fill(layout, shard_pieces(shard_plan), shard.tensor)
+                else:
+                    write_shard(shard_plan, block_image, shard.tensor)
+                pin.pin_later(shard, spec.component.name, layout.name)
+            if i in keep:
+                resident[i] = _device_copy(spec, layout, setup, block_image)
             shards.append(shard)
             originals.append([e.tensor.data for e in layout.entries])
-            bind(layout.entries, [_placeholder(e, placeholders) for e in layout.entries])
+            held = [_placeholder(e, placeholders) for e in layout.entries]
+            parked.append(held if shard is not None else None)
+            bind(layout.entries, [e.view_in(resident[i]) for e in layout.entries] if i in keep else held)
             step(1)
         del image
         pin.wait()
-        transfer = gather_transfer(spec.gather, shards, plans, group, setup.streams, setup.device, NUM_SLOTS,
+        transfer = gather_transfer(spec.gather, shards, plans, group, setup.streams, setup.device,
                                    setup.timeout_s, spec.component.name)
-        parked = [[e.tensor.data for e in layout.entries] for layout in layouts]
-        return transfer, parked, originals
+        return transfer, parked, resident, originals
     except BaseException:
         with contextlib.suppress(BaseException):
             pin.wait()  # as in _fill_buffers
         for layout, data in zip(layouts, originals):
             bind(layout.entries, data)
         for shard in shards:
-            shard.release()
+            if shard is not None:
+                shard.release()
         raise
 
 

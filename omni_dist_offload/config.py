@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+from .residency import parse_bytes
+
 __all__ = [
     "COMPONENTS",
     "GATHERS",
@@ -108,6 +110,17 @@ class OffloadConfig:
     """allgather only: a weight collective that cannot complete (a rank died or diverged)
     raises after this many seconds instead of hanging."""
 
+    device_budget: int | str | None = None
+    """Device memory the streamed components' block weights may take in total, resident blocks
+    plus streaming slots: bytes, or a size such as ``"24GiB"`` (stored as bytes). ``"auto"``: the
+    memory free once the other modules are on the device, less ``activation_reserve``. ``None``:
+    every block streams through two slots. The planner decides which blocks stay resident
+    (``docs/design.md``, [Note: residency planner])."""
+
+    activation_reserve: int | str | None = None
+    """``device_budget: "auto"`` leaves this much free for activations: bytes or a size. ``None``:
+    a tenth of the device's memory, at least 2 GiB."""
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, _MODES)
         components = self.components
@@ -156,6 +169,10 @@ class OffloadConfig:
                 f"config key 'collective_timeout_s' must be a positive number of seconds, found "
                 f"{timeout!r}: use e.g. 600, or drop the key for the default."
             )
+        if self.device_budget is not None and self.device_budget != "auto":
+            object.__setattr__(self, "device_budget", _size("device_budget", self.device_budget, "or \"auto\""))
+        if self.activation_reserve is not None:
+            object.__setattr__(self, "activation_reserve", _size("activation_reserve", self.activation_reserve))
 
     def options_for(self, category: str) -> LayerOptions:
         """The layer options of one component category (defaults when none were given)."""
@@ -184,7 +201,8 @@ class OffloadConfig:
     @classmethod
     def _from_mapping(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
         _check_keys("config", raw, ("mode", "components", "layer_options", "pin_memory",
-                                    "pin_failure", "collective_timeout_s"))
+                                    "pin_failure", "collective_timeout_s", "device_budget",
+                                    "activation_reserve"))
         if "mode" not in raw:
             raise OffloadConfigError(
                 "config key 'mode' is missing: set \"mode\": \"layer\"."
@@ -192,7 +210,7 @@ class OffloadConfig:
         kwargs: dict[str, Any] = {"mode": raw["mode"]}
         if "components" in raw:
             kwargs["components"] = raw["components"]
-        for key in ("pin_memory", "pin_failure", "collective_timeout_s"):
+        for key in ("pin_memory", "pin_failure", "collective_timeout_s", "device_budget", "activation_reserve"):
             if key in raw:
                 kwargs[key] = raw[key]
         raw_options = raw.get("layer_options", {})
@@ -232,6 +250,8 @@ class OffloadConfig:
             "pin_memory": self.pin_memory,
             "pin_failure": self.pin_failure,
             "collective_timeout_s": self.collective_timeout_s,
+            "device_budget": self.device_budget,
+            "activation_reserve": self.activation_reserve,
         }
 
 
@@ -287,6 +307,15 @@ def _checked_resident(value: Any) -> int | tuple[int, ...] | None:
         f"{where} must be a count (a whole number from 0) or a list of block indices, found "
         f"{value!r}: e.g. 4, or [0, 4, 8]."
     )
+
+
+def _size(key: str, value: Any, also: str = "") -> int:
+    """A byte count from an int or a size string; ``OffloadConfigError`` names the key."""
+    try:
+        return parse_bytes(value, key)
+    except ValueError as exc:
+        hint = f" ({also.strip()})" if also else ""
+        raise OffloadConfigError(str(exc).replace("which is not a size:", f"which is not a size{hint}:")) from None
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], where: str = "config") -> None:

@@ -163,11 +163,6 @@ class StreamedComponent:
     """(qualified name within the component, block) in ring order."""
     source: str
     """Where the block lists came from (for logs)."""
-    resident_blocks: tuple[int, ...] = ()
-    """Blocks of the lists kept on the device instead of streaming (indices in ring order,
-    ``layer_options.<component>.resident_blocks``); ``blocks`` holds the others."""
-    resident_bytes: int = 0
-    """Bytes of those blocks' tensors."""
 
 
 def pipeline_modules(target: Any) -> dict[str, nn.Module]:

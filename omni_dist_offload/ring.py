@@ -1,36 +1,40 @@
 """The block ring: the per-component coordinator and its hooks.
 
-One :class:`BlockRing` per streamed component. It uses its transfer's two device slots and owns
-the slot events and the block hooks. Before block ``i`` runs, the compute stream waits until
-``i`` is in a slot and the ring prefetches block ``i + 1`` (block 0 after the last) into the
-other slot; after block ``i``
-runs, the slot is marked free on the compute stream and the block's parameters point back at
-their host copies. The timeline and its invariants are in ``docs/design.md``,
-[Note: block ring timeline].
+One :class:`BlockRing` per streamed component. Every block of the component is in the ring,
+either **resident** (its tensors are views into a device buffer of its own, for good) or
+**streamed** through the ring's device slots. With ``S`` slots, before streamed block ``i`` runs
+the compute stream waits until ``i`` is in a slot and the ring prefetches the next ``S - 1``
+streamed blocks (wrapping to the first after the last) into the other slots, round robin; after
+block ``i`` runs, its slot is marked free on the compute stream and the block's parameters point
+back at their host copies. The timeline and its invariants are in ``docs/design.md``,
+[Note: block ring timeline]; which blocks stay resident and how many slots there are is the
+residency plan ([Note: residency planner]), which can change once, between two forwards.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from .layout import BlockLayout, bind
 from .plan import StreamedComponent
+from .residency import ResidencyPlan, RingCosts
 from .trace import RingTracer
 from .transfer.protocol import WeightTransfer
 
 __all__ = ["NUM_SLOTS", "BlockRing"]
 
 _EMPTY = -1
-#: Device slots per ring: the block that runs, and the next one arriving.
+_RESIDENT = -2
+#: Device slots of a ring without a residency plan: the block that runs, and the next one arriving.
 NUM_SLOTS = 2
 
 
 class BlockRing:
-    """Streams the blocks of one component through two device slots."""
+    """Streams the non-resident blocks of one component through ``num_slots`` device slots."""
 
     def __init__(
         self,
@@ -38,47 +42,73 @@ class BlockRing:
         layouts: Sequence[BlockLayout],
         transfer: WeightTransfer,
         device: torch.device,
-        parked: Sequence[Sequence[torch.Tensor]],
+        parked: Sequence[Sequence[torch.Tensor] | None],
+        resident: Mapping[int, torch.Tensor] | None = None,
+        num_slots: int = NUM_SLOTS,
     ) -> None:
+        """``parked[i]``: what block ``i``'s tensors point at between uses (views into its host
+        buffer, or placeholders under allgather); None for a block with no host copy.
+        ``resident``: block index -> the device buffer a resident block's tensors are views into
+        (the caller filled it)."""
         self.component = component
         self.layouts = tuple(layouts)
         self.transfer = transfer
         self.device = device
         self._cuda = device.type == "cuda"
-        sizes = [transfer.device_nbytes(layout.index) for layout in layouts]
-        # The transfer allocated the slots once; they are reused for every block of every step:
-        # the per-block path allocates nothing and never returns memory to the allocator.
-        self.slots = transfer.slots
-        if len(self.slots) != NUM_SLOTS:
-            raise ValueError(f"{component.name}: the transfer has {len(self.slots)} device slots; "
-                             f"the ring needs {NUM_SLOTS} (construct it with num_slots=NUM_SLOTS).")
-        # What a block's tensors point at between uses: views into its host buffer (rank-local)
-        # or shape-keeping placeholders (allgather, where this rank holds only a shard).
-        self._parked = [tuple(v) for v in parked]
-        self._slot_views = [[tuple(e.view_in(slot) for e in layout.entries) for layout in layouts]
-                            for slot in self.slots]
-        self._fill_views = [[slot[:size] for size in sizes] for slot in self.slots]
-        # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
-        # waits on it before the block runs. free[s]: recorded on the compute stream after the
-        # block in slot s ran; the transfer waits on it before overwriting slot s.
-        self._ready = [torch.cuda.Event() if self._cuda else None for _ in range(NUM_SLOTS)]
-        self._free = [torch.cuda.Event() if self._cuda else None for _ in range(NUM_SLOTS)]
-        self._slot_block = [_EMPTY] * NUM_SLOTS
+        self._parked = [tuple(v) if v is not None else None for v in parked]
+        self._device_blocks: dict[int, torch.Tensor] = dict(resident or {})
+        for i, buf in self._device_blocks.items():
+            bind(self.layouts[i].entries, [e.view_in(buf) for e in self.layouts[i].entries])
+        self.resident: frozenset[int] = frozenset(self._device_blocks)
+        self.plan: ResidencyPlan | None = None
+        """The residency plan in force, when a planner made it (see ``apply.py``)."""
+        self.budget: int | None = None
+        """The device bytes this ring's plan may use, when it has a budget."""
+        self._configure(num_slots)
         # The block between its pre- and post-forward, and its slot (blocks do not nest).
         self._current = _EMPTY
         self._current_slot = _EMPTY
         # The last forward was cut short (an exception, or an interrupt that skipped the
         # post-forward): the next on-demand fetch is expected, not an ordering problem.
         self._disrupted = False
-        self._next = [(i + 1) % len(layouts) for i in range(len(layouts))]
-        self._last_slot = NUM_SLOTS - 1
         self._warm = False
         self._warned_miss = False
         self._warned_grad = False
         self._hooks: list = []
+        self._root_hooks: list = []
+        self._on_forward: Callable[[BlockRing], bool] | None = None
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
         """Seconds spent filling and page-locking the host copy (set by ``apply_offload``)."""
+
+    def _configure(self, num_slots: int) -> None:
+        """Slots, their views and events for the current resident set. Setup only: allocates."""
+        n = len(self.layouts)
+        self.streamed = tuple(i for i in range(n) if i not in self.resident)
+        count = num_slots if self.streamed else 0
+        if self.streamed and count < 2:
+            raise ValueError(f"{self.component.name}: a ring that streams needs at least 2 slots, found {num_slots}")
+        nbytes = max((self.transfer.device_nbytes(i) for i in self.streamed), default=0)
+        # The slots are allocated once per plan and reused for every block of every step: the
+        # per-block path allocates nothing and never returns memory to the allocator.
+        self.transfer.allocate_slots(nbytes, count)
+        self.slots = self.transfer.slots
+        self.num_slots = count
+        self._slot_views = [[tuple(e.view_in(slot) for e in layout.entries) if layout.index in self.streamed
+                             else None for layout in self.layouts] for slot in self.slots]
+        self._fill_views = [[slot[: self.transfer.device_nbytes(i)] for i in range(n)] for slot in self.slots]
+        # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
+        # waits on it before the block runs. free[s]: recorded on the compute stream after the
+        # block in slot s ran; the transfer waits on it before overwriting slot s.
+        self._ready = [torch.cuda.Event() if self._cuda else None for _ in range(count)]
+        self._free = [torch.cuda.Event() if self._cuda else None for _ in range(count)]
+        self._slot_block = [_EMPTY] * count
+        self._next_slot = 0
+        # The streamed blocks to have in slots while block i runs: the next count - 1 after it.
+        position = {b: k for k, b in enumerate(self.streamed)}
+        m = len(self.streamed)
+        self._ahead = [tuple(self.streamed[(position[i] + d) % m] for d in range(1, min(count, m)))
+                       if i in position else () for i in range(n)]
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""
@@ -94,10 +124,36 @@ class BlockRing:
             self._hooks.append(layout.module.register_forward_hook(
                 functools.partial(self._post_forward, layout.index), always_call=True))
 
+    def watch_forwards(self, callback: Callable[["BlockRing"], bool]) -> None:
+        """Call ``callback(ring)`` after every complete forward of the component until it returns
+        True. Marks the forward's start and end for the tracer (the planner's measurements)."""
+        self._on_forward = callback
+        root = self.component.module
+        self._root_hooks = [root.register_forward_pre_hook(self._root_pre),
+                            root.register_forward_hook(self._root_post)]
+
     def remove_hooks(self) -> None:
-        for h in self._hooks:
+        for h in [*self._hooks, *self._root_hooks]:
             h.remove()
         self._hooks = []
+        self._root_hooks = []
+
+    def _root_pre(self, module, args) -> None:
+        if self._on_forward is not None and self.tracer is not None:
+            self.tracer.forward_start(self._stream())
+
+    def _root_post(self, module, args, output) -> None:
+        # Hooks stay installed (removing one while torch iterates them is not safe); once the
+        # callback is done they do nothing.
+        if self._on_forward is None:
+            return
+        if self.tracer is not None:
+            self.tracer.forward_end(self._stream())
+        if self._on_forward(self):
+            self._on_forward = None
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self._cuda else None
 
     # -- per-block path: no host synchronisation, no allocation -------------------------
     def _pre_forward(self, i: int, module, args) -> None:
@@ -106,11 +162,17 @@ class BlockRing:
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
             self._release(self._current, self._current_slot)
             self._disrupted = True
+        tracer = self.tracer
+        stream = self._stream()
+        if i in self.resident:
+            if tracer is not None:
+                tracer.before_wait(i, stream)
+                tracer.after_wait(i, stream)
+            self._current, self._current_slot = i, _RESIDENT
+            return
         slot = self._slot_of(i)
         if slot == _EMPTY:
             slot = self._fetch_missing(i)
-        stream = torch.cuda.current_stream(self.device) if self._cuda else None
-        tracer = self.tracer
         if tracer is not None:
             tracer.before_wait(i, stream)
         if self._cuda:
@@ -119,9 +181,10 @@ class BlockRing:
             tracer.after_wait(i, stream)
         bind(self.layouts[i].entries, self._slot_views[slot][i])
         self._current, self._current_slot = i, slot
-        nxt = self._next[i]
-        if self._slot_of(nxt) == _EMPTY:
-            self._fill(nxt, 1 - slot)
+        ahead = self._ahead[i]
+        for nxt in ahead:  # the prefetch: fills go to the slots round robin
+            if self._slot_of(nxt) == _EMPTY:
+                self._fill(nxt, self._take_slot((i, *ahead)))
         if not self._warned_grad and torch.is_grad_enabled():
             self._warn_grad()
 
@@ -129,7 +192,7 @@ class BlockRing:
         if self._current != i:  # the pre-forward did not get as far as binding: nothing to release
             return
         if self.tracer is not None:
-            self.tracer.after_compute(i, torch.cuda.current_stream(self.device) if self._cuda else None)
+            self.tracer.after_compute(i, self._stream())
         if output is None:  # torch passes no output when the block raised
             self._disrupted = True
         self._release(i, self._current_slot)
@@ -137,17 +200,28 @@ class BlockRing:
     def _release(self, i: int, slot: int) -> None:
         """Block ``i`` is done with ``slot``: mark the slot free on the compute stream and point
         the block's tensors back at their parked storage."""
+        self._current = self._current_slot = _EMPTY
+        if slot == _RESIDENT:
+            return
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         bind(self.layouts[i].entries, self._parked[i])
-        self._current = self._current_slot = _EMPTY
-        self._last_slot = slot
 
     def _slot_of(self, block: int) -> int:
-        for s in range(NUM_SLOTS):
+        for s in range(self.num_slots):
             if self._slot_block[s] == block:
                 return s
         return _EMPTY
+
+    def _take_slot(self, keep: tuple[int, ...] = ()) -> int:
+        """The next slot round robin that holds none of ``keep`` (the running block and those to
+        come next: after an interrupted fill the order can be off by one; this keeps it safe)."""
+        for k in range(self.num_slots):
+            slot = (self._next_slot + k) % self.num_slots
+            if self._slot_block[slot] not in keep:
+                self._next_slot = (slot + 1) % self.num_slots
+                return slot
+        raise AssertionError("no free slot")  # unreachable: keep holds at most num_slots blocks, one being filled
 
     def _fill(self, block: int, slot: int) -> None:
         # Mark the slot empty first: if the enqueue is interrupted, the slot must not claim
@@ -167,7 +241,8 @@ class BlockRing:
 
     def _fetch_missing(self, i: int) -> int:
         """Block ``i`` was not prefetched: the first block ever, the first after a forward that
-        was cut short, or blocks ran out of order (warned once)."""
+        was cut short, or blocks ran out of order (warned once). The prefetched blocks are
+        dropped (their slots are refilled in order from here)."""
         if self._warm and not self._disrupted and not self._warned_miss:
             self._warned_miss = True
             warnings.warn(
@@ -179,8 +254,8 @@ class BlockRing:
             )
         self._warm = True
         self._disrupted = False
-        nxt_slot = self._slot_of(self._next[i])
-        slot = 1 - nxt_slot if nxt_slot != _EMPTY else 1 - self._last_slot
+        self._slot_block = [_EMPTY] * self.num_slots
+        slot = self._take_slot()
         self._fill(i, slot)
         return slot
 
@@ -193,31 +268,94 @@ class BlockRing:
             RuntimeWarning, stacklevel=4,
         )
 
+    # -- the residency plan: between forwards ------------------------------------------------
+    def measured_costs(self, report: Mapping) -> RingCosts | None:
+        """Per-block costs from a traced forward's report (``RingTracer.report``): compute as
+        measured; copy time as measured for the blocks that streamed, and for the others at the
+        rate the streamed ones moved. None when the forward did not run every block or nothing
+        was copied."""
+        rows = {r["index"]: r for r in report["blocks"]}
+        if len(rows) != len(self.layouts) or report.get("pre_ms") is None:
+            return None
+        sizes = [self.transfer.device_nbytes(i) for i in range(len(self.layouts))]
+        timed = [(sizes[i], r["transfer_ms"]) for i, r in rows.items() if r["transfer_ms"]]
+        if not timed:
+            return None
+        ms_per_byte = sum(ms for _, ms in timed) / sum(b for b, _ in timed)
+        copy = tuple(rows[i]["transfer_ms"] or sizes[i] * ms_per_byte for i in range(len(self.layouts)))
+        return RingCosts(tuple(l.nbytes for l in self.layouts), tuple(sizes),
+                         tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
+                         pre_ms=report["pre_ms"], post_ms=report["post_ms"])
+
+    def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool) -> None:
+        """Make exactly ``resident`` the resident blocks and stream the rest through
+        ``num_slots`` slots. Blocks that become resident are brought in through the current
+        slot 0 (collective under allgather: every rank applies the same plan at the same point);
+        ``settle``: resident blocks give up their host copies. Between forwards; synchronises."""
+        new = frozenset(resident)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        for i in sorted(self.resident - new):
+            if self._parked[i] is None:
+                raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} has no host copy "
+                                   "to stream from; it was made resident for good")
+            bind(self.layouts[i].entries, self._parked[i])
+            del self._device_blocks[i]
+        promote = sorted(new - self.resident)
+        if promote and not self.slots:
+            raise RuntimeError(f"{self.component.name}: no slot to bring blocks {promote} in through")
+        for i in promote:
+            layout = self.layouts[i]
+            self._slot_block[0] = _EMPTY
+            self.transfer.fill(i, self._fill_views[0][i], None, self._ready[0])
+            if self._cuda:
+                self._ready[0].synchronize()
+            buf = self.slots[0][: layout.nbytes].clone()
+            bind(layout.entries, [e.view_in(buf) for e in layout.entries])
+            self._device_blocks[i] = buf
+        self.resident = new
+        self.slots, self._slot_views, self._fill_views = [], [], []  # the old slots go before the new come
+        self._configure(num_slots)
+        if settle:
+            for i in new:
+                if self.transfer.has_host_copy(i):
+                    self.transfer.drop(i)
+                self._parked[i] = None
+        self._warm = False
+
     # -- teardown ------------------------------------------------------------------------
     def restore(self, device: torch.device | None) -> None:
         """Give every block tensor ordinary storage again, on ``device`` (None: where it was
-        before offloading), bitwise equal to the streamed bytes. Goes through slot 0, so it is
-        collective under allgather: every rank of the weight group calls it."""
+        before offloading), bitwise equal to the streamed bytes. Streamed blocks go through slot
+        0, so it is collective under allgather: every rank of the weight group calls it."""
         slot = 0
         for layout in self.layouts:
             i = layout.index
-            self._slot_block[slot] = _EMPTY
-            self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot])
-            if self._cuda:
-                self._ready[slot].synchronize()  # teardown, not the per-block path
+            if i in self.resident:
+                views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
+            else:
+                self._slot_block[slot] = _EMPTY
+                self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot])
+                if self._cuda:
+                    self._ready[slot].synchronize()  # teardown, not the per-block path
+                views = self._slot_views[slot][i]
             bind(layout.entries, [
                 torch.empty_strided(v.size(), v.stride(), dtype=v.dtype,
                                     device=device if device is not None else e.origin).copy_(v)
-                for e, v in zip(layout.entries, self._slot_views[slot][i])
+                for e, v in zip(layout.entries, views)
             ])
-            if self._cuda:  # the next fill of slot 0 must wait for these copies out of it
+            if self._cuda and i not in self.resident:  # the next fill of slot 0 must wait for these copies
                 self._free[slot].record(torch.cuda.current_stream(self.device))
+            self._device_blocks.pop(i, None)
+        self.resident = frozenset()
 
     def release(self) -> None:
-        """Free the slots and host buffers. The caller has synchronised the device."""
+        """Free the slots, device buffers and host buffers. The caller has synchronised the device."""
         self.remove_hooks()
+        self._on_forward = None
         self.slots = []
         self._slot_views = []
         self._fill_views = []
         self._parked = []
+        self._device_blocks = {}
         self.transfer.release()

@@ -14,7 +14,11 @@ Per block:
 * ``compute``: ``compute_start`` to ``compute_end`` (the post-forward);
 * ``transfer``: from the copy stream starting the fill (after the slot is free) to the block
   being in its slot, for the fill this run of the block used (none if the block stayed in its
-  slot since it last ran).
+  slot since it last ran, or stays resident).
+
+When the ring also marks the component's own forward (``BlockRing.watch_forwards``, which the
+residency planner uses), the report adds ``pre_ms`` (from the component's forward starting to its
+first block) and ``post_ms`` (from its last block to the forward's end).
 """
 
 from __future__ import annotations
@@ -75,6 +79,19 @@ class RingTracer:
         self._fresh = [-1] * len(names)     # pair of a fill since the block last ran, else -1
         self._used = [-1] * len(names)      # pair this forward's run of the block used, else -1
         self._last_index = len(names)
+        self._start, self._end = _Mark(cuda), _Mark(cuda)
+        self._framed = False  # the current forward's start was marked
+
+    def forward_start(self, stream) -> None:
+        """The component's forward begins (before its first block)."""
+        self._start.record(stream)
+        self._framed = True
+        self._ran = []
+        self._last_index = len(self.names)
+
+    def forward_end(self, stream) -> None:
+        """The component's forward ends (after its last block)."""
+        self._end.record(stream)
 
     def transfer_marks(self, block: int) -> tuple[_Mark, _Mark]:
         """Marks for a fill of ``block`` (the transfer records them on its streams)."""
@@ -101,10 +118,12 @@ class RingTracer:
     def report(self) -> dict[str, Any]:
         """The most recent forward, in ms from its first block's wait. Synchronises."""
         if not self._ran:
-            return {"forward_ms": 0.0, "exposed_wait_ms": 0.0, "exposed_share": 0.0, "blocks": []}
+            return {"forward_ms": 0.0, "exposed_wait_ms": 0.0, "exposed_share": 0.0, "blocks": [],
+                    "pre_ms": None, "post_ms": None}
         base = self.marks[self._ran[0]]["wait_start"]
+        last = self.marks[self._ran[-1]]["compute_end"]
         if self._cuda:
-            self.marks[self._ran[-1]]["compute_end"].event.synchronize()
+            (self._end if self._framed else last).event.synchronize()
         blocks = []
         for i in self._ran:
             m = self.marks[i]
@@ -120,10 +139,13 @@ class RingTracer:
                 if row["transfer_ms"] > 0:
                     row["gbps"] = self.nbytes[i] / row["transfer_ms"] / 1e6
             blocks.append(row)
-        forward = self.marks[self._ran[-1]]["compute_end"].ms_since(base)
+        forward = last.ms_since(base)
         exposed = sum(b["wait_ms"] for b in blocks)
+        framed = self._framed
         return {"forward_ms": forward, "exposed_wait_ms": exposed,
-                "exposed_share": exposed / forward if forward > 0 else 0.0, "blocks": blocks}
+                "exposed_share": exposed / forward if forward > 0 else 0.0, "blocks": blocks,
+                "pre_ms": base.ms_since(self._start) if framed else None,
+                "post_ms": self._end.ms_since(last) if framed else None}
 
 
 def summary_line(reports: Sequence[dict[str, Any]]) -> str:

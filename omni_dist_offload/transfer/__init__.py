@@ -33,11 +33,11 @@ __all__ = [
 ]
 
 
-def gather_transfer(gather: str, shards: Sequence[HostBuffer], plans: Sequence[ShardPlan], group: WeightGroup,
-                    streams: TransferStreams, device: torch.device, num_slots: int, timeout_s: float,
+def gather_transfer(gather: str, shards: Sequence[HostBuffer | None], plans: Sequence[ShardPlan],
+                    group: WeightGroup, streams: TransferStreams, device: torch.device, timeout_s: float,
                     name: str = "allgather") -> AllGatherTransfer:
     """The allgather transfer for a resolved ``gather``: ``"copy-engine"``, or the collective
-    (NCCL, or gloo on the CPU). Collective over the weight group."""
+    (NCCL, or gloo on the CPU). Slots come later (``allocate_slots``)."""
     if gather == "copy-engine":
-        return CopyEngineGatherTransfer(shards, plans, group, streams, device, num_slots, timeout_s, name)
-    return AllGatherTransfer(shards, plans, group, streams, device, num_slots)
+        return CopyEngineGatherTransfer(shards, plans, group, streams, device, timeout_s, name)
+    return AllGatherTransfer(shards, plans, group, streams, device)

@@ -35,8 +35,9 @@ class AllGatherTransfer:
     name = "allgather"
     fallback_reason = None
 
-    def __init__(self, shards: Sequence[HostBuffer], plans: Sequence[ShardPlan], group: WeightGroup,
-                 streams: TransferStreams, device: torch.device, num_slots: int) -> None:
+    def __init__(self, shards: Sequence[HostBuffer | None], plans: Sequence[ShardPlan], group: WeightGroup,
+                 streams: TransferStreams, device: torch.device) -> None:
+        # shards[i] is None for a block that stays on the device (no shard).
         self.shards = list(shards)
         self.plans = list(plans)
         self.group = group
@@ -52,8 +53,8 @@ class AllGatherTransfer:
         # fill: a wait captures the event's latest record when it is enqueued.
         most = max(len(c) for c in self._chunks)
         self._chunk_copied = [torch.cuda.Event() for _ in range(most)] if streams.copy is not None else []
-        # One slot fits the largest gathered block; every block of every step reuses it.
-        self.slots = self._allocate_slots(max(p.padded_nbytes for p in self.plans), num_slots, device)
+        self._device = device
+        self.slots: list[torch.Tensor] = []
 
     @staticmethod
     def _chunk_table(plan: ShardPlan) -> tuple[tuple[int, int, int, int], ...]:
@@ -61,13 +62,26 @@ class AllGatherTransfer:
                      for (offset, _), (start, c, pos) in zip(plan.chunks, shard_pieces(plan), strict=True))
 
     def host_bytes(self) -> int:
-        return sum(s.nbytes for s in self.shards)
+        return sum(s.nbytes for s in self.shards if s is not None)
+
+    def has_host_copy(self, block: int) -> bool:
+        return self.shards[block] is not None
 
     def device_nbytes(self, block: int) -> int:
         return self.plans[block].padded_nbytes
 
+    def allocate_slots(self, nbytes: int, count: int) -> None:
+        # Every block of every step reuses these slots: allocated here, never per block.
+        self.close()
+        self.slots = self._allocate_slots(nbytes, count, self._device)
+
     def _allocate_slots(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
         return plain_slots(nbytes, count, device)
+
+    def drop(self, block: int) -> None:
+        shard, self.shards[block] = self.shards[block], None
+        if shard is not None:
+            shard.release()
 
     def fill(self, block, dst, after, ready, marks=None) -> None:
         src = self.shards[block].tensor
@@ -82,7 +96,8 @@ class AllGatherTransfer:
             if marks is not None:
                 marks[1].record()
             return
-        copy.wait_event(after)
+        if after is not None:
+            copy.wait_event(after)
         if marks is not None:
             marks[0].record(copy)
         for j, (offset, mine, c, pos) in enumerate(self._chunks[block]):
@@ -104,4 +119,5 @@ class AllGatherTransfer:
     def release(self) -> None:
         self.close()
         for s in self.shards:
-            s.release()
+            if s is not None:
+                s.release()

@@ -48,9 +48,8 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
     """
 
     def __init__(self, shards: Sequence[HostBuffer], plans: Sequence[ShardPlan], group: WeightGroup,
-                 streams: TransferStreams, device: torch.device, num_slots: int, timeout_s: float,
+                 streams: TransferStreams, device: torch.device, timeout_s: float,
                  name: str = "allgather") -> None:
-        # Set before the base class allocates the slots (through _allocate_slots below).
         self._ops = StreamMemOps()
         self._timeout_s = timeout_s
         self._name = name
@@ -62,7 +61,7 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
         self._arrived = 0
         self._filled = 0
         self._watchdog: _Watchdog | None = None
-        super().__init__(shards, plans, group, streams, device, num_slots)
+        super().__init__(shards, plans, group, streams, device)
         self.gather = "copy-engine"
 
     def _allocate_slots(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
@@ -78,7 +77,9 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
         total = flags_at + _FLAG_BYTES * world * 2
         base = symm_mem.empty(total, dtype=torch.uint8, device=device)
         # Flags start at zero on every rank before any peer can write them: zeroed and
-        # synchronised here, and rendezvous (collective) comes after.
+        # synchronised here, and rendezvous (collective) comes after. The sequence numbers
+        # restart with them (every rank allocates its slots at the same point).
+        self._arrived = self._filled = 0
         base[flags_at:].zero_()
         torch.cuda.synchronize(device)
         handle = symm_mem.rendezvous(base, pg)
@@ -103,7 +104,8 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
         copy, comm = self._copy_stream, self._comm_stream
         # dst is a view into the symmetric allocation; every rank uses the same slot offsets.
         at = dst.storage_offset() - self._base.storage_offset()
-        copy.wait_event(after)
+        if after is not None:
+            copy.wait_event(after)
         # Peers may still be pulling this rank's piece of the slot's previous tenant: wait until
         # every peer has finished pulling from every earlier fill before overwriting it.
         for q in peers:

@@ -1,9 +1,11 @@
 """The weight-transfer protocol: how a block's bytes get from host memory into a device slot.
 
 A transfer owns the host copy of one ring's blocks (whole blocks, or this rank's shards) and the
-ring's device slots; both exist once it is constructed. :meth:`WeightTransfer.fill` enqueues
-work and records the slot's ready event; it never waits on the host. The ring decides which
-block goes into which slot and when (``docs/design.md``, [Note: block ring timeline]).
+ring's device slots. The host copy exists once it is constructed; the ring asks for its slots
+(:meth:`WeightTransfer.allocate_slots`), as many as its residency plan says, and again when the
+plan changes. :meth:`WeightTransfer.fill` enqueues work and records the slot's ready event; it
+never waits on the host. The ring decides which block goes into which slot and when
+(``docs/design.md``, [Note: block ring timeline]).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ class TransferStreams:
 
 
 class WeightTransfer(Protocol):
-    """What a ring needs of a transfer. Complete once constructed: its host copy is filled and
-    page-locked by the caller, its ``slots`` allocated."""
+    """What a ring needs of a transfer. Its host copy is filled and page-locked by the caller
+    before it is constructed; a block that stays resident from the start has none."""
 
     name: str
     """``"rank-local"`` or ``"allgather"`` (what runs, after any fallback)."""
@@ -40,13 +42,23 @@ class WeightTransfer(Protocol):
     fallback_reason: str | None
     """Why the asked-for transfer did not run, or None."""
     slots: list[torch.Tensor]
-    """The ring's device slots (``uint8``, all of one size), allocated once at construction."""
+    """The ring's device slots (``uint8``, all of one size); empty until allocated."""
 
     def host_bytes(self) -> int:
         """Host bytes this rank holds for the ring."""
 
+    def has_host_copy(self, block: int) -> bool:
+        """Whether block ``block`` has a host copy (shard) to fill from."""
+
     def device_nbytes(self, block: int) -> int:
         """Slot bytes block ``block`` occupies once on the device."""
+
+    def allocate_slots(self, nbytes: int, count: int) -> None:
+        """Replace the slots by ``count`` slots of ``nbytes``. The caller has synchronised the
+        device. Collective over the weight group where the slots are shared memory."""
+
+    def drop(self, block: int) -> None:
+        """Unpin and free block ``block``'s host copy: it stays on the device from now on."""
 
     def fill(self, block: int, dst: torch.Tensor, after: "torch.cuda.Event | None",
              ready: "torch.cuda.Event | None", marks=None) -> None:

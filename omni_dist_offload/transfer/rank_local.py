@@ -18,19 +18,34 @@ class RankLocalTransfer:
     name = "rank-local"
     gather = None
 
-    def __init__(self, buffers: Sequence[HostBuffer], streams: TransferStreams, device: torch.device,
-                 num_slots: int, fallback_reason: str | None = None) -> None:
+    def __init__(self, buffers: Sequence[HostBuffer | None], nbytes: Sequence[int], streams: TransferStreams,
+                 device: torch.device, fallback_reason: str | None = None) -> None:
+        # buffers[i] is None for a block that stays on the device (no host copy).
         self.buffers = list(buffers)
+        self._nbytes = list(nbytes)
         self.fallback_reason = fallback_reason
         self._copy_stream = streams.copy
-        # One slot fits the largest block; every block of every step reuses the same slots.
-        self.slots = plain_slots(max(b.nbytes for b in self.buffers), num_slots, device)
+        self._device = device
+        self.slots: list[torch.Tensor] = []
 
     def host_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return sum(b.nbytes for b in self.buffers if b is not None)
+
+    def has_host_copy(self, block: int) -> bool:
+        return self.buffers[block] is not None
 
     def device_nbytes(self, block: int) -> int:
-        return self.buffers[block].nbytes
+        return self._nbytes[block]
+
+    def allocate_slots(self, nbytes: int, count: int) -> None:
+        # Every block of every step reuses these slots: allocated here, never per block.
+        self.slots = []
+        self.slots = plain_slots(nbytes, count, self._device)
+
+    def drop(self, block: int) -> None:
+        buf, self.buffers[block] = self.buffers[block], None
+        if buf is not None:
+            buf.release()
 
     def fill(self, block, dst, after, ready, marks=None) -> None:
         src = self.buffers[block].tensor
@@ -42,7 +57,8 @@ class RankLocalTransfer:
             if marks is not None:
                 marks[1].record()
             return
-        stream.wait_event(after)
+        if after is not None:
+            stream.wait_event(after)
         if marks is not None:
             marks[0].record(stream)
         with torch.cuda.stream(stream):
@@ -57,4 +73,5 @@ class RankLocalTransfer:
     def release(self) -> None:
         self.close()
         for b in self.buffers:
-            b.release()
+            if b is not None:
+                b.release()

@@ -14,14 +14,14 @@ from omni_dist_offload.config import OffloadConfig
 from omni_dist_offload.hostmem import HostBuffer
 from omni_dist_offload.layout import layout_block
 from omni_dist_offload.plan import discover
-from omni_dist_offload.ring import NUM_SLOTS, BlockRing
+from omni_dist_offload.ring import BlockRing
 from omni_dist_offload.runtime.logs import RankFilter, setup_logging
 from omni_dist_offload.transfer import RankLocalTransfer, TransferStreams
 
 #: The summary keys the README documents, in its order.
 SUMMARY_KEYS = ["component", "category", "module_class", "num_blocks", "weight_transfer", "gather",
                 "fallback_reason", "block_bytes", "host_bytes", "device_slot_bytes", "setup_s",
-                "resident_blocks", "resident_bytes"]
+                "resident_blocks", "resident_bytes", "predicted_ratio", "device_budget"]
 
 
 def test_summary_is_the_typed_rows_as_dicts():
@@ -41,21 +41,20 @@ def test_summary_is_the_typed_rows_as_dicts():
         handle.remove()
 
 
-def test_a_transfer_holds_its_slots_once_constructed():
+def test_the_ring_sizes_the_transfer_slots_for_its_plan():
     model = ToyDiT(3)
     (comp,) = discover(model, OffloadConfig.parse({"mode": "layer", "components": ["dit"]}))
     layouts = [layout_block(i, n, b) for i, (n, b) in enumerate(comp.blocks)]
     buffers = [HostBuffer(l.nbytes) for l in layouts]
-    transfer = RankLocalTransfer(buffers, TransferStreams(), torch.device("cpu"), NUM_SLOTS)
-    assert transfer.gather is None and transfer.fallback_reason is None
-    assert [s.numel() for s in transfer.slots] == [max(l.nbytes for l in layouts)] * NUM_SLOTS
+    transfer = RankLocalTransfer(buffers, [l.nbytes for l in layouts], TransferStreams(), torch.device("cpu"))
+    assert transfer.gather is None and transfer.fallback_reason is None and transfer.slots == []
     views = [[e.view_in(b.tensor) for e in l.entries] for l, b in zip(layouts, buffers)]
-    BlockRing(comp, layouts, transfer, torch.device("cpu"), views)  # takes the slots as they are
-    one = RankLocalTransfer(buffers, TransferStreams(), torch.device("cpu"), 1)
-    with pytest.raises(ValueError, match="1 device slots; the ring needs 2"):
-        BlockRing(comp, layouts, one, torch.device("cpu"), views)
+    ring = BlockRing(comp, layouts, transfer, torch.device("cpu"), views, num_slots=3)
+    assert [s.numel() for s in transfer.slots] == [max(l.nbytes for l in layouts)] * 3 and ring.num_slots == 3
+    with pytest.raises(ValueError, match="needs at least 2 slots, found 1"):
+        BlockRing(comp, layouts, transfer, torch.device("cpu"), views, num_slots=1)
     transfer.release()
-    assert transfer.slots == []
+    assert transfer.slots == [] and transfer.host_bytes() == sum(b.nbytes for b in buffers)
 
 
 def _record(level: int, msg: str = "m") -> logging.LogRecord:

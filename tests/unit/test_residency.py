@@ -32,11 +32,21 @@ def test_resident_blocks_stay_put_and_outputs_stay_bitwise_equal(resident, expec
     full = apply_offload(ToyDiT(5), _cfg(None))
     assert row.host_bytes * 5 == full.summary_rows()[0].host_bytes * (5 - len(expected))
     full.remove()
-    hooked = {id(b) for b in model.blocks if b._forward_pre_hooks}
-    assert hooked == {id(b) for i, b in enumerate(model.blocks) if i not in expected}
+    def storage(i):
+        return [p.data_ptr() for p in model.blocks[i].parameters()]
+
+    before = {i: storage(i) for i in range(5)}
+    seen = {i: set() for i in range(5)}
+    # A pre-hook registered after the ring's sees what the block runs with.
+    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: seen[i].add(tuple(storage(i))))
+             for i, b in enumerate(model.blocks)]
     with torch.no_grad():
         for _ in range(3):  # across the wrap to block 0
             assert torch.equal(model(x), ref)
+    for h in hooks:
+        h.remove()
+    for i in range(5):  # resident blocks run from where they stay; streamed ones from a slot
+        assert (seen[i] == {tuple(before[i])}) == (i in expected)
     handle.remove()
     with torch.no_grad():
         assert torch.equal(model(x), ref)

@@ -1,0 +1,273 @@
+"""The residency planner: which blocks of a ring stay on the device, and how many slots stream
+the rest, within a device memory budget.
+
+Pure arithmetic on per-block costs; no tensors. Three parts:
+
+* :func:`simulate` predicts a forward of a ring the way :class:`~omni_dist_offload.ring.BlockRing`
+  runs it: one compute stream, one copy stream, ``slots`` device slots, the fill of the ``q``-th
+  streamed block starting once the copy stream is free and the streamed block ``slots`` places
+  earlier has run (its slot is then free), forward after forward (the steady state of a
+  denoising loop, where the last blocks prefetch the first ones of the next forward);
+* :func:`plan_residency` spends a budget on resident blocks and slots to minimise that
+  prediction; :func:`plan_fewest` finds the smallest device footprint whose prediction is within a
+  tolerance of the resident forward (``device_budget: "auto"``);
+* :func:`prior_costs` stands in for measurements before the first forward has run.
+
+The search and its rules are in ``docs/design.md``, [Note: residency planner].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable, Sequence
+
+__all__ = [
+    "ResidencyPlan",
+    "RingCosts",
+    "format_bytes",
+    "min_budget",
+    "parse_bytes",
+    "plan_fewest",
+    "plan_residency",
+    "prior_costs",
+    "simulate",
+]
+
+#: Slot counts the planner considers: two (the block that runs and the one arriving), or a third
+#: (and fourth) so copies run further ahead of compute.
+SLOT_CHOICES = (2, 3, 4)
+#: Forwards simulated back to back; the last one is the steady state.
+_FORWARDS = 4
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: object, key: str) -> int:
+    """A byte count from an int or a string with a unit (``"24GiB"``, ``"512MiB"``, ``"40GB"``).
+    Raises ``ValueError`` naming ``key`` and the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"config key {key!r} is {value}: a byte count cannot be negative.")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(
+        f"config key {key!r} has value {value!r}, which is not a size: give bytes as a whole "
+        "number, or a number with a unit such as \"24GiB\", \"512MiB\" or \"40GB\" "
+        "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).")
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps one digit before the point."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RingCosts:
+    """What the planner knows of one ring, per block in ring order."""
+
+    nbytes: tuple[int, ...]
+    """Device bytes the block takes when it stays resident."""
+    slot_bytes: tuple[int, ...]
+    """Slot bytes the block needs when it streams (allgather: the gathered, padded size)."""
+    compute_ms: tuple[float, ...]
+    copy_ms: tuple[float, ...]
+    """Time to bring the block into a slot (host-to-device copy, and the gather under allgather)."""
+    pre_ms: float = 0.0
+    """Compute of the component before its first block (embeddings), each forward."""
+    post_ms: float = 0.0
+    """Compute after its last block (output norm and projection), each forward."""
+    measured: bool = True
+    """False for :func:`prior_costs`: the plan is a placeholder until a forward is measured."""
+
+    def __post_init__(self) -> None:
+        n = len(self.nbytes)
+        if not (len(self.slot_bytes) == len(self.compute_ms) == len(self.copy_ms) == n):
+            raise ValueError("RingCosts: every per-block sequence must have one entry per block")
+
+    @property
+    def resident_ms(self) -> float:
+        """The forward with every block on the device."""
+        return self.pre_ms + sum(self.compute_ms) + self.post_ms
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResidencyPlan:
+    """Which blocks stay on the device and how many slots stream the others."""
+
+    resident: tuple[int, ...]
+    slots: int
+    """Device slots of the ring (0 when every block is resident)."""
+    device_bytes: int
+    """Resident blocks plus slots."""
+    predicted_ms: float
+    resident_ms: float
+    measured: bool = True
+
+    @property
+    def predicted_ratio(self) -> float | None:
+        """Predicted forward / resident forward; None while the costs are a prior."""
+        if not self.measured or self.resident_ms <= 0:
+            return None
+        return self.predicted_ms / self.resident_ms
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Outcome:
+    forward_ms: float
+    slack_ms: float
+    """The smallest margin by which a streamed block's bytes arrived before it was needed."""
+
+
+def simulate(costs: RingCosts, resident: Iterable[int], slots: int) -> float:
+    """The predicted steady-state forward in ms (see the module docstring)."""
+    return _simulate(costs, frozenset(resident), slots).forward_ms
+
+
+def _simulate(costs: RingCosts, resident: frozenset[int], slots: int) -> _Outcome:
+    compute, copy = costs.compute_ms, costs.copy_ms
+    n = len(compute)
+    order = [i for i in range(n) if i not in resident]
+    m = len(order)
+    if m == 0:
+        return _Outcome(costs.resident_ms, math.inf)
+    if slots < 2:
+        raise ValueError(f"a streamed ring needs at least 2 slots, found {slots}")
+    if m <= slots:  # every streamed block has a slot of its own: after the first forward none moves
+        return _Outcome(costs.resident_ms, math.inf)
+    t = 0.0                      # compute stream clock
+    copy_clock = 0.0             # copy stream clock
+    ready: list[float] = []      # per fill (in issue order): when its bytes are in the slot
+    done: list[float] = []       # per streamed run (same numbering): when its compute ended
+    slack = math.inf
+    start = 0.0
+    q = 0                        # streamed runs so far
+    for _ in range(_FORWARDS):
+        start = t
+        t += costs.pre_ms
+        for i in range(n):
+            if i in resident:
+                t += compute[i]
+                continue
+            # Fills are issued in ring order; fill k reuses the slot of run k - slots, so it starts
+            # once that run has ended and the copy stream has finished the fill before it.
+            while len(ready) <= q:
+                k = len(ready)
+                free = done[k - slots] if k >= slots else 0.0
+                copy_clock = max(copy_clock, free) + copy[order[k % m]]
+                ready.append(copy_clock)
+            slack = min(slack, t - ready[q])
+            t = max(t, ready[q]) + compute[i]
+            done.append(t)
+            q += 1
+        t += costs.post_ms
+    return _Outcome(t - start, slack)
+
+
+def min_budget(slot_bytes: Sequence[int]) -> int:
+    """The smallest budget a ring runs in: two slots of its largest block."""
+    return 2 * max(slot_bytes)
+
+
+def plan_residency(costs: RingCosts, budget: int) -> ResidencyPlan:
+    """Spend ``budget`` bytes on resident blocks and slots so the predicted forward is shortest.
+    Raises ``ValueError`` below :func:`min_budget`."""
+    return _search(costs, budget, tolerance=None)
+
+
+def plan_fewest(costs: RingCosts, budget: int, tolerance: float = 0.01) -> ResidencyPlan:
+    """The plan with the smallest device footprint, within ``budget``, whose predicted forward is
+    within ``tolerance`` of the resident one; the fastest plan in ``budget`` if none is."""
+    return _search(costs, budget, tolerance=tolerance)
+
+
+def _search(costs: RingCosts, budget: int, tolerance: float | None) -> ResidencyPlan:
+    n = len(costs.nbytes)
+    total = sum(costs.nbytes)
+    floor = min_budget(costs.slot_bytes)
+    if budget < floor:
+        raise ValueError(f"a budget of {format_bytes(budget)} is below the {format_bytes(floor)} that two "
+                         "slots of the largest block need")
+    everything = ResidencyPlan(tuple(range(n)), 0, total, costs.resident_ms, costs.resident_ms, costs.measured)
+    if total <= budget and tolerance is None:
+        return everything
+    goal = costs.resident_ms * (1 + tolerance) if tolerance is not None else -math.inf
+    # Ranking: plans that meet the goal first, the smallest of them; otherwise the fastest, then
+    # the one whose copies arrive with the most margin, then the smallest.
+    best: tuple | None = None
+    for cap in sorted(set(costs.slot_bytes)):
+        forced = frozenset(i for i in range(n) if costs.slot_bytes[i] > cap)
+        for slots in SLOT_CHOICES:
+            room = budget - slots * cap - sum(costs.nbytes[i] for i in forced)
+            if room < 0:
+                continue
+            for plan, outcome in _greedy(costs, forced, cap, slots, room):
+                if plan.predicted_ms <= goal:
+                    key = (0, plan.device_bytes, plan.predicted_ms, 0.0)
+                else:
+                    key = (1, _rounded(plan.predicted_ms), -_rounded(outcome.slack_ms), plan.device_bytes)
+                if best is None or key < best[0]:
+                    best = (key, plan)
+                if plan.predicted_ms <= goal:
+                    break  # more resident blocks would only cost memory
+    if best is None or (best[0][0] == 1 and total <= budget):
+        return everything  # nothing streamed comes close enough, and it all fits: keep it all
+    return best[1]
+
+
+def _rounded(ms: float) -> float:
+    """Simulated times compare equal below a nanosecond (sums in another order differ in the last bits)."""
+    return round(min(ms, 1e18), 6)
+
+
+def _greedy(costs: RingCosts, forced: frozenset[int], cap: int, slots: int, room: int):
+    """Plans with ever more resident blocks among those that fit a slot of ``cap`` bytes: each step
+    keeps the block whose residency shortens the predicted forward most (then: raises the
+    smallest arrival margin most, then: costs fewest bytes). Yields (plan, outcome) after every
+    step, starting with only the forced blocks resident."""
+    resident = set(forced)
+    candidates = [i for i in range(len(costs.nbytes)) if i not in forced]
+    outcome = _simulate(costs, frozenset(resident), slots)
+    yield _plan(costs, resident, slots, cap, outcome), outcome
+    while len(resident) + 1 < len(costs.nbytes):  # one block at least streams through the slots
+        choice = None
+        for i in candidates:
+            if i in resident or costs.nbytes[i] > room:
+                continue
+            trial = _simulate(costs, frozenset(resident | {i}), slots)
+            key = (_rounded(trial.forward_ms), -_rounded(trial.slack_ms), costs.nbytes[i])
+            if choice is None or key < choice[0]:
+                choice = (key, i, trial)
+        if choice is None:
+            return
+        _, i, outcome = choice
+        resident.add(i)
+        room -= costs.nbytes[i]
+        yield _plan(costs, resident, slots, cap, outcome), outcome
+
+
+def _plan(costs: RingCosts, resident: set[int], slots: int, cap: int, outcome: _Outcome) -> ResidencyPlan:
+    device = sum(costs.nbytes[i] for i in resident) + slots * cap
+    return ResidencyPlan(tuple(sorted(resident)), slots, device, outcome.forward_ms, costs.resident_ms,
+                         costs.measured)
+
+
+def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int) -> RingCosts:
+    """Costs to plan with before anything is measured: compute in proportion to bytes, at the
+    ratio where the blocks the budget cannot hold take as long to copy as the whole ring takes to
+    compute. That is where the choice of which blocks stream matters most, so the plan spreads
+    them as well as the budget allows; the first measured forward replaces it."""
+    total = sum(nbytes)
+    streamed = max(total - max(0, budget - min_budget(slot_bytes)), max(slot_bytes))
+    scale = streamed / total  # copy of all streamed bytes == compute of the whole ring
+    return RingCosts(tuple(nbytes), tuple(slot_bytes), tuple(b * scale for b in nbytes),
+                     tuple(float(b) for b in nbytes), measured=False)
