@@ -38,7 +38,6 @@ from .plan import (
     StreamedComponent,
     discover,
     is_bare_module,
-    module_bytes,
     pipeline_modules,
 )
 from .residency import (

@@ -204,11 +204,13 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
     # Ranking: plans that meet the goal first, the smallest of them; otherwise the fastest, then
     # the one whose copies arrive with the most margin, then the smallest.
     best: tuple | None = None
+    if total <= budget:
+        best = ((0, total, everything.predicted_ms, 0.0), everything)
     for cap in sorted(set(costs.slot_bytes)):
         forced = frozenset(i for i in range(n) if costs.slot_bytes[i] > cap)
         for slots in SLOT_CHOICES:
             room = budget - slots * cap - sum(costs.nbytes[i] for i in forced)
-            if room < 0:
+            if room < 0 or n - len(forced) <= slots:
                 continue
             for plan, outcome in _greedy(costs, forced, cap, slots, room):
                 if plan.predicted_ms <= goal:
@@ -219,8 +221,7 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
                     best = (key, plan)
                 if plan.predicted_ms <= goal:
                     break  # more resident blocks would only cost memory
-    if best is None or (best[0][0] == 1 and total <= budget):
-        return everything  # nothing streamed comes close enough, and it all fits: keep it all
+    assert best is not None  # budget >= floor: two slots of the largest block always fit
     return best[1]
 
 
@@ -238,7 +239,9 @@ def _greedy(costs: RingCosts, forced: frozenset[int], cap: int, slots: int, room
     candidates = [i for i in range(len(costs.nbytes)) if i not in forced]
     outcome = _simulate(costs, frozenset(resident), slots)
     yield _plan(costs, resident, slots, cap, outcome), outcome
-    while len(resident) + 1 < len(costs.nbytes):  # one block at least streams through the slots
+    # More streamed blocks than slots, or they would sit in their slots for good: resident
+    # blocks with extra steps.
+    while len(costs.nbytes) - len(resident) - 1 > slots:
         choice = None
         for i in candidates:
             if i in resident or costs.nbytes[i] > room:

@@ -202,3 +202,19 @@ def test_cli_cold_start_and_opt_out(wan_folder, tmp_path):
     assert sidecars[0]["offload_summary"][0]["component"] == "transformer"
     frames = [sorted(p.glob("*.gif")) or sorted(p.glob("*.mp4")) for p in (tmp_path / "cold", tmp_path / "plain")]
     assert frames[0][0].read_bytes() == frames[1][0].read_bytes()
+
+
+@pytest.mark.parametrize("residency", [{"layer_options": {"dit": {"resident_blocks": [0]},
+                                                            "text_encoder": {"resident_blocks": 1}}},
+                                       {"device_budget": "1MiB"}])
+def test_resident_blocks_are_read_from_the_checkpoint(wan_folder, residency):
+    """A block that stays on the device from the start is filled from the checkpoint like a
+    streamed one (its tensors were placeholders), whether resident_blocks or a budget keeps it."""
+    ref = DiffusionPipeline.from_pretrained(wan_folder, dtype=torch.float32, disable_mmap=True)
+    config = {**BOTH, **residency}
+    pipe, handle = load_offloaded(wan_folder, config, device="cpu", dtype=torch.float32)
+    rows = {r["component"]: r for r in handle.summary()}
+    assert rows["transformer"]["resident_blocks"] and rows["text_encoder"]["resident_blocks"]
+    handle.remove()
+    for name in ("transformer", "text_encoder"):
+        _assert_same_module(getattr(pipe, name), getattr(ref, name))

@@ -93,3 +93,137 @@ def test_the_config_round_trips():
     assert cfg.options_for("dit").resident_blocks == (1, 3)
     assert cfg.to_dict()["layer_options"]["dit"]["resident_blocks"] == [1, 3]
     assert OffloadConfig.parse(cfg.to_dict()) == cfg
+
+
+# -- device_budget ------------------------------------------------------------------------------
+def _block_nbytes(model) -> int:
+    from omni_dist_offload.layout import layout_block
+    return layout_block(0, "blocks.0", model.blocks[0]).nbytes
+
+
+def _budget_cfg(budget, **extra) -> dict:
+    return {"mode": "layer", "components": ["dit"], "device_budget": budget, **extra}
+
+
+@torch.no_grad()
+def test_a_budget_plans_then_replans_once_from_a_measured_forward():
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    ref = model(x)
+    blk = _block_nbytes(model)
+    budget = 5 * blk
+    handle = apply_offload(model, _budget_cfg(budget))
+    (before,) = handle.summary()
+    # Before anything is measured: a plan within the budget, every block keeps its host copy.
+    assert before["device_budget"] == budget and before["predicted_ratio"] is None
+    assert before["resident_bytes"] + before["device_slot_bytes"] <= budget
+    assert before["host_bytes"] == 8 * blk and 0 < len(before["resident_blocks"]) < 8
+    rows = []
+    for _ in range(4):
+        assert torch.equal(model(x), ref)
+        rows.append(handle.summary()[0])
+    first, second, *later = rows
+    assert first == before  # the first forward only warms up
+    assert second["predicted_ratio"] is not None and second["predicted_ratio"] >= 1.0
+    assert second["resident_bytes"] + second["device_slot_bytes"] <= budget
+    # Settled: the resident blocks gave up their host copies.
+    assert second["host_bytes"] == (8 - len(second["resident_blocks"])) * blk
+    assert all(r == second for r in later)  # planned once, never again
+    ring = handle.rings[0]
+    assert ring.tracer is None and ring.plan.measured
+    handle.remove()
+    assert torch.equal(model(x), ref)
+
+
+@pytest.mark.parametrize("budget", ["1KiB", 100])
+def test_a_budget_below_two_slots_is_an_error_before_anything_changes(budget):
+    model = ToyDiT(4, dim=32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    smallest = 2 * _block_nbytes(model)
+    with pytest.raises(OffloadConfigError, match=rf"config key 'device_budget' is .* below the smallest budget "
+                                                 rf"that works here, .* \({smallest} bytes\)"):
+        apply_offload(model, _budget_cfg(budget))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(b._forward_pre_hooks for b in model.blocks)
+
+
+@torch.no_grad()
+def test_a_budget_that_holds_every_block_keeps_them_all_resident():
+    model = ToyDiT(4, dim=32)
+    x = torch.randn(2, 32)
+    ref = model(x)
+    handle = apply_offload(model, _budget_cfg(4 * _block_nbytes(model)))
+    (row,) = handle.summary()
+    assert row["resident_blocks"] == [0, 1, 2, 3] and row["num_blocks"] == 0
+    assert row["host_bytes"] == 0 and row["device_slot_bytes"] == 0
+    assert torch.equal(model(x), ref) and torch.equal(model(x), ref)
+    handle.remove()
+    assert torch.equal(model(x), ref)
+
+
+@torch.no_grad()
+def test_auto_keeps_a_model_that_fits_resident_and_says_so(caplog):
+    model = ToyDiT(4, dim=32)
+    x = torch.randn(2, 32)
+    ref = model(x)
+    with caplog.at_level("INFO", logger="omni_dist_offload.apply"):
+        handle = apply_offload(model, _budget_cfg("auto"))
+    assert "every block of ['transformer'] fits and stays resident" in caplog.text
+    assert handle.summary()[0]["resident_blocks"] == [0, 1, 2, 3]
+    assert torch.equal(model(x), ref)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_auto_under_a_small_device_plans_the_fewest_resident_blocks(monkeypatch):
+    import omni_dist_offload.apply as apply_mod
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    ref = model(x)
+    blk = _block_nbytes(model)
+    monkeypatch.setattr(apply_mod, "_free_device_bytes", lambda dev: 6 * blk)
+    handle = apply_offload(model, _budget_cfg("auto", activation_reserve=blk))
+    (row,) = handle.summary()
+    assert row["device_budget"] == 5 * blk  # free, less the reserve (the rest is already on the device)
+    for _ in range(3):
+        assert torch.equal(model(x), ref)
+    (row,) = handle.summary()
+    plan = handle.rings[0].plan
+    assert plan.measured and row["resident_bytes"] + row["device_slot_bytes"] <= 5 * blk
+    # The fewest: within 1% of resident as predicted, or the fastest the budget allows.
+    assert plan.predicted_ratio <= 1.01 or plan.device_bytes >= 4 * blk
+    handle.remove()
+
+
+@torch.no_grad()
+def test_the_budget_goes_to_the_dit_first_then_the_text_encoder():
+    pipe = tiny.tiny_wan_pipeline(seed=1)
+    from omni_dist_offload.layout import layout_block
+    dit_blocks = [layout_block(i, "b", b).nbytes for i, b in enumerate(pipe.transformer.blocks)]
+    enc_blocks = [layout_block(i, "b", b).nbytes for i, b in enumerate(pipe.text_encoder.encoder.block)]
+    floors = 2 * max(dit_blocks) + 2 * max(enc_blocks)
+    budget = floors + sum(dit_blocks) - 2 * max(dit_blocks)  # exactly what the DiT could use
+    cfg = {"mode": "layer", "components": ["dit", "text_encoder"], "device_budget": budget}
+    handle = apply_offload(pipe, cfg)
+    shares = {r["component"]: r["device_budget"] for r in handle.summary()}
+    assert shares == {"transformer": sum(dit_blocks), "text_encoder": 2 * max(enc_blocks)}
+    handle.remove()
+
+
+@torch.no_grad()
+def test_resident_blocks_override_the_planner_for_their_component():
+    pipe = tiny.tiny_wan_pipeline(seed=1)
+    cfg = {"mode": "layer", "components": ["dit", "text_encoder"], "device_budget": "1GiB",
+           "layer_options": {"text_encoder": {"resident_blocks": [0]}}}
+    handle = apply_offload(pipe, cfg)
+    rows = {r["component"]: r for r in handle.summary()}
+    assert rows["text_encoder"]["resident_blocks"] == [0] and rows["text_encoder"]["device_budget"] is None
+    assert rows["transformer"]["device_budget"] is not None
+    handle.remove()
+
+
+def test_budget_keys_round_trip():
+    cfg = OffloadConfig.parse(_budget_cfg("24GiB", activation_reserve="512MiB"))
+    assert cfg.device_budget == 24 * 2**30 and cfg.activation_reserve == 512 * 2**20
+    assert OffloadConfig.parse(cfg.to_dict()) == cfg
+    assert OffloadConfig.parse(_budget_cfg("auto")).device_budget == "auto"

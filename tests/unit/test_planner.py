@@ -1,0 +1,231 @@
+"""The residency planner (``residency.py``): its simulation against the real ring's decisions,
+the plans it makes within a budget, and size parsing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from toys import ToyDiT
+
+from omni_dist_offload.config import OffloadConfig
+from omni_dist_offload.hostmem import HostBuffer
+from omni_dist_offload.layout import layout_block
+from omni_dist_offload.plan import discover
+from omni_dist_offload.residency import (
+    RingCosts,
+    min_budget,
+    parse_bytes,
+    plan_fewest,
+    plan_residency,
+    prior_costs,
+    simulate,
+)
+from omni_dist_offload.ring import BlockRing
+from omni_dist_offload.transfer import RankLocalTransfer, TransferStreams
+
+
+# -- the simulation is the ring ------------------------------------------------------------------
+def _ring_program(n: int, resident: set[int], slots: int, forwards: int) -> list[tuple]:
+    """What the real ring enqueues, forward after forward, as a host-ordered program:
+    ("fill", block, slot) on the copy stream (wait free[slot], copy, record ready[slot]) and
+    ("run", block, slot) on the compute stream (wait ready[slot] unless resident, compute, record
+    free[slot]). Recorded from a BlockRing on the CPU."""
+    model = ToyDiT(n)
+    (comp,) = discover(model, OffloadConfig.parse({"mode": "layer"}))
+    layouts = [layout_block(i, name, b) for i, (name, b) in enumerate(comp.blocks)]
+    buffers = [HostBuffer(l.nbytes) if l.index not in resident else None for l in layouts]
+    for l, b in zip(layouts, buffers):
+        if b is not None:
+            for e in l.entries:
+                e.view_in(b.tensor).copy_(e.tensor.detach())
+    parked = [[e.view_in(b.tensor) for e in l.entries] if b is not None else None for l, b in zip(layouts, buffers)]
+    on_device = {i: torch.cat([e.tensor.detach().reshape(-1).view(torch.uint8) for e in layouts[i].entries])
+                 for i in resident}
+    for i in resident:  # a device buffer laid out like the host one
+        buf = torch.empty(layouts[i].nbytes, dtype=torch.uint8)
+        for e in layouts[i].entries:
+            e.view_in(buf).copy_(e.tensor.detach())
+        on_device[i] = buf
+    transfer = RankLocalTransfer(buffers, [l.nbytes for l in layouts], TransferStreams(), torch.device("cpu"))
+    ring = BlockRing(comp, layouts, transfer, torch.device("cpu"), parked, on_device, num_slots=slots)
+    program: list[tuple] = []
+    real_fill = ring._fill
+
+    def fill(block, slot):
+        program.append(("fill", block, slot))
+        real_fill(block, slot)
+
+    ring._fill = fill
+    ring.install_hooks()
+    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: program.append(("run", i, ring._current_slot)))
+             for i, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        for _ in range(forwards):
+            program.append(("forward",))
+            model(torch.randn(2, 8))
+    for h in hooks:
+        h.remove()
+    ring.release()
+    return program
+
+
+def _stream_times(program, compute, copy, pre, post) -> list[float]:
+    """Run the program under CUDA semantics: each stream runs its operations in order; a wait
+    holds its stream until the event's latest record *at the time the wait was enqueued* has
+    been reached. Returns when each forward ended on the compute stream."""
+    ops = {"c": [], "x": []}
+    latest: dict[tuple, int] = {}  # event -> token of its latest record (in host order)
+    tokens: list[float | None] = []
+
+    def record(stream, event):
+        tokens.append(None)
+        latest[event] = len(tokens) - 1
+        ops[stream].append(("record", latest[event]))
+
+    def wait(stream, event):
+        if event in latest:
+            ops[stream].append(("wait", latest[event]))
+
+    for k, op in enumerate(program):
+        if op[0] == "forward":  # the previous forward's tail, the boundary, this forward's head
+            if k:
+                ops["c"].append(("work", post))
+            ops["c"].append(("mark", None))
+            ops["c"].append(("work", pre))
+            continue
+        kind, block, slot = op
+        if kind == "fill":
+            wait("x", ("free", slot))
+            ops["x"].append(("work", copy[block]))
+            record("x", ("ready", slot))
+        else:
+            if slot >= 0:
+                wait("c", ("ready", slot))
+            ops["c"].append(("work", compute[block]))
+            if slot >= 0:
+                record("c", ("free", slot))
+    ops["c"].append(("work", post))
+    ops["c"].append(("mark", None))
+    clock = {"c": 0.0, "x": 0.0}
+    pos = {"c": 0, "x": 0}
+    marks: list[float] = []
+    progress = True
+    while progress:
+        progress = False
+        for s in ("c", "x"):
+            while pos[s] < len(ops[s]):
+                kind, arg = ops[s][pos[s]]
+                if kind == "wait":
+                    if tokens[arg] is None:
+                        break
+                    clock[s] = max(clock[s], tokens[arg])
+                elif kind == "work":
+                    clock[s] += arg
+                elif kind == "record":
+                    tokens[arg] = clock[s]
+                else:
+                    marks.append(clock[s])
+                pos[s] += 1
+                progress = True
+    assert all(pos[s] == len(ops[s]) for s in ops), "the program deadlocked"
+    return marks  # where each forward started, and where the last ended
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_the_simulation_predicts_the_timeline_the_ring_enqueues(case):
+    rnd = random.Random(case)
+    n = rnd.randint(3, 7)
+    slots = rnd.choice([2, 2, 3, 4])
+    resident = set(rnd.sample(range(n), rnd.randint(0, n - slots - 1) if n - slots - 1 > 0 else 0))
+    compute = [rnd.uniform(0.2, 2.0) for _ in range(n)]
+    copy = [rnd.uniform(0.2, 4.0) for _ in range(n)]
+    pre, post = rnd.uniform(0, 1), rnd.uniform(0, 1)
+    forwards = 6
+    program = _ring_program(n, resident, slots, forwards)
+    marks = _stream_times(program, compute, copy, pre, post)
+    steady = marks[-1] - marks[-2]  # the last forward, from its start to its end
+    costs = RingCosts(tuple([1] * n), tuple([1] * n), tuple(compute), tuple(copy), pre_ms=pre, post_ms=post)
+    assert simulate(costs, resident, slots) == pytest.approx(steady, rel=1e-9, abs=1e-9)
+
+
+# -- plans ----------------------------------------------------------------------------------------
+def _flux_like(blocks: int = 19, copy_scale: float = 1.0) -> RingCosts:
+    """A third of the blocks large (680 MB, 4.85 ms), the rest small (283 MB, 2.23 ms), copied at 55 GB/s."""
+    double = round(blocks / 3)
+    nbytes = [680 * 10**6] * double + [283 * 10**6] * (blocks - double)
+    compute = [4.85] * double + [2.23] * (blocks - double)
+    copy = [b / 55e9 * 1e3 * copy_scale for b in nbytes]
+    return RingCosts(tuple(nbytes), tuple(nbytes), tuple(compute), tuple(copy), pre_ms=1.0, post_ms=0.5)
+
+
+def test_plans_stay_within_the_budget_and_more_budget_is_never_slower():
+    costs = _flux_like()
+    total = sum(costs.nbytes)
+    last = None
+    for share in [0.18, 0.25, 0.4, 0.5, 0.6, 0.75, 0.85, 0.95, 1.0]:
+        budget = max(int(share * total), min_budget(costs.slot_bytes))
+        plan = plan_residency(costs, budget)
+        streamed = [i for i in range(len(costs.nbytes)) if i not in plan.resident]
+        used = sum(costs.nbytes[i] for i in plan.resident) + plan.slots * max((costs.slot_bytes[i] for i in streamed), default=0)
+        assert used == plan.device_bytes <= budget
+        assert plan.predicted_ms == pytest.approx(simulate(costs, plan.resident, plan.slots)) if streamed else True
+        if last is not None:
+            assert plan.predicted_ms <= last + 1e-9
+        last = plan.predicted_ms
+    assert plan.resident == tuple(range(len(costs.nbytes))) and plan.slots == 0 and plan.predicted_ratio == 1.0
+
+
+def test_a_third_slot_is_bought_where_it_beats_a_resident_block():
+    # Uneven compute (alternating short and long blocks) with copies as long as the average
+    # block: two slots expose the copy behind every short block, three absorb it.
+    n = 12
+    costs = RingCosts(tuple([100] * n), tuple([100] * n), tuple([0.4, 1.6] * (n // 2)), tuple([1.0] * n))
+    two, three = simulate(costs, (), 2), simulate(costs, (), 3)
+    assert three < two
+    plan = plan_residency(costs, 300)  # three slots, or two slots and one resident block
+    assert plan.slots == 3 and plan.resident == ()
+
+
+def test_the_fewest_resident_blocks_within_the_tolerance():
+    costs = _flux_like()
+    total = sum(costs.nbytes)
+    fewest = plan_fewest(costs, total - 1, tolerance=0.01)
+    assert fewest.predicted_ratio <= 1.01
+    # No plan with fewer device bytes meets the tolerance (within what the search considers).
+    tighter = plan_residency(costs, fewest.device_bytes - 1)
+    assert tighter.predicted_ratio > 1.01
+    # When nothing streamed comes within the tolerance and it all fits, it all stays.
+    slow = _flux_like(copy_scale=50.0)
+    assert plan_fewest(slow, total, tolerance=0.01).resident == tuple(range(len(slow.nbytes)))
+
+
+def test_below_two_slots_of_the_largest_block_is_refused():
+    costs = _flux_like()
+    with pytest.raises(ValueError, match="below the .* that two slots of the largest block need"):
+        plan_residency(costs, min_budget(costs.slot_bytes) - 1)
+
+
+def test_a_prior_plan_spreads_the_streamed_blocks_and_predicts_nothing():
+    nbytes = [100] * 10
+    prior = prior_costs(nbytes, nbytes, 600)
+    assert not prior.measured
+    plan = plan_residency(prior, 600)
+    assert plan.predicted_ratio is None and plan.device_bytes <= 600
+    streamed = [i for i in range(10) if i not in plan.resident]
+    assert len(streamed) == 6 and plan.slots in (2, 3, 4)
+    gaps = [(b - a) % 10 for a, b in zip(streamed, streamed[1:] + streamed[:1])]
+    assert max(gaps) <= 3  # spread through the ring, not bunched
+
+
+@pytest.mark.parametrize("value, expected", [(0, 0), (1536, 1536), ("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20),
+                                             ("40GB", 40 * 10**9), ("1.5 gib", int(1.5 * 2**30)), ("7", 7)])
+def test_sizes_parse(value, expected):
+    assert parse_bytes(value, "device_budget") == expected
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "", "24 parsecs", "GiB", None, [1]])
+def test_bad_sizes_name_the_key_and_value(value):
+    with pytest.raises(ValueError, match=r"config key 'device_budget'"):
+        parse_bytes(value, "device_budget")
