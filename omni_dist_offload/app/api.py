@@ -103,6 +103,16 @@ class SetupTimings:
         return self.load_s + self.place_s
 
 
+def with_budget(config: OffloadConfig | Mapping[str, Any] | str | None,
+                device_budget: int | str | None) -> OffloadConfig | None:
+    """``config`` parsed, with ``device_budget`` set when one is given (a budget and no config:
+    the DiT streams within it)."""
+    if device_budget is None:
+        return None if config is None else OffloadConfig.parse(config)
+    base = OffloadConfig.parse(config if config is not None else {"mode": "layer", "components": ["dit"]})
+    return OffloadConfig.parse({**base.to_dict(), "device_budget": device_budget})
+
+
 class Omni:
     """A pipeline on a device, its offload handle, and ``generate``."""
 
@@ -116,15 +126,16 @@ class Omni:
         progress: bool = True,
         load_kwargs: Mapping[str, Any] | None = None,
         cold_start: bool = True,
+        device_budget: int | str | None = None,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
         denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
         ``load_kwargs`` go to ``from_pretrained``.
         ``cold_start=False`` loads a folder whole before offloading it (the slower, memory-hungry
-        path; for comparison and debugging)."""
+        path; for comparison and debugging). ``device_budget`` (bytes, ``"24GiB"``, ``"auto"``)
+        sets the config's ``device_budget``; without a config it streams the DiT within it."""
         self.model = model
-        config = diffusion_offload_config
-        self.config = None if config is None else OffloadConfig.parse(config)
+        self.config = with_budget(diffusion_offload_config, device_budget)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,

@@ -37,7 +37,7 @@ from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank, rank_prefix, setup_logging
 from ..tools import bench
 from ..trace import summary_line
-from .api import GenerationOptionError, Omni, SamplingOptions
+from .api import GenerationOptionError, Omni, SamplingOptions, with_budget
 from .dp import plan_jobs, run_jobs
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
@@ -119,6 +119,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                          help="offload config as JSON (default: %(default)s)")
     offload.add_argument("--no-offload", action="store_true",
                          help="keep the whole pipeline resident on the device")
+    parser.add_argument("--device-budget", default=None, metavar="SIZE",
+                        help="device memory for the streamed block weights, resident blocks plus "
+                        "slots (e.g. 24GiB, 40GB, auto); the planner keeps what fits resident "
+                        "(sets device_budget in the offload config)")
     parser.add_argument("--device", default=None,
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -176,11 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _validate(ns: argparse.Namespace) -> RunPlan:
     config = None
+    if ns.no_offload and ns.device_budget is not None:
+        raise UsageError("--device-budget plans what streams; with --no-offload nothing does: drop one of them.")
     if not ns.no_offload:
         try:
             config = OffloadConfig.parse(ns.diffusion_offload_config)
         except OffloadConfigError as exc:
             raise UsageError(f"--diffusion-offload-config: {exc}") from None
+        try:
+            config = with_budget(config, ns.device_budget)
+        except OffloadConfigError as exc:
+            raise UsageError(f"--device-budget: {exc}") from None
     _check_model(ns.model)
     _check_device(ns.device)
     generating = ns.command == "generate"
@@ -325,6 +335,9 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "gather": ring.gather if ring else None,
             "fallback_reason": ring.fallback_reason if ring else None,
             "setup_s": ring.setup_s if ring else None,
+            "resident_blocks": list(ring.resident_blocks) if ring else [],
+            "device_budget": ring.device_budget if ring else None,
+            "predicted_ratio": ring.predicted_ratio if ring else None,
         })
     return rows
 
@@ -338,16 +351,16 @@ def _fmt_transfer(row: dict[str, Any]) -> str:
 
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
-    header = ["component", "category", "class", "blocks", "streamed", "host", "slots", "resident",
-              "transfer", "setup", "fallback"]
+    header = ["component", "category", "class", "blocks", "kept", "streamed", "host", "slots", "resident",
+              "budget", "transfer", "setup", "fallback"]
     table = [header] + [[
-        r["component"], r["category"], r["module_class"], str(r["num_blocks"]),
+        r["component"], r["category"], r["module_class"], str(r["num_blocks"]), _fmt_kept(r),
         _fmt_bytes(r["block_bytes"]), _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
-        _fmt_bytes(r["resident_bytes"]), _fmt_transfer(r), _fmt_setup(r),
+        _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r), _fmt_setup(r),
         r["fallback_reason"] or "-",
     ] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    numeric = {3, 4, 5, 6, 7}
+    numeric = {3, 4, 5, 6, 7, 8, 9}
     lines = ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
              for line in table]
@@ -364,6 +377,21 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
         f"weights on the device: {_fmt_bytes(device_bytes)} (resident + slots); "
         f"in host memory on this rank: {_fmt_bytes(host_bytes)}",
     ])
+
+
+def _fmt_kept(row: dict[str, Any]) -> str:
+    """Blocks kept resident by the residency plan (``layer_options.resident_blocks`` or the
+    budget's planner)."""
+    return str(len(row["resident_blocks"])) if row["weight_transfer"] else "-"
+
+
+def _fmt_budget(row: dict[str, Any]) -> str:
+    """The ring's share of ``device_budget``, and the plan's predicted forward / resident once a
+    forward was measured (``inspect`` runs none: the plan shown is the one made from sizes)."""
+    if row["device_budget"] is None:
+        return "-"
+    ratio = row["predicted_ratio"]
+    return _fmt_bytes(row["device_budget"]) + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
 def _fmt_setup(row: dict[str, Any]) -> str:
