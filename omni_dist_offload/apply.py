@@ -590,13 +590,26 @@ def _auto_budget(cfg: OffloadConfig, dev: torch.device, modules: Mapping[str, nn
 
 
 def _free_device_bytes(dev: torch.device) -> int | None:
+    """What this process can still allocate on ``dev``: free device memory plus what PyTorch's
+    allocator holds unused, within ``torch.cuda.set_per_process_memory_fraction`` if set."""
     if dev.type != "cuda":
         return None
-    return torch.cuda.mem_get_info(dev)[0]
+    free, total = torch.cuda.mem_get_info(dev)
+    allocated = torch.cuda.memory_allocated(dev)
+    usable = free + torch.cuda.memory_reserved(dev) - allocated
+    return max(0, min(usable, _device_limit(dev, total) - allocated))
+
+
+def _device_limit(dev: torch.device, total: int) -> int:
+    """The allocator's cap on ``dev`` (the device's memory unless a fraction was set)."""
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(dev)
+    return int(total * min(1.0, fraction))
 
 
 def _total_device_bytes(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
+    if dev.type != "cuda":
+        return 0
+    return _device_limit(dev, torch.cuda.get_device_properties(dev).total_memory)
 
 
 def _group_reduce(values: Sequence[float], group: WeightGroup, dev: torch.device, op) -> list[float]:

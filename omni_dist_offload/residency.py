@@ -115,7 +115,10 @@ class ResidencyPlan:
 
     @property
     def predicted_ratio(self) -> float | None:
-        """Predicted forward / resident forward; None while the costs are a prior."""
+        """Predicted forward / resident forward: 1.0 when every block is resident; None while
+        the costs are a prior."""
+        if self.slots == 0:
+            return 1.0
         if not self.measured or self.resident_ms <= 0:
             return None
         return self.predicted_ms / self.resident_ms

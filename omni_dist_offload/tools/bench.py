@@ -58,7 +58,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import diffusers
 import torch
@@ -67,11 +67,13 @@ from diffusers.hooks import HookRegistry
 from diffusers.hooks.group_offloading import _is_group_offload_enabled
 from torch import nn
 
-from ..apply import apply_offload
+from ..apply import MEASURED_FORWARD, apply_offload
 from ..config import OffloadConfig
 from ..hostmem import HostBuffer
 from ..models import PRESETS, build_model, case_inputs
+from ..layout import layout_block
 from ..plan import discover, module_bytes
+from ..residency import format_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank
@@ -115,6 +117,50 @@ class CaseResult:
     """What actually ran: resident, group-offload, rank-local or allgather (after any fallback)."""
     note: str = ""
     timings_ms: list[float] = dataclasses.field(default_factory=list)
+    predicted_ratio: float | None = None
+    """Budget variants: the residency plan's predicted forward / resident forward."""
+    device_budget: int | None = None
+    """Budget variants: the budget in bytes (after ``auto`` and the two-slot minimum)."""
+    resident_blocks: int = 0
+    slots: int = 0
+    """Device slots of the ring (budget variants: as planned)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """One ``--budget`` value: a share of the case's block bytes, a size, or ``auto``."""
+
+    label: str
+    percent: float | None = None
+    nbytes: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        if text == "auto":
+            return cls("auto")
+        number = text.removesuffix("%")
+        try:
+            percent = float(number)
+        except ValueError:
+            try:
+                return cls(text, nbytes=parse_bytes(text, "--budget"))
+            except ValueError:
+                raise BenchUsageError(f"--budget {text!r}: give a percentage of the block bytes (60, 60%), "
+                                      "a size (24GiB) or auto") from None
+        if not 0 <= percent <= 100:
+            raise BenchUsageError(f"--budget {text!r}: a percentage is from 0 to 100")
+        return cls(f"{percent:g}%", percent=percent)
+
+    def config_value(self, block_nbytes: Sequence[int]) -> tuple[int | str, str]:
+        """The ``device_budget`` for a case with these block sizes, and a note when the
+        two-slot minimum raised it."""
+        if self.percent is None and self.nbytes is None:
+            return "auto", ""
+        want = self.nbytes if self.nbytes is not None else int(self.percent / 100 * sum(block_nbytes))
+        least = min_budget(block_nbytes)
+        if want < least:
+            return least, f"{self.label} is below two slots of the largest block: ran at {format_bytes(least)}"
+        return want, ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -133,6 +179,8 @@ class BenchOptions:
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     trace_variant: str | None = None
     """Run one more, traced, forward of this variant for ``--timeline``."""
+    budgets: tuple[Budget, ...] = ()
+    """Run each of our variants once per budget (``rank-local@60%``) instead of streaming every block."""
 
 
 @dataclasses.dataclass
@@ -148,6 +196,11 @@ class _Pass:
     note: str = ""
     outside_allocator_bytes: int = 0
     """Device memory the variant holds outside PyTorch's allocator (added to ``peak_mib``)."""
+    predicted_ratio: float | None = None
+    device_budget: int | None = None
+    resident_blocks: int = 0
+    slots: int = 0
+    streamed_bytes: int = 0
 
 
 # -- timing --------------------------------------------------------------------------------
@@ -230,25 +283,33 @@ def floor_ms(resident_ms: float, compute_ms: Sequence[float], block_bytes: Seque
 
 
 # -- the variants ----------------------------------------------------------------------------
-def schedule(variants: Sequence[str], world: int = 1) -> list[str]:
+def schedule(variants: Sequence[str], world: int = 1, budgets: Sequence[Budget] = ()) -> list[str]:
     """Mirrored order: resident, the streamed variants, the same reversed, resident again (see
-    the module docstring: each variant's two passes share a mean position, so drift cancels)."""
+    the module docstring: each variant's two passes share a mean position, so drift cancels).
+    With budgets, each of our variants runs once per budget: ``rank-local@60%``."""
     streamed = [v for v in VARIANTS if v in variants and (v not in _MULTI_RANK or world > 1)]
+    if budgets:
+        streamed = [f"{v}@{b.label}" if v != "peer" else v for v in streamed
+                    for b in (budgets if v != "peer" else budgets[:1])]
     return [RESIDENT, *streamed, *reversed(streamed), RESIDENT]
 
 
-def _offload_config(variant: str) -> dict[str, Any]:
+def _offload_config(variant: str, device_budget: int | str | None = None) -> dict[str, Any]:
+    transfer = variant.split("@")[0]
     dit: dict[str, Any] = {"mode": "layer", "components": ["dit"]}
-    if variant == "allgather":
+    if transfer == "allgather":
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather"}}
-    elif variant == "allgather-nccl":
+    elif transfer == "allgather-nccl":
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "gather": "nccl"}}
+    if device_budget is not None:
+        dit["device_budget"] = device_budget
     return dit
 
 
-def _apply_ours(model: nn.Module, variant: str, device: torch.device, trace: bool = False):
+def _apply_ours(model: nn.Module, variant: str, device: torch.device, trace: bool = False,
+                device_budget: int | str | None = None):
     # trace=False beats OMNI_OFFLOAD_TRACE: timed passes never carry trace marks.
-    return apply_offload(model, _offload_config(variant), device=device, trace=trace)
+    return apply_offload(model, _offload_config(variant, device_budget), device=device, trace=trace)
 
 
 class PeerOffload:
@@ -313,41 +374,59 @@ class PeerOffload:
 
 
 def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], reference: torch.Tensor,
-              opts: BenchOptions) -> _Pass:
-    """Apply the variant (timed as setup), run warm-up and timed forwards, undo it."""
+              opts: BenchOptions, budgets: Mapping[str, tuple[int | str, str]] | None = None) -> _Pass:
+    """Apply the variant (timed as setup), run warm-up and timed forwards, undo it. A budget
+    variant warms up past its measured forward, so the timed forwards run the final plan."""
+    label = variant.split("@")[1] if "@" in variant else None
+    device_budget, budget_note = (budgets or {}).get(label, (None, ""))
     t0 = time.perf_counter()
-    undo, info = _apply_variant(variant, model, opts.device)
+    undo, info, handle = _apply_variant(variant, model, opts.device, device_budget)
     _sync(opts.device)
     setup_s = time.perf_counter() - t0 if variant != RESIDENT else 0.0
     try:
         _reset_peak(opts.device)
-        times, out = _timed(forward, opts.device, opts.warmup, opts.repeats)
+        warmup = opts.warmup + (MEASURED_FORWARD if label is not None else 0)
+        times, out = _timed(forward, opts.device, warmup, opts.repeats)
         equal = bool(torch.equal(out, reference))
+        if handle is not None:
+            info = {**info, **_plan_info(handle)}
         peak = _peak(opts.device) + info.get("outside_allocator_bytes", 0) / 2**20
         del out
     finally:
         undo()
     _empty(opts.device)
+    if budget_note:
+        info["note"] = "; ".join(n for n in (info.get("note"), budget_note) if n)
     return _Pass(times=times, equal=equal, peak_mib=peak, setup_s=setup_s, **info)
 
 
-def _apply_variant(variant: str, model: nn.Module, device: torch.device) -> tuple[Callable[[], None], dict]:
-    """Apply one variant; returns how to undo it and what it holds (host bytes, what ran)."""
+def _plan_info(handle) -> dict[str, Any]:
+    """What the ring holds once its plan is final."""
+    (row,) = handle.summary_rows()
+    # The copy-engine gather's slots are CUDA symmetric memory, allocated outside PyTorch's
+    # caching allocator, whose peak the table reports: count them on top.
+    outside = row.device_slot_bytes if row.gather == "copy-engine" else 0
+    return {"host_bytes": row.host_bytes, "outside_allocator_bytes": outside,
+            "predicted_ratio": row.predicted_ratio, "device_budget": row.device_budget,
+            "resident_blocks": len(row.resident_blocks), "slots": handle.rings[0].num_slots,
+            "streamed_bytes": row.block_bytes}
+
+
+def _apply_variant(variant: str, model: nn.Module, device: torch.device,
+                   device_budget: int | str | None = None) -> tuple[Callable[[], None], dict, Any]:
+    """Apply one variant; returns how to undo it, what it holds (host bytes, what ran) and our
+    offload handle (None for resident and the peer)."""
     if variant == RESIDENT:
-        return (lambda: None), {}
+        return (lambda: None), {}, None
     if variant == "peer":
         peer = PeerOffload(model, device)
-        return peer.remove, {"host_bytes": peer.host_bytes(), "transfer": "group-offload", "note": peer.note}
-    handle = _apply_ours(model, variant, device)
+        return peer.remove, {"host_bytes": peer.host_bytes(), "transfer": "group-offload", "note": peer.note}, None
+    handle = _apply_ours(model, variant, device, device_budget=device_budget)
     (row,) = handle.summary_rows()
     note = f"fell back to {row.weight_transfer}: {row.fallback_reason}" if row.fallback_reason else ""
     if row.gather:
         note = f"gather: {row.gather}" + (f"; {note}" if note else "")
-    # The copy-engine gather's slots are CUDA symmetric memory, allocated outside PyTorch's
-    # caching allocator, whose peak the table reports: count them on top.
-    outside = row.device_slot_bytes if row.gather == "copy-engine" else 0
-    return handle.remove, {"host_bytes": row.host_bytes, "transfer": row.weight_transfer, "note": note,
-                           "outside_allocator_bytes": outside}
+    return handle.remove, {"transfer": row.weight_transfer, "note": note, **_plan_info(handle)}, handle
 
 
 # -- one case ------------------------------------------------------------------------------
@@ -378,12 +457,14 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
     block_modules = [m for _, m in component.blocks]
     block_bytes = [module_bytes(m) for m in block_modules]
+    block_nbytes = [layout_block(i, n, b).nbytes for i, (n, b) in enumerate(component.blocks)]
+    budgets = {b.label: b.config_value(block_nbytes) for b in opts.budgets}
     passes: dict[str, list[_Pass]] = {}
     trace = None
     with torch.inference_mode():
         reference = forward()
-        for variant in schedule(opts.variants, opts.world):
-            passes.setdefault(variant, []).append(_run_pass(variant, model, forward, reference, opts))
+        for variant in schedule(opts.variants, opts.world, opts.budgets):
+            passes.setdefault(variant, []).append(_run_pass(variant, model, forward, reference, opts, budgets))
         compute = _block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
         if opts.trace_variant is not None:
             trace = _traced_forward(model, forward, opts)
@@ -417,13 +498,18 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
         transfer = ps[0].transfer
         share = opts.world if transfer == "allgather" else 1
         floor = res_ms if variant == RESIDENT else floor_ms(res_ms, compute, block_bytes, opts.bandwidth, share)
+        if "@" in variant and opts.bandwidth:
+            # A budget's floor: the compute, or copying the streamed bytes once a forward.
+            floor = max(res_ms, ps[0].streamed_bytes / share / opts.bandwidth * 1e3)
         ms = medians[variant]
         out.append(CaseResult(
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
             overhead=ms / res_ms, floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
             host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
             bitwise_equal=all(p.equal for p in ps), floor_overhead=floor / res_ms, to_floor=ms / floor,
-            weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant]))
+            weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
+            predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
+            resident_blocks=ps[0].resident_blocks, slots=ps[0].slots))
     return out
 
 
@@ -510,14 +596,23 @@ def _empty(device):
 # -- output ------------------------------------------------------------------------------------
 def format_table(results: Sequence[CaseResult]) -> str:
     """A fixed-width table: one row per case and variant."""
-    head = (f"{'case':<30}{'variant':<12}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'x floor':>9}"
+    budgets = any(r.device_budget is not None for r in results)
+    width = max([12] + [len(r.variant) + 2 for r in results])
+    head = (f"{'case':<30}{'variant':<{width}}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'x floor':>9}"
             f"{'peak MiB':>10}{'host MiB':>10}{'setup s':>9}{'equal':>7}")
+    if budgets:
+        head += f"{'budget MiB':>12}{'kept':>6}{'slots':>6}{'pred x':>8}{'x pred':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
         case = f"{r.preset} {r.blocks}b {r.shape}"
-        lines.append(f"{case:<30}{r.variant:<12}{r.forward_ms:>10.2f}{r.overhead:>8.3f}{r.floor_ms:>10.2f}"
-                     f"{r.to_floor:>9.3f}{r.peak_device_mib:>10.1f}{r.host_mib:>10.1f}{r.setup_s:>9.2f}"
-                     f"{'yes' if r.bitwise_equal else 'NO':>7}")
+        line = (f"{case:<30}{r.variant:<{width}}{r.forward_ms:>10.2f}{r.overhead:>8.3f}{r.floor_ms:>10.2f}"
+                f"{r.to_floor:>9.3f}{r.peak_device_mib:>10.1f}{r.host_mib:>10.1f}{r.setup_s:>9.2f}"
+                f"{'yes' if r.bitwise_equal else 'NO':>7}")
+        if budgets and r.device_budget is not None:
+            pred = r.predicted_ratio
+            line += (f"{r.device_budget / 2**20:>12.1f}{r.resident_blocks:>6}{r.slots:>6}"
+                     + (f"{pred:>8.3f}{r.overhead / pred:>8.3f}" if pred else f"{'-':>8}{'-':>8}"))
+        lines.append(line)
     notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
@@ -549,7 +644,12 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
                    help="offloaded variants beside resident (allgather runs only under torchrun)")
-    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed forwards per pass")
+    p.add_argument("--budget", nargs="+", default=None, metavar="BUDGET",
+                   help="run each of our variants once per device budget: a percentage of the block "
+                   "bytes (0 25 50 60 75 100; below two slots of the largest block runs at that "
+                   "minimum), a size (24GiB) or auto; prints measured and predicted ratios")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed forwards per pass; each variant runs two passes")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
@@ -590,6 +690,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchUsageError("--timeline draws a model forward; leave out --transfer-mib")
     if args.timeline_variant and not args.timeline:
         raise BenchUsageError("--timeline-variant needs --timeline PATH")
+    args.budgets = tuple(Budget.parse(b) for b in args.budget or ())
+    if len({b.label for b in args.budgets}) != len(args.budgets):
+        raise BenchUsageError(f"--budget {args.budget}: each budget once")
+    if args.budgets and args.transfer_mib is not None:
+        raise BenchUsageError("--budget runs model cases; leave out --transfer-mib")
     preset = PRESETS[args.preset]
     if preset.video and any(d % 16 for d in (args.height, args.width)):
         raise BenchUsageError(f"--height {args.height} --width {args.width}: both must be multiples "
@@ -612,7 +717,7 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
             _emit(text, meta, results, None, args, bandwidth, world)
         return 0
     opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
-                        bandwidth=bandwidth, world=world, variants=tuple(args.variants))
+                        bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []
@@ -657,7 +762,7 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
             "diffusers": diffusers.__version__,
             "nccl_max_ctas": os.environ.get("OMNI_OFFLOAD_NCCL_MAX_CTAS"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world),
+            "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world, args.budgets),
             "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
             "peer": {"offload_type": "block_level", "num_blocks_per_group": 1,
                      "use_stream": device.type == "cuda"},

@@ -135,8 +135,30 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--preset", "tiny-wan", "--height", "30"], "multiples of 16"),
     (["--timeline-variant", "allgather"], "needs --timeline"),
     (["--repeats", "0"], "not a positive integer"),
+    (["--budget", "120"], "a percentage is from 0 to 100"),
+    (["--budget", "lots"], "give a percentage of the block bytes"),
+    (["--budget", "50", "50%"], "each budget once"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
     assert cli_main(["bench", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("omni-offload bench: error:") and message in err[0]
+
+
+def test_budget_sweep_runs_each_budget_and_reports_the_plan(tmp_path, capsys) -> None:
+    out_json = tmp_path / "budget.json"
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "2", "--variants",
+             "rank-local", "--budget", "0", "60", "100", "--json", str(out_json)]
+    assert cli_main(["bench", *flags]) == 0
+    text = capsys.readouterr().out
+    assert "pred x" in text and "0% is below two slots of the largest block" in text
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert list(rows) == ["resident", "rank-local@0%", "rank-local@60%", "rank-local@100%"]
+    assert all(r["bitwise_equal"] for r in rows.values())
+    assert rows["rank-local@100%"]["resident_blocks"] == 5 and rows["rank-local@100%"]["predicted_ratio"] == 1.0
+    assert rows["rank-local@0%"]["resident_blocks"] == 0 and rows["rank-local@0%"]["slots"] == 2
+    # Once planned from a measured forward, every budget below 100% predicts its ratio.
+    assert rows["rank-local@60%"]["predicted_ratio"] is not None
+    assert schedule(["peer", "rank-local"], 1, [bench.Budget.parse("0"), bench.Budget.parse("50")]) == [
+        "resident", "peer", "rank-local@0%", "rank-local@50%", "rank-local@50%", "rank-local@0%", "peer",
+        "resident"]

@@ -1,0 +1,87 @@
+"""CUDA path under a device budget: the memory bound, bitwise parity, no synchronisation once the
+plan is final, and ``auto`` under a capped device."""
+
+import gc
+
+import pytest
+import torch
+
+import tiny_models as tiny
+from omni_dist_offload import apply_offload
+
+pytestmark = pytest.mark.gpu
+
+
+def _big_block_wan(num_layers: int = 8):
+    """A tiny Wan whose blocks are large next to its activations."""
+    model = tiny.tiny_wan_transformer(num_layers=num_layers)
+    for block in model.blocks:
+        block.ffn.net[0].proj = torch.nn.Linear(model.config.attention_head_dim * 2, 1 << 16)
+        block.ffn.net[2] = torch.nn.Linear(1 << 16, model.config.attention_head_dim * 2)
+    return model
+
+
+@pytest.mark.parametrize("share", [0.3, 0.6])
+def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
+    gc.collect()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    model = _big_block_wan().cuda()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
+    block_bytes = [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for b in model.blocks]
+    total = torch.cuda.memory_allocated() - start
+    nonblock = total - sum(block_bytes)
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        ref = model(**batch)[0]
+    activations = torch.cuda.max_memory_allocated() - start - total
+    budget = int(share * sum(block_bytes))
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": budget})
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up, the measured forward, the plan in force
+            assert torch.equal(model(**batch)[0], ref)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = model(**batch)[0]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, ref)
+    (row,) = handle.summary()
+    assert row["predicted_ratio"] is not None and row["resident_blocks"]
+    assert row["resident_bytes"] + row["device_slot_bytes"] <= budget + 256 * len(block_bytes)
+    peak = torch.cuda.max_memory_allocated() - start
+    assert peak <= nonblock + budget + activations + 64 * 1024
+    handle.remove()
+    del out, ref
+
+
+@torch.inference_mode()
+def test_auto_under_a_capped_device_streams_what_does_not_fit():
+    model = _big_block_wan().cuda()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
+    ref = model(**batch)[0]
+    blocks = sum(t.numel() * t.element_size() for b in model.blocks for t in [*b.parameters(), *b.buffers()])
+    nonblock = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) - blocks
+    model.cpu()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    used = torch.cuda.memory_allocated()
+    # Room for about half the blocks once the reserve is set aside.
+    reserve = 64 * 2**20
+    torch.cuda.set_per_process_memory_fraction((used + nonblock + reserve + blocks // 2) / total)
+    try:
+        handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": "auto",
+                                       "activation_reserve": reserve})
+        (row,) = handle.summary()
+        assert 0 < row["device_budget"] < blocks and row["num_blocks"] > 0
+        for _ in range(3):
+            assert torch.equal(model(**batch)[0], ref)
+        (row,) = handle.summary()
+        assert row["predicted_ratio"] is not None
+        handle.remove()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
