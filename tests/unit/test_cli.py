@@ -87,17 +87,28 @@ def test_inspect_prints_the_plan_table(capsys) -> None:
     assert main(["inspect", "--model", "tiny-flux"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("component"))
-    assert header.split() == ["component", "category", "class", "blocks", "streamed", "host",
-                              "slots", "resident", "transfer", "setup", "fallback"]
+    assert header.split() == ["component", "category", "class", "blocks", "kept", "streamed", "host",
+                              "slots", "resident", "budget", "transfer", "setup", "fallback"]
     rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in
             (["transformer"], ["text_encoder"], ["text_encoder_2"], ["vae"])}
-    assert rows["transformer"][1:4] == ["dit", "FluxTransformer2DModel", "5"]
+    assert rows["transformer"][1:5] == ["dit", "FluxTransformer2DModel", "5", "0"]
     assert rows["transformer"][-3] == "rank-local" and rows["transformer"][-1] == "-"
     assert re.fullmatch(r"\d+\.\d\ds@\d+\.\dGB/s", rows["transformer"][-2])  # fill+pin time, rate
     assert rows["vae"][-2] == "-"
     assert rows["text_encoder_2"][1:4] == ["text_encoder", "T5EncoderModel", "3"]
-    assert rows["vae"][1:4] == ["resident", "AutoencoderKL", "0"]
+    assert rows["vae"][1:5] == ["resident", "AutoencoderKL", "0", "-"]
     assert any(line.startswith("weights on the device:") for line in lines)
+
+
+def test_inspect_shows_the_plan_a_device_budget_makes(capsys) -> None:
+    assert main(["inspect", "--model", "tiny-flux", "--device-budget", "700KiB", "--json"]) == 0
+    rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)}
+    dit = rows["transformer"]
+    assert dit["device_budget"] and dit["resident_blocks"] and dit["predicted_ratio"] == 1.0
+    budgets = [r["device_budget"] for r in rows.values() if r["device_budget"] is not None]
+    assert len(budgets) == 3 and sum(budgets) <= 700 * 1024
+    assert main(["inspect", "--model", "tiny-flux", "--device-budget", "1KiB"]) == 2
+    assert "below the smallest budget that works here" in capsys.readouterr().err
 
 
 def test_inspect_json(capsys) -> None:
