@@ -570,7 +570,9 @@ def _auto_budget(cfg: OffloadConfig, dev: torch.device, modules: Mapping[str, nn
     free = _free_device_bytes(dev)
     if free is None:
         return None
-    in_blocks = {id(e.tensor) for s in specs for l in s.layouts for e in l.entries}
+    in_blocks = {id(e.tensor): e.tensor for s in specs for l in s.layouts for e in l.entries}
+    # Block tensors already on the device leave it when they stream: their memory counts as free.
+    leaving = sum(t.numel() * t.element_size() for t in in_blocks.values() if t.device == dev)
     seen: set[int] = set()
     incoming = 0
     for root in modules.values():
@@ -582,7 +584,7 @@ def _auto_budget(cfg: OffloadConfig, dev: torch.device, modules: Mapping[str, nn
     reserve = cfg.activation_reserve
     if reserve is None:
         reserve = max(_MIN_RESERVE, _total_device_bytes(dev) // 10)
-    budget = max(0, free - incoming - reserve)
+    budget = max(0, free + leaving - incoming - reserve)
     group = next((s.group for s in specs if s.group is not None), None)
     if group is not None:
         budget = int(_group_reduce([float(budget)], group, dev, dist.ReduceOp.MIN)[0])
@@ -597,7 +599,7 @@ def _free_device_bytes(dev: torch.device) -> int | None:
     free, total = torch.cuda.mem_get_info(dev)
     allocated = torch.cuda.memory_allocated(dev)
     usable = free + torch.cuda.memory_reserved(dev) - allocated
-    return max(0, min(usable, _device_limit(dev, total) - allocated))
+    return min(usable, _device_limit(dev, total) - allocated)  # may be negative: over the cap
 
 
 def _device_limit(dev: torch.device, total: int) -> int:
@@ -648,7 +650,7 @@ class _Replanner:
         else:
             plan = plan_fewest(costs, self.budget, AUTO_TOLERANCE) if self.fewest else plan_residency(costs, self.budget)
             ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True)
-            ring.plan = plan
+            ring.plan, ring.costs = plan, costs
             _log_plan(ring, plan, costs)
         if not self.keep_trace:
             ring.tracer = None
@@ -658,15 +660,17 @@ class _Replanner:
 def _agreed(costs: RingCosts | None, n: int, group: WeightGroup, dev: torch.device) -> RingCosts | None:
     """The slowest rank's figures, per block (all ranks call this; a rank without a complete
     measurement makes every rank keep its current plan)."""
-    flat = [0.0] * (2 * n + 3)
+    flat = [0.0] * (3 * n + 3)
     if costs is not None:
-        flat = [*costs.compute_ms, *costs.copy_ms, costs.pre_ms, costs.post_ms, 1.0]
+        flat = [*costs.compute_ms, *costs.copy_ms, *(costs.issued_ms or [-1e9] * n), costs.pre_ms,
+                costs.post_ms, costs.gap_ms]
     worst = _group_reduce(flat, group, dev, dist.ReduceOp.MAX)
     complete = _group_reduce([1.0 if costs is not None else 0.0], group, dev, dist.ReduceOp.MIN)[0]
     if costs is None or complete < 1.0:
         return None
     return dataclasses.replace(costs, compute_ms=tuple(worst[:n]), copy_ms=tuple(worst[n:2 * n]),
-                               pre_ms=worst[2 * n], post_ms=worst[2 * n + 1])
+                               issued_ms=tuple(worst[2 * n:3 * n]), pre_ms=worst[3 * n],
+                               post_ms=worst[3 * n + 1], gap_ms=worst[3 * n + 2])
 
 
 def _log_plan(ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> None:

@@ -5,9 +5,11 @@ Pure arithmetic on per-block costs; no tensors. Three parts:
 
 * :func:`simulate` predicts a forward of a ring the way :class:`~omni_dist_offload.ring.BlockRing`
   runs it: one compute stream, one copy stream, ``slots`` device slots, the fill of the ``q``-th
-  streamed block starting once the copy stream is free and the streamed block ``slots`` places
-  earlier has run (its slot is then free), forward after forward (the steady state of a
-  denoising loop, where the last blocks prefetch the first ones of the next forward);
+  streamed block starting once the copy stream is free, the streamed block ``slots`` places
+  earlier has run (its slot is then free) and the host has issued it (in the pre-forward of the
+  streamed block ``slots - 1`` places earlier, which is never before its forward started),
+  forward after forward with the measured gap between them (the steady state of a denoising
+  loop, where the last blocks prefetch the first ones of the next forward);
 * :func:`plan_residency` spends a budget on resident blocks and slots to minimise that
   prediction; :func:`plan_fewest` finds the smallest device footprint whose prediction is within a
   tolerance of the resident forward (``device_budget: "auto"``);
@@ -86,6 +88,12 @@ class RingCosts:
     """Compute of the component before its first block (embeddings), each forward."""
     post_ms: float = 0.0
     """Compute after its last block (output norm and projection), each forward."""
+    gap_ms: float = 0.0
+    """Between two forwards, the compute stream idles this long (the caller's own work on the
+    host, a synchronisation); copies already issued go on."""
+    issued_ms: tuple[float, ...] | None = None
+    """Per block, when the host reaches its pre-forward (which issues the next fills), from the
+    forward's start on the device: negative while the host runs ahead. None: never late."""
     measured: bool = True
     """False for :func:`prior_costs`: the plan is a placeholder until a forward is measured."""
 
@@ -139,6 +147,7 @@ def simulate(costs: RingCosts, resident: Iterable[int], slots: int) -> float:
 def _simulate(costs: RingCosts, resident: frozenset[int], slots: int) -> _Outcome:
     compute, copy = costs.compute_ms, costs.copy_ms
     n = len(compute)
+    host = costs.issued_ms or (-math.inf,) * n
     order = [i for i in range(n) if i not in resident]
     m = len(order)
     if m == 0:
@@ -151,29 +160,36 @@ def _simulate(costs: RingCosts, resident: frozenset[int], slots: int) -> _Outcom
     copy_clock = 0.0             # copy stream clock
     ready: list[float] = []      # per fill (in issue order): when its bytes are in the slot
     done: list[float] = []       # per streamed run (same numbering): when its compute ended
+    starts: list[float] = []     # per forward: when it started
     slack = math.inf
-    start = 0.0
     q = 0                        # streamed runs so far
-    for _ in range(_FORWARDS):
-        start = t
+    for f in range(_FORWARDS):
+        if f:
+            t += costs.gap_ms
+        starts.append(t)
         t += costs.pre_ms
         for i in range(n):
+            t = max(t, starts[-1] + host[i])  # a block runs once the host has launched it
             if i in resident:
                 t += compute[i]
                 continue
             # Fills are issued in ring order; fill k reuses the slot of run k - slots, so it starts
-            # once that run has ended and the copy stream has finished the fill before it.
+            # once that run has ended, the copy stream has finished the fill before it, and the
+            # host has issued it: in the pre-forward of run k - slots + 1, never before that
+            # run's forward started.
             while len(ready) <= q:
                 k = len(ready)
                 free = done[k - slots] if k >= slots else 0.0
-                copy_clock = max(copy_clock, free) + copy[order[k % m]]
+                by = max(0, k - slots + 1)
+                issued = starts[by // m] + max(0.0, host[order[by % m]])
+                copy_clock = max(copy_clock, free, issued) + copy[order[k % m]]
                 ready.append(copy_clock)
             slack = min(slack, t - ready[q])
             t = max(t, ready[q]) + compute[i]
             done.append(t)
             q += 1
         t += costs.post_ms
-    return _Outcome(t - start, slack)
+    return _Outcome(t - starts[-1], slack)
 
 
 def min_budget(slot_bytes: Sequence[int]) -> int:
@@ -204,8 +220,9 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
     if total <= budget and tolerance is None:
         return everything
     goal = costs.resident_ms * (1 + tolerance) if tolerance is not None else -math.inf
-    # Ranking: plans that meet the goal first, the smallest of them; otherwise the fastest, then
-    # the one whose copies arrive with the most margin, then the smallest.
+    # Ranking: plans that meet the goal first, the smallest of them; otherwise the fastest (to
+    # 0.1% of the resident forward), then the one that keeps most on the device (more margin
+    # against timings that vary).
     best: tuple | None = None
     if total <= budget:
         best = ((0, total, everything.predicted_ms, 0.0), everything)
@@ -219,7 +236,7 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
                 if plan.predicted_ms <= goal:
                     key = (0, plan.device_bytes, plan.predicted_ms, 0.0)
                 else:
-                    key = (1, _rounded(plan.predicted_ms), -_rounded(outcome.slack_ms), plan.device_bytes)
+                    key = (1, round(plan.predicted_ms / costs.resident_ms, 3), -plan.device_bytes, 0.0)
                 if best is None or key < best[0]:
                     best = (key, plan)
                 if plan.predicted_ms <= goal:

@@ -62,6 +62,8 @@ class BlockRing:
         self.resident: frozenset[int] = frozenset(self._device_blocks)
         self.plan: ResidencyPlan | None = None
         """The residency plan in force, when a planner made it (see ``apply.py``)."""
+        self.costs: RingCosts | None = None
+        """What the planner measured (per block compute and copy ms), once it has."""
         self.budget: int | None = None
         """The device bytes this ring's plan may use, when it has a budget."""
         self._configure(num_slots)
@@ -283,9 +285,11 @@ class BlockRing:
             return None
         ms_per_byte = sum(ms for _, ms in timed) / sum(b for b, _ in timed)
         copy = tuple(rows[i]["transfer_ms"] or sizes[i] * ms_per_byte for i in range(len(self.layouts)))
+        issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
         return RingCosts(tuple(l.nbytes for l in self.layouts), tuple(sizes),
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
-                         pre_ms=report["pre_ms"], post_ms=report["post_ms"])
+                         pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
+                         issued_ms=issued if None not in issued else None)
 
     def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool) -> None:
         """Make exactly ``resident`` the resident blocks and stream the rest through

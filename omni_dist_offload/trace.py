@@ -12,13 +12,17 @@ Per block:
   bytes) to ``compute_start`` (after the wait): how long compute stood still, the exposed cost
   of streaming;
 * ``compute``: ``compute_start`` to ``compute_end`` (the post-forward);
+* ``issued``: when the host reached the block's pre-forward (an event on an idle stream), from
+  the component's forward start when that is marked: negative while the host runs ahead of the
+  device, positive when the device waits for the host;
 * ``transfer``: from the copy stream starting the fill (after the slot is free) to the block
   being in its slot, for the fill this run of the block used (none if the block stayed in its
   slot since it last ran, or stays resident).
 
 When the ring also marks the component's own forward (``BlockRing.watch_forwards``, which the
 residency planner uses), the report adds ``pre_ms`` (from the component's forward starting to its
-first block) and ``post_ms`` (from its last block to the forward's end).
+first block), ``post_ms`` (from its last block to the forward's end) and ``gap_ms`` (from the
+previous forward's end to this one's start).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ __all__ = ["TRACE_ENV", "RingTracer", "summary_line", "trace_enabled"]
 #: Set to 1 to trace every ring.
 TRACE_ENV = "OMNI_OFFLOAD_TRACE"
 
-_MARKS = ("wait_start", "compute_start", "compute_end")
+_MARKS = ("wait_start", "compute_start", "compute_end", "issued")
 
 
 def trace_enabled(trace: bool | None) -> bool:
@@ -66,6 +70,9 @@ class RingTracer:
     """Timing marks for every block of one ring, most recent forward only."""
 
     def __init__(self, names: Sequence[str], nbytes: Sequence[int], cuda: bool) -> None:
+        # A stream that never runs anything: an event recorded on it completes as soon as the
+        # host enqueues it, so its time is when the host got there (``issued``).
+        self._clock = torch.cuda.Stream() if cuda else None
         self.names = list(names)
         self.nbytes = list(nbytes)
         self.marks = [{k: _Mark(cuda) for k in _MARKS} for _ in names]
@@ -79,8 +86,13 @@ class RingTracer:
         self._fresh = [-1] * len(names)     # pair of a fill since the block last ran, else -1
         self._used = [-1] * len(names)      # pair this forward's run of the block used, else -1
         self._last_index = len(names)
-        self._start, self._end = _Mark(cuda), _Mark(cuda)
+        # The component's forward: its start, its end, and the end of the one before it (two end
+        # marks used in turn, so the gap between forwards can be read after the second).
+        self._start = _Mark(cuda)
+        self._ends = [_Mark(cuda), _Mark(cuda)]
+        self._end_turn = 0
         self._framed = False  # the current forward's start was marked
+        self._ended = 0       # forwards whose end was marked
 
     def forward_start(self, stream) -> None:
         """The component's forward begins (before its first block)."""
@@ -91,7 +103,13 @@ class RingTracer:
 
     def forward_end(self, stream) -> None:
         """The component's forward ends (after its last block)."""
-        self._end.record(stream)
+        self._end_turn ^= 1
+        self._ends[self._end_turn].record(stream)
+        self._ended += 1
+
+    @property
+    def _end(self) -> _Mark:
+        return self._ends[self._end_turn]
 
     def transfer_marks(self, block: int) -> tuple[_Mark, _Mark]:
         """Marks for a fill of ``block`` (the transfer records them on its streams)."""
@@ -107,6 +125,7 @@ class RingTracer:
         self._ran.append(i)
         self._used[i] = self._fresh[i]
         self._fresh[i] = -1
+        self.marks[i]["issued"].record(self._clock)
         self.marks[i]["wait_start"].record(stream)
 
     def after_wait(self, i: int, stream) -> None:
@@ -119,7 +138,7 @@ class RingTracer:
         """The most recent forward, in ms from its first block's wait. Synchronises."""
         if not self._ran:
             return {"forward_ms": 0.0, "exposed_wait_ms": 0.0, "exposed_share": 0.0, "blocks": [],
-                    "pre_ms": None, "post_ms": None}
+                    "pre_ms": None, "post_ms": None, "gap_ms": None}
         base = self.marks[self._ran[0]]["wait_start"]
         last = self.marks[self._ran[-1]]["compute_end"]
         if self._cuda:
@@ -131,6 +150,7 @@ class RingTracer:
             row = {"index": i, "name": self.names[i], "bytes": self.nbytes[i],
                    "compute_start_ms": start, "compute_ms": m["compute_end"].ms_since(base) - start,
                    "wait_ms": start - m["wait_start"].ms_since(base),
+                   "issued_ms": m["issued"].ms_since(self._start) if self._framed else None,
                    "transfer_start_ms": None, "transfer_ms": None, "gbps": None}
             if self._used[i] >= 0:
                 start_mark, end_mark = self.xfer[i][self._used[i]]
@@ -145,7 +165,8 @@ class RingTracer:
         return {"forward_ms": forward, "exposed_wait_ms": exposed,
                 "exposed_share": exposed / forward if forward > 0 else 0.0, "blocks": blocks,
                 "pre_ms": base.ms_since(self._start) if framed else None,
-                "post_ms": self._end.ms_since(last) if framed else None}
+                "post_ms": self._end.ms_since(last) if framed else None,
+                "gap_ms": self._start.ms_since(self._ends[self._end_turn ^ 1]) if framed and self._ended > 1 else None}
 
 
 def summary_line(reports: Sequence[dict[str, Any]]) -> str:

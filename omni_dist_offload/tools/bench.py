@@ -181,6 +181,9 @@ class BenchOptions:
     """Run one more, traced, forward of this variant for ``--timeline``."""
     budgets: tuple[Budget, ...] = ()
     """Run each of our variants once per budget (``rank-local@60%``) instead of streaming every block."""
+    memory_fraction: float | None = None
+    """Cap the allocator at this fraction of the device while budget variants run (what
+    ``device_budget: "auto"`` sees); resident and the peer run uncapped."""
 
 
 @dataclasses.dataclass
@@ -208,8 +211,9 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: in
     """Milliseconds per call (CUDA events on the GPU, wall clock after the call elsewhere) and
     the last call's result."""
     out = None
-    for _ in range(warmup):
+    for _ in range(warmup):  # the same loop as the timed one, synchronised after each call
         out = fn()
+        _sync(device)
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -379,8 +383,19 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
     variant warms up past its measured forward, so the timed forwards run the final plan."""
     label = variant.split("@")[1] if "@" in variant else None
     device_budget, budget_note = (budgets or {}).get(label, (None, ""))
+    capped = label is not None and opts.memory_fraction is not None
+    if capped:  # the model leaves the device first, so the cap holds only what the variant puts there
+        model.cpu()
+        _empty(opts.device)
+        torch.cuda.set_per_process_memory_fraction(opts.memory_fraction, opts.device)
     t0 = time.perf_counter()
-    undo, info, handle = _apply_variant(variant, model, opts.device, device_budget)
+    try:
+        undo, info, handle = _apply_variant(variant, model, opts.device, device_budget)
+    except BaseException:
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, opts.device)
+            model.to(opts.device)
+        raise
     _sync(opts.device)
     setup_s = time.perf_counter() - t0 if variant != RESIDENT else 0.0
     try:
@@ -394,6 +409,8 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
         del out
     finally:
         undo()
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, opts.device)
     _empty(opts.device)
     if budget_note:
         info["note"] = "; ".join(n for n in (info.get("note"), budget_note) if n)
@@ -648,6 +665,9 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="run each of our variants once per device budget: a percentage of the block "
                    "bytes (0 25 50 60 75 100; below two slots of the largest block runs at that "
                    "minimum), a size (24GiB) or auto; prints measured and predicted ratios")
+    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                   help="with --budget: cap the allocator at this fraction of the GPU while budget "
+                   "variants run (what auto then sees); resident and the peer run uncapped")
     p.add_argument("--warmup", type=non_negative_int, default=2,
                    help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
@@ -693,6 +713,10 @@ def _check_args(args: argparse.Namespace) -> None:
     args.budgets = tuple(Budget.parse(b) for b in args.budget or ())
     if len({b.label for b in args.budgets}) != len(args.budgets):
         raise BenchUsageError(f"--budget {args.budget}: each budget once")
+    if args.memory_fraction is not None and not (args.budgets and 0 < args.memory_fraction <= 1):
+        raise BenchUsageError("--memory-fraction is a fraction in (0, 1] and needs --budget")
+    if args.memory_fraction is not None and not torch.cuda.is_available():
+        raise BenchUsageError("--memory-fraction caps a CUDA device; none is visible")
     if args.budgets and args.transfer_mib is not None:
         raise BenchUsageError("--budget runs model cases; leave out --transfer-mib")
     preset = PRESETS[args.preset]
@@ -717,7 +741,8 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
             _emit(text, meta, results, None, args, bandwidth, world)
         return 0
     opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
-                        bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets)
+                        bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets,
+                        memory_fraction=args.memory_fraction)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []

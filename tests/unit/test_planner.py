@@ -58,9 +58,12 @@ def _ring_program(n: int, resident: set[int], slots: int, forwards: int) -> list
         real_fill(block, slot)
 
     ring._fill = fill
-    ring.install_hooks()
-    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: program.append(("run", i, ring._current_slot)))
+    # Registered first, so it runs before the ring's pre-forward: the host is there.
+    first = [b.register_forward_pre_hook(lambda m, a, i=i: program.append(("pre", i, -1)))
              for i, b in enumerate(model.blocks)]
+    ring.install_hooks()
+    hooks = [*first, *[b.register_forward_pre_hook(lambda m, a, i=i: program.append(("run", i, ring._current_slot)))
+             for i, b in enumerate(model.blocks)]]
     with torch.no_grad():
         for _ in range(forwards):
             program.append(("forward",))
@@ -71,11 +74,15 @@ def _ring_program(n: int, resident: set[int], slots: int, forwards: int) -> list
     return program
 
 
-def _stream_times(program, compute, copy, pre, post) -> list[float]:
+def _stream_times(program, compute, copy, pre, post, gap, issued) -> list[float]:
     """Run the program under CUDA semantics: each stream runs its operations in order; a wait
     holds its stream until the event's latest record *at the time the wait was enqueued* has
-    been reached. Returns when each forward ended on the compute stream."""
-    ops = {"c": [], "x": []}
+    been reached. The host joins the device between forwards (as a loop that synchronises
+    does): nothing enqueued for a forward starts before that forward does, and the compute
+    stream idles ``gap`` between forwards. The host (a third stream) reaches block ``b``'s
+    pre-forward ``issued[b]`` after its forward started; the fills it enqueues there wait for
+    it. Returns when each forward started, and the end."""
+    ops = {"c": [], "x": [], "h": []}
     latest: dict[tuple, int] = {}  # event -> token of its latest record (in host order)
     tokens: list[float | None] = []
 
@@ -92,15 +99,27 @@ def _stream_times(program, compute, copy, pre, post) -> list[float]:
         if op[0] == "forward":  # the previous forward's tail, the boundary, this forward's head
             if k:
                 ops["c"].append(("work", post))
+                ops["c"].append(("work", gap))
             ops["c"].append(("mark", None))
+            record("c", ("forward", k))
+            wait("h", ("forward", k))  # the host starts the forward once the device is there
+            host_at = 0.0
             ops["c"].append(("work", pre))
             continue
         kind, block, slot = op
+        if kind == "pre":  # the host reaches the pre-forward of this block
+            ops["h"].append(("work", issued[block] - host_at))
+            host_at = issued[block]
+            record("h", ("host", k))
+            wait("x", ("host", k))
+            k_pre = k
+            continue
         if kind == "fill":
             wait("x", ("free", slot))
             ops["x"].append(("work", copy[block]))
             record("x", ("ready", slot))
         else:
+            wait("c", ("host", k_pre))  # the block's kernels are launched after its pre-forward
             if slot >= 0:
                 wait("c", ("ready", slot))
             ops["c"].append(("work", compute[block]))
@@ -108,13 +127,13 @@ def _stream_times(program, compute, copy, pre, post) -> list[float]:
                 record("c", ("free", slot))
     ops["c"].append(("work", post))
     ops["c"].append(("mark", None))
-    clock = {"c": 0.0, "x": 0.0}
-    pos = {"c": 0, "x": 0}
+    clock = {"c": 0.0, "x": 0.0, "h": 0.0}
+    pos = {"c": 0, "x": 0, "h": 0}
     marks: list[float] = []
     progress = True
     while progress:
         progress = False
-        for s in ("c", "x"):
+        for s in ("c", "x", "h"):
             while pos[s] < len(ops[s]):
                 kind, arg = ops[s][pos[s]]
                 if kind == "wait":
@@ -133,7 +152,7 @@ def _stream_times(program, compute, copy, pre, post) -> list[float]:
     return marks  # where each forward started, and where the last ended
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(16))
 def test_the_simulation_predicts_the_timeline_the_ring_enqueues(case):
     rnd = random.Random(case)
     n = rnd.randint(3, 7)
@@ -141,12 +160,16 @@ def test_the_simulation_predicts_the_timeline_the_ring_enqueues(case):
     resident = set(rnd.sample(range(n), rnd.randint(0, n - slots - 1) if n - slots - 1 > 0 else 0))
     compute = [rnd.uniform(0.2, 2.0) for _ in range(n)]
     copy = [rnd.uniform(0.2, 4.0) for _ in range(n)]
-    pre, post = rnd.uniform(0, 1), rnd.uniform(0, 1)
+    pre, post, gap = rnd.uniform(0, 1), rnd.uniform(0, 1), rnd.choice([0.0, rnd.uniform(0, 3)])
+    # When the host reaches each pre-forward: from the forward's start, later block by block
+    # (all 0: a host that is never late).
+    issued = [0.0] * n if case % 2 else sorted(rnd.uniform(0, 2 * sum(compute)) for _ in range(n))
     forwards = 6
     program = _ring_program(n, resident, slots, forwards)
-    marks = _stream_times(program, compute, copy, pre, post)
+    marks = _stream_times(program, compute, copy, pre, post, gap, issued)
     steady = marks[-1] - marks[-2]  # the last forward, from its start to its end
-    costs = RingCosts(tuple([1] * n), tuple([1] * n), tuple(compute), tuple(copy), pre_ms=pre, post_ms=post)
+    costs = RingCosts(tuple([1] * n), tuple([1] * n), tuple(compute), tuple(copy), pre_ms=pre, post_ms=post,
+                      gap_ms=gap, issued_ms=tuple(issued))
     assert simulate(costs, resident, slots) == pytest.approx(steady, rel=1e-9, abs=1e-9)
 
 
