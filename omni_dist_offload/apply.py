@@ -572,7 +572,7 @@ def _auto_budget(cfg: OffloadConfig, dev: torch.device, modules: Mapping[str, nn
         return None
     in_blocks = {id(e.tensor): e.tensor for s in specs for l in s.layouts for e in l.entries}
     # Block tensors already on the device leave it when they stream: their memory counts as free.
-    leaving = sum(t.numel() * t.element_size() for t in in_blocks.values() if t.device == dev)
+    leaving = sum(t.numel() * t.element_size() for t in in_blocks.values() if t.device == dev and dev.type == "cuda")
     seen: set[int] = set()
     incoming = 0
     for root in modules.values():
