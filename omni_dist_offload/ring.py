@@ -295,8 +295,14 @@ class BlockRing:
         """Make exactly ``resident`` the resident blocks and stream the rest through
         ``num_slots`` slots. Blocks that become resident are brought in through the current
         slot 0 (collective under allgather: every rank applies the same plan at the same point);
-        ``settle``: resident blocks give up their host copies. Between forwards; synchronises."""
-        new = frozenset(resident)
+        ``settle``: resident blocks give up their host copies. Between forwards; synchronises.
+
+        Runs in the post-hook of a forward, often under ``torch.inference_mode()``: the buffers
+        it makes must be ordinary tensors, which later copies (``remove()``) may write."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._apply_plan(frozenset(resident), num_slots, settle)
+
+    def _apply_plan(self, new: frozenset[int], num_slots: int, settle: bool) -> None:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for i in sorted(self.resident - new):

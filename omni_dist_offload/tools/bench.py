@@ -118,7 +118,10 @@ class CaseResult:
     note: str = ""
     timings_ms: list[float] = dataclasses.field(default_factory=list)
     predicted_ratio: float | None = None
-    """Budget variants: the residency plan's predicted forward / resident forward."""
+    """Budget variants: the residency plan's predicted forward / its resident forward (both
+    from the ring's own measurements)."""
+    predicted_ms: float | None = None
+    """Budget variants: the plan's predicted forward, to compare with ``forward_ms``."""
     device_budget: int | None = None
     """Budget variants: the budget in bytes (after ``auto`` and the two-slot minimum)."""
     resident_blocks: int = 0
@@ -200,6 +203,7 @@ class _Pass:
     outside_allocator_bytes: int = 0
     """Device memory the variant holds outside PyTorch's allocator (added to ``peak_mib``)."""
     predicted_ratio: float | None = None
+    predicted_ms: float | None = None
     device_budget: int | None = None
     resident_blocks: int = 0
     slots: int = 0
@@ -423,8 +427,11 @@ def _plan_info(handle) -> dict[str, Any]:
     # The copy-engine gather's slots are CUDA symmetric memory, allocated outside PyTorch's
     # caching allocator, whose peak the table reports: count them on top.
     outside = row.device_slot_bytes if row.gather == "copy-engine" else 0
+    ring = handle.rings[0]
+    measured = ring.plan is not None and ring.plan.measured
     return {"host_bytes": row.host_bytes, "outside_allocator_bytes": outside,
             "predicted_ratio": row.predicted_ratio, "device_budget": row.device_budget,
+            "predicted_ms": ring.plan.predicted_ms if measured else None,
             "resident_blocks": len(row.resident_blocks), "slots": handle.rings[0].num_slots,
             "streamed_bytes": row.block_bytes}
 
@@ -526,6 +533,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             bitwise_equal=all(p.equal for p in ps), floor_overhead=floor / res_ms, to_floor=ms / floor,
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
+            predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
             resident_blocks=ps[0].resident_blocks, slots=ps[0].slots))
     return out
 
@@ -618,7 +626,7 @@ def format_table(results: Sequence[CaseResult]) -> str:
     head = (f"{'case':<30}{'variant':<{width}}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'x floor':>9}"
             f"{'peak MiB':>10}{'host MiB':>10}{'setup s':>9}{'equal':>7}")
     if budgets:
-        head += f"{'budget MiB':>12}{'kept':>6}{'slots':>6}{'pred x':>8}{'x pred':>8}"
+        head += f"{'budget MiB':>12}{'kept':>6}{'slots':>6}{'pred x':>8}{'pred ms':>9}{'/ pred':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
         case = f"{r.preset} {r.blocks}b {r.shape}"
@@ -626,9 +634,10 @@ def format_table(results: Sequence[CaseResult]) -> str:
                 f"{r.to_floor:>9.3f}{r.peak_device_mib:>10.1f}{r.host_mib:>10.1f}{r.setup_s:>9.2f}"
                 f"{'yes' if r.bitwise_equal else 'NO':>7}")
         if budgets and r.device_budget is not None:
-            pred = r.predicted_ratio
+            pred, pred_ms = r.predicted_ratio, r.predicted_ms
             line += (f"{r.device_budget / 2**20:>12.1f}{r.resident_blocks:>6}{r.slots:>6}"
-                     + (f"{pred:>8.3f}{r.overhead / pred:>8.3f}" if pred else f"{'-':>8}{'-':>8}"))
+                     + (f"{pred:>8.3f}" if pred else f"{'-':>8}")
+                     + (f"{pred_ms:>9.2f}{r.forward_ms / pred_ms:>8.3f}" if pred_ms else f"{'-':>9}{'-':>8}"))
         lines.append(line)
     notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
     return "\n".join(lines + [f"note: {n}" for n in notes])

@@ -21,7 +21,7 @@ def _big_block_wan(num_layers: int = 8):
     return model
 
 
-@pytest.mark.parametrize("share", [0.3, 0.6])
+@pytest.mark.parametrize("share", [0.45, 0.7])
 def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
     gc.collect()
     torch.cuda.synchronize()
@@ -71,7 +71,7 @@ def test_auto_under_a_capped_device_streams_what_does_not_fit():
     total = torch.cuda.get_device_properties(0).total_memory
     used = torch.cuda.memory_allocated()
     # Room for about half the blocks once the reserve is set aside.
-    reserve = 64 * 2**20
+    reserve = 512 * 2**20  # the activations of the wide FFN
     torch.cuda.set_per_process_memory_fraction((used + nonblock + reserve + blocks // 2) / total)
     try:
         handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": "auto",

@@ -227,3 +227,20 @@ def test_budget_keys_round_trip():
     assert cfg.device_budget == 24 * 2**30 and cfg.activation_reserve == 512 * 2**20
     assert OffloadConfig.parse(cfg.to_dict()) == cfg
     assert OffloadConfig.parse(_budget_cfg("auto")).device_budget == "auto"
+
+
+def test_a_plan_made_under_inference_mode_leaves_ordinary_tensors():
+    """The re-plan runs inside the forward (often under inference_mode): remove() afterwards,
+    outside it, must still be able to write the slots and buffers it made."""
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    ref = model(x)
+    handle = apply_offload(model, _budget_cfg(5 * _block_nbytes(model)))
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), ref)
+    assert handle.rings[0].plan.measured
+    assert not any(s.is_inference() for s in handle.rings[0].slots)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
