@@ -57,6 +57,8 @@ class BlockRing:
         self._cuda = device.type == "cuda"
         self._parked = [tuple(v) if v is not None else None for v in parked]
         self._device_blocks: dict[int, torch.Tensor] = dict(resident or {})
+        # Whether setup ran under torch.inference_mode(): a later plan makes its tensors alike.
+        self._inference = torch.is_inference_mode_enabled()
         for i, buf in self._device_blocks.items():
             bind(self.layouts[i].entries, [e.view_in(buf) for e in self.layouts[i].entries])
         self.resident: frozenset[int] = frozenset(self._device_blocks)
@@ -298,11 +300,23 @@ class BlockRing:
         ``settle``: resident blocks give up their host copies. Between forwards; synchronises.
 
         Runs in the post-hook of a forward, often under ``torch.inference_mode()``: the buffers
-        it makes must be ordinary tensors, which later copies (``remove()``) may write."""
-        with torch.inference_mode(False), torch.no_grad():
-            self._apply_plan(frozenset(resident), num_slots, settle)
+        it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
+        outside it, so ``remove()`` can write them later). A failure part way leaves a ring
+        that is consistent for the blocks it had moved by then."""
+        with torch.inference_mode(self._inference), torch.no_grad():
+            try:
+                self._apply_plan(frozenset(resident))
+            finally:
+                self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
+                self._configure(num_slots)
+        if settle:
+            for i in self.resident:
+                if self.transfer.has_host_copy(i):
+                    self.transfer.drop(i)
+                self._parked[i] = None
+        self._warm = False
 
-    def _apply_plan(self, new: frozenset[int], num_slots: int, settle: bool) -> None:
+    def _apply_plan(self, new: frozenset[int]) -> None:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for i in sorted(self.resident - new):
@@ -311,6 +325,7 @@ class BlockRing:
                                    "to stream from; it was made resident for good")
             bind(self.layouts[i].entries, self._parked[i])
             del self._device_blocks[i]
+            self.resident = self.resident - {i}
         promote = sorted(new - self.resident)
         if promote and not self.slots:
             raise RuntimeError(f"{self.component.name}: no slot to bring blocks {promote} in through")
@@ -323,15 +338,7 @@ class BlockRing:
             buf = self.slots[0][: layout.nbytes].clone()
             bind(layout.entries, [e.view_in(buf) for e in layout.entries])
             self._device_blocks[i] = buf
-        self.resident = new
-        self.slots, self._slot_views, self._fill_views = [], [], []  # the old slots go before the new come
-        self._configure(num_slots)
-        if settle:
-            for i in new:
-                if self.transfer.has_host_copy(i):
-                    self.transfer.drop(i)
-                self._parked[i] = None
-        self._warm = False
+            self.resident = self.resident | {i}
 
     # -- teardown ------------------------------------------------------------------------
     def restore(self, device: torch.device | None) -> None:

@@ -244,3 +244,16 @@ def test_a_plan_made_under_inference_mode_leaves_ordinary_tensors():
     handle.remove()
     with torch.no_grad():
         assert torch.equal(model(x), ref)
+
+
+@torch.inference_mode()
+def test_a_plan_for_a_model_offloaded_under_inference_mode():
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    ref = model(x)
+    handle = apply_offload(model, _budget_cfg(5 * _block_nbytes(model)))
+    for _ in range(4):
+        assert torch.equal(model(x), ref)
+    assert handle.rings[0].plan.measured
+    handle.remove()
+    assert torch.equal(model(x), ref)
