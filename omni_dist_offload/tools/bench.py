@@ -412,9 +412,9 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
         peak = _peak(opts.device) + info.get("outside_allocator_bytes", 0) / 2**20
         del out
     finally:
-        undo()
-        if capped:
+        if capped:  # remove() brings the blocks back to the device: lift the cap first
             torch.cuda.set_per_process_memory_fraction(1.0, opts.device)
+        undo()
     _empty(opts.device)
     if budget_note:
         info["note"] = "; ".join(n for n in (info.get("note"), budget_note) if n)
