@@ -193,7 +193,10 @@ class OffloadHandle:
                 ring.enable_trace()
             if not spec.settled:  # measure a forward, then plan for good
                 ring.watch_forwards(_Replanner(spec, self.device, keep_trace=trace))
-            ring.install_hooks()
+            if ring.streamed or not spec.settled or trace:
+                # A ring whose blocks all stay resident for good needs no hooks: the model runs
+                # as it would without offloading (where the host is the bottleneck, hooks cost).
+                ring.install_hooks()
         for mod in self._modules.values():
             setattr(mod, _STATE_ATTR, self)
 

@@ -143,17 +143,15 @@ class BlockRing:
         self._root_hooks = []
 
     def _root_pre(self, module, args) -> None:
-        if self._on_forward is not None and self.tracer is not None:
+        if self.tracer is not None:
             self.tracer.forward_start(self._stream())
 
     def _root_post(self, module, args, output) -> None:
         # Hooks stay installed (removing one while torch iterates them is not safe); once the
-        # callback is done they do nothing.
-        if self._on_forward is None:
-            return
+        # callback is done they only mark the forward for a tracer, if any.
         if self.tracer is not None:
             self.tracer.forward_end(self._stream())
-        if self._on_forward(self):
+        if self._on_forward is not None and self._on_forward(self):
             self._on_forward = None
 
     def _stream(self):

@@ -80,7 +80,7 @@ from ..runtime.logs import current_rank
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from ..transfer.groups import ComponentFacts, GroupSession
 from ..transfer.sharding import plan_shards
-from .timeline import draw_overhead, draw_timeline
+from .timeline import draw_budget_sweep, draw_overhead, draw_timeline
 
 __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
 
@@ -768,7 +768,8 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
     if rank == 0:
         _emit(format_table(cases), meta, [dataclasses.asdict(r) for r in cases], trace, args, bandwidth, world)
         if args.png:
-            draw_overhead(cases, args.png, title=f"{meta['device']}, world size {world}")
+            draw = draw_budget_sweep if args.budgets else draw_overhead
+            draw(cases, args.png, title=f"{meta['device']}, world size {world}")
     ours = [r for r in cases if r.variant not in ("peer", RESIDENT)]
     return 0 if all(r.bitwise_equal for r in ours) else 1
 

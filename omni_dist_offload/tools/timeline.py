@@ -81,6 +81,39 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
     return Path(path)
 
 
+def draw_budget_sweep(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
+    """Forward / resident against the device budget (as a share of the block bytes), per case:
+    measured, predicted by the planner (its predicted forward / the measured resident forward)
+    and the floor. ``results`` are ``bench.CaseResult``s; only budget variants are drawn."""
+    cases: dict[str, list[Any]] = {}
+    for r in results:
+        if r.device_budget is not None:
+            cases.setdefault(f"{r.preset} {r.blocks}b {r.shape}", []).append(r)
+    resident = {f"{r.preset} {r.blocks}b {r.shape}": r.forward_ms for r in results if r.variant == "resident"}
+    fig = _figure(6.5, 4.2)
+    ax = fig.add_subplot()
+    for k, (case, rows) in enumerate(cases.items()):
+        whole = max(r.device_budget for r in rows if r.resident_blocks == r.blocks) if any(
+            r.resident_blocks == r.blocks for r in rows) else max(r.device_budget for r in rows)
+        rows = sorted(rows, key=lambda r: r.device_budget)
+        x = [100 * r.device_budget / whole for r in rows]
+        color = f"C{k}"
+        ax.plot(x, [r.overhead for r in rows], "o-", color=color, label=f"{case}: measured")
+        pred = [(xi, (r.predicted_ms / resident[case]) if r.predicted_ms else 1.0)
+                for xi, r in zip(x, rows) if r.predicted_ms or r.resident_blocks == r.blocks]
+        if pred:
+            ax.plot(*zip(*pred), "s--", color=color, alpha=0.7, label=f"{case}: predicted")
+        ax.plot(x, [r.floor_overhead for r in rows], ":", color=color, alpha=0.6, label=f"{case}: floor")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("device budget, % of the block bytes (resident blocks + slots)")
+    ax.set_ylabel("forward time / resident")
+    ax.set_title("Residency planner: overhead against the device budget" + (f"\n{title}" if title else ""),
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.savefig(path)
+    return Path(path)
+
+
 def draw_timeline(rings: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """One forward per ring from ``handle.trace_report()``: a compute lane and a copy lane."""
     if not rings:

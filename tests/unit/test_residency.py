@@ -257,3 +257,11 @@ def test_a_plan_for_a_model_offloaded_under_inference_mode():
     assert handle.rings[0].plan.measured
     handle.remove()
     assert torch.equal(model(x), ref)
+
+
+def test_a_ring_resident_for_good_installs_no_hooks():
+    model = ToyDiT(4, dim=32)
+    handle = apply_offload(model, _budget_cfg(4 * _block_nbytes(model)))
+    assert handle.summary()[0]["resident_blocks"] == [0, 1, 2, 3]
+    assert not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
+    handle.remove()
