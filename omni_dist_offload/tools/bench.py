@@ -213,24 +213,26 @@ class _Pass:
 # -- timing --------------------------------------------------------------------------------
 def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> tuple[list[float], Any]:
     """Milliseconds per call (CUDA events on the GPU, wall clock after the call elsewhere) and
-    the last call's result."""
+    the last call's result. Warm-up calls run in the same loop as timed ones: each waits for its
+    own end on the compute stream, not for the whole device (copies already issued for the next
+    call go on, as they do between timed calls), so a forward the residency planner measures
+    during warm-up sees the gap between forwards that the timed ones see."""
     out = None
-    for _ in range(warmup):  # the same loop as the timed one, synchronised after each call
-        out = fn()
-        _sync(device)
     times = []
-    for _ in range(repeats):
+    for k in range(warmup + repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
             out = fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            ms = (time.perf_counter() - t0) * 1e3
+        if k >= warmup:
+            times.append(ms)
     return times, out
 
 
