@@ -18,10 +18,10 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from .budget import Replanner, Residency, RingSizes, auto_budget, initial_residency
 from .config import OffloadConfig, OffloadConfigError
 from .hostmem import HostBuffer, HostPinner
 from .layout import (
@@ -40,16 +40,7 @@ from .plan import (
     is_bare_module,
     pipeline_modules,
 )
-from .residency import (
-    ResidencyPlan,
-    RingCosts,
-    format_bytes,
-    min_budget,
-    plan_fewest,
-    plan_residency,
-    prior_costs,
-)
-from .ring import NUM_SLOTS, BlockRing
+from .ring import BlockRing
 from .trace import trace_enabled
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
@@ -189,11 +180,12 @@ class OffloadHandle:
 
     def _install(self, trace: bool, specs: Sequence["_RingSpec"]) -> None:
         for ring, spec in zip(self.rings, specs, strict=True):
-            if trace or not spec.settled:
+            settled = spec.residency.settled
+            if trace or not settled:
                 ring.enable_trace()
-            if not spec.settled:  # measure a forward, then plan for good
-                ring.watch_forwards(_Replanner(spec, self.device, keep_trace=trace))
-            if ring.streamed or not spec.settled or trace:
+            if not settled:  # measure a forward, then plan for good
+                ring.watch_forwards(Replanner(spec.residency, spec.group, self.device, keep_trace=trace))
+            if ring.streamed or not settled or trace:
                 # A ring whose blocks all stay resident for good needs no hooks: the model runs
                 # as it would without offloading (where the host is the bottleneck, hooks cost).
                 ring.install_hooks()
@@ -336,17 +328,8 @@ class _RingSpec:
     chunk_bytes: int = 0
     fallback_reason: str | None = None
     """Why an allgather ring streams rank-local."""
-    resident: tuple[int, ...] = ()
-    """Blocks that stay on the device from the start."""
-    num_slots: int = NUM_SLOTS
-    settled: bool = True
-    """The residency is final: resident blocks keep no host copy. Otherwise every block keeps
-    one until a measured forward has been planned for (``_Replanner``)."""
-    budget: int | None = None
-    """The ring's share of ``device_budget``."""
-    fewest: bool = False
-    """``device_budget: "auto"``: re-plan to the fewest resident blocks within 1% of resident."""
-    plan: ResidencyPlan | None = None
+    residency: Residency = Residency()
+    """Which blocks start resident, the slots, and whether a measured forward re-plans."""
 
     def slot_bytes(self) -> list[int]:
         """Per block, the slot bytes it needs when it streams."""
@@ -483,208 +466,19 @@ def _gather_of(cfg: OffloadConfig, comp: StreamedComponent, group: WeightGroup, 
 
 
 # -- phase 1: residency ----------------------------------------------------------------------
-#: The forward a budgeted ring measures before planning for good: the first pays one-off costs
-#: (kernel autotuning, workspace and allocator growth, compilation) that would misstate compute.
-MEASURED_FORWARD = 2
-#: ``device_budget: "auto"`` plans the fewest resident blocks predicted within this of resident.
-AUTO_TOLERANCE = 0.01
-_MIN_RESERVE = 2 * 2**30
-
-
 def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.device,
                     modules: Mapping[str, nn.Module]) -> list[_RingSpec]:
-    """Which blocks of each ring start resident, with how many slots: ``resident_blocks`` where
-    given, else the budget's plan (before anything is measured, from :func:`prior_costs`), else
-    none. Raises before anything changes when the budget cannot hold the rings."""
-    fixed = {s.component.name: _resident_indices(s.component, cfg.options_for(s.component.category).resident_blocks)
-             for s in specs if cfg.options_for(s.component.category).resident_blocks is not None}
-    out = {s.component.name: dataclasses.replace(s, resident=fixed.get(s.component.name, ())) for s in specs}
-    if cfg.device_budget is None:
-        return list(out.values())
-    planned = [s for s in specs if s.component.name not in fixed]
-    slot_bytes = {s.component.name: s.slot_bytes() for s in specs}
-
-    def fixed_bytes(spec: _RingSpec) -> int:
-        keep = set(out[spec.component.name].resident)
-        streamed = [b for i, b in enumerate(slot_bytes[spec.component.name]) if i not in keep]
-        return sum(spec.layouts[i].nbytes for i in keep) + NUM_SLOTS * max(streamed)
-
-    held = sum(fixed_bytes(s) for s in specs if s.component.name in fixed)
-    floors = {s.component.name: min_budget(slot_bytes[s.component.name]) for s in planned}
-    whole = {s.component.name: sum(l.nbytes for l in s.layouts) for s in planned}
-    budget = cfg.device_budget
-    auto = budget == "auto"
-    if auto:
-        budget = _auto_budget(cfg, dev, modules, specs)
-        if budget is None or budget >= held + sum(whole.values()):
-            for s in planned:
-                out[s.component.name] = dataclasses.replace(
-                    s, resident=tuple(range(len(s.layouts))), num_slots=0, budget=whole[s.component.name])
-            logger.info("device_budget auto: %s free for block weights; every block of %s fits and stays "
-                        "resident", "the whole device" if budget is None else format_bytes(budget),
-                        [s.component.name for s in planned])
-            return list(out.values())
-    smallest = held + sum(floors.values())
-    if budget < smallest:
-        what = "auto resolved to " if auto else ""
-        raise OffloadConfigError(
-            f"config key 'device_budget' is {what}{format_bytes(budget)} ({budget} bytes), below the "
-            f"smallest budget that works here, {format_bytes(smallest)} ({smallest} bytes): two slots of "
-            f"the largest block of each streamed component{' plus the resident_blocks given' if held else ''}. "
-            "Raise the budget" + (", lower activation_reserve" if auto else "") +
-            ", or drop device_budget to stream every block.")
-    shares = _shares(planned, budget - held, floors, whole)
-    for s in planned:
-        name = s.component.name
-        share = shares[name]
-        prior = plan_residency(prior_costs([l.nbytes for l in s.layouts], slot_bytes[name], share), share)
-        settled = prior.slots == 0  # everything fits: nothing to measure
-        out[name] = dataclasses.replace(s, resident=prior.resident, num_slots=prior.slots or NUM_SLOTS,
-                                        settled=settled, budget=share, fewest=auto, plan=prior)
-    return list(out.values())
-
-
-def _shares(specs: Sequence[_RingSpec], budget: int, floors: Mapping[str, int],
-            whole: Mapping[str, int]) -> dict[str, int]:
-    """Split a budget between rings (the rule in ``docs/design.md``, [Note: residency planner]):
-    each gets two slots of its largest block; what is left goes to the DiTs, in proportion to
-    what more they could use (up to all their blocks resident), then to the text encoders alike."""
-    share = dict(floors)
-    left = budget - sum(floors.values())
-    for category in ("dit", "text_encoder"):
-        want = {s.component.name: max(0, whole[s.component.name] - floors[s.component.name])
-                for s in specs if s.component.category == category}
-        total = sum(want.values())
-        if total == 0 or left <= 0:
-            continue
-        give = min(left, total)
-        for name, w in want.items():
-            share[name] += give * w // total
-        left -= give
-    return share
-
-
-def _auto_budget(cfg: OffloadConfig, dev: torch.device, modules: Mapping[str, nn.Module],
-                 specs: Sequence[_RingSpec]) -> int | None:
-    """``device_budget: "auto"``: device memory free now, less what the non-streamed modules will
-    take when they move there, less the activation reserve. None on the CPU (no device memory
-    apart from the host's: every block fits). Under allgather, the smallest over the weight group,
-    so every rank plans alike."""
-    free = _free_device_bytes(dev)
-    if free is None:
-        return None
-    in_blocks = {id(e.tensor): e.tensor for s in specs for l in s.layouts for e in l.entries}
-    # Block tensors already on the device leave it when they stream: their memory counts as free.
-    leaving = sum(t.numel() * t.element_size() for t in in_blocks.values() if t.device == dev and dev.type == "cuda")
-    seen: set[int] = set()
-    incoming = 0
-    for root in modules.values():
-        for t in [*root.parameters(), *root.buffers()]:
-            if id(t) in seen or id(t) in in_blocks or t.device == dev:
-                continue
-            seen.add(id(t))
-            incoming += t.numel() * t.element_size()
-    reserve = cfg.activation_reserve
-    if reserve is None:
-        reserve = max(_MIN_RESERVE, _total_device_bytes(dev) // 10)
-    budget = max(0, free + leaving - incoming - reserve)
+    """Each ring's starting residency (``budget.initial_residency``)."""
+    sizes = []
+    for s in specs:
+        asked = cfg.options_for(s.component.category).resident_blocks
+        sizes.append(RingSizes(s.component.name, s.component.category, tuple(l.nbytes for l in s.layouts),
+                               tuple(s.slot_bytes()),
+                               _resident_indices(s.component, asked) if asked is not None else None))
     group = next((s.group for s in specs if s.group is not None), None)
-    if group is not None:
-        budget = int(_group_reduce([float(budget)], group, dev, dist.ReduceOp.MIN)[0])
-    return budget
-
-
-def _free_device_bytes(dev: torch.device) -> int | None:
-    """What this process can still allocate on ``dev``: free device memory plus what PyTorch's
-    allocator holds unused, within ``torch.cuda.set_per_process_memory_fraction`` if set."""
-    if dev.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(dev)
-    allocated = torch.cuda.memory_allocated(dev)
-    usable = free + torch.cuda.memory_reserved(dev) - allocated
-    return min(usable, _device_limit(dev, total) - allocated)  # may be negative: over the cap
-
-
-def _device_limit(dev: torch.device, total: int) -> int:
-    """The allocator's cap on ``dev`` (the device's memory unless a fraction was set)."""
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(dev)
-    return int(total * min(1.0, fraction))
-
-
-def _total_device_bytes(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 0
-    return _device_limit(dev, torch.cuda.get_device_properties(dev).total_memory)
-
-
-def _group_reduce(values: Sequence[float], group: WeightGroup, dev: torch.device, op) -> list[float]:
-    """One reduction over the weight group (on the device for NCCL, on the host for gloo)."""
-    where = dev if "nccl" in group.backend else torch.device("cpu")
-    t = torch.tensor(list(values), dtype=torch.float64, device=where)
-    dist.all_reduce(t, op=op, group=group.group)
-    return t.tolist()
-
-
-class _Replanner:
-    """Called by a ring after each complete forward until it returns True: after the measured
-    forward it plans from what was measured (agreed across the weight group: the slowest rank's
-    figures), applies the plan and drops the host copies of the blocks that stay."""
-
-    def __init__(self, spec: _RingSpec, device: torch.device, keep_trace: bool) -> None:
-        self.budget = spec.budget
-        self.fewest = spec.fewest
-        self.group = spec.group
-        self.device = device
-        self.keep_trace = keep_trace
-        self.forwards = 0
-
-    def __call__(self, ring: BlockRing) -> bool:
-        self.forwards += 1
-        if self.forwards < MEASURED_FORWARD:
-            return False
-        costs = ring.measured_costs(ring.tracer.report())
-        if self.group is not None:  # every rank must take the same plan: agree on the figures first
-            costs = _agreed(costs, len(ring.layouts), self.group, self.device)
-        if costs is None:  # the forward skipped blocks: keep the current plan, and settle it
-            plan = ring.plan
-            ring.apply_plan(ring.resident, ring.num_slots or NUM_SLOTS, settle=True)
-            logger.warning("%s: the measured forward did not run every block; keeping the unmeasured "
-                           "residency plan", ring.component.name)
-        else:
-            plan = plan_fewest(costs, self.budget, AUTO_TOLERANCE) if self.fewest else plan_residency(costs, self.budget)
-            ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True)
-            ring.plan, ring.costs = plan, costs
-            _log_plan(ring, plan, costs)
-        if not self.keep_trace:
-            ring.tracer = None
-        return True
-
-
-def _agreed(costs: RingCosts | None, n: int, group: WeightGroup, dev: torch.device) -> RingCosts | None:
-    """The slowest rank's figures, per block (all ranks call this; a rank without a complete
-    measurement makes every rank keep its current plan)."""
-    flat = [0.0] * (3 * n + 3)
-    if costs is not None:
-        flat = [*costs.compute_ms, *costs.copy_ms, *(costs.issued_ms or [-1e9] * n), costs.pre_ms,
-                costs.post_ms, costs.gap_ms]
-    worst = _group_reduce(flat, group, dev, dist.ReduceOp.MAX)
-    complete = _group_reduce([1.0 if costs is not None else 0.0], group, dev, dist.ReduceOp.MIN)[0]
-    if costs is None or complete < 1.0:
-        return None
-    return dataclasses.replace(costs, compute_ms=tuple(worst[:n]), copy_ms=tuple(worst[n:2 * n]),
-                               issued_ms=tuple(worst[2 * n:3 * n]), pre_ms=worst[3 * n],
-                               post_ms=worst[3 * n + 1], gap_ms=worst[3 * n + 2])
-
-
-def _log_plan(ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> None:
-    streamed = len(ring.layouts) - len(plan.resident)
-    logger.info(
-        "%s: residency plan from a measured forward: %d of %d blocks resident (%s), %d streamed "
-        "through %d slots (%s); predicted forward %.1f ms, %.3fx resident (%.1f ms); budget %s",
-        ring.component.name, len(plan.resident), len(ring.layouts),
-        format_bytes(sum(ring.layouts[i].nbytes for i in plan.resident)), streamed, ring.num_slots,
-        format_bytes(sum(s.numel() for s in ring.slots)), plan.predicted_ms, plan.predicted_ratio or 0.0,
-        costs.resident_ms, format_bytes(ring.budget or 0))
+    blocks = [e.tensor for s in specs for l in s.layouts for e in l.entries]
+    chosen = initial_residency(sizes, cfg.device_budget, lambda: auto_budget(cfg, dev, modules, blocks, group))
+    return [dataclasses.replace(s, residency=chosen[s.component.name]) for s in specs]
 
 
 # -- phase 2: fill host copies, build rings ---------------------------------------------------
@@ -722,7 +516,8 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
             transfer, parked, resident = _fill_buffers(spec, setup, step)
             originals = None
     try:
-        ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident, spec.num_slots)
+        ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
+                         spec.residency.num_slots)
     except BaseException:
         if originals is None:  # give the blocks their storage back, as _fill_buffers does on failure
             restore_blocks(spec.layouts, [parked[i] if parked[i] is not None else
@@ -734,8 +529,8 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
         transfer.release()
         raise
     ring.setup_s = time.perf_counter() - start
-    ring.plan = spec.plan
-    ring.budget = spec.budget
+    ring.plan = spec.residency.plan
+    ring.budget = spec.residency.budget
     return ring, originals
 
 
@@ -775,7 +570,7 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     so host memory is never doubled. With a source, placeholder tensors are read from the
     checkpoint straight into the buffer. A failure copies the done blocks back."""
     layouts, pin = spec.layouts, setup.pin
-    keep = set(spec.resident)
+    keep, settled = set(spec.residency.resident), spec.residency.settled
     buffers: list[HostBuffer | None] = []
     current: list[tuple[torch.Tensor, ...]] = []   # what each done block's tensors point at now
     resident: dict[int, torch.Tensor] = {}
@@ -783,7 +578,7 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
         for layout in layouts:
             i = layout.index
             buf = None
-            if i in keep and spec.settled:  # resident for good: no host copy
+            if i in keep and settled:  # resident for good: no host copy
                 resident[i] = _device_copy(spec, layout, setup, None)
             else:
                 buf = HostBuffer(layout.nbytes)
@@ -821,7 +616,7 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     placeholders; their original storage is returned for the caller to keep until every rank
     has succeeded. A block resident for good has no shard, and its whole bytes on the device."""
     layouts, pin, group = spec.layouts, setup.pin, spec.group
-    keep = set(spec.resident)
+    keep, settled = set(spec.residency.resident), spec.residency.settled
     plans = spec.shard_plans()
     # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
     image = torch.empty(max(l.nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)
@@ -839,7 +634,7 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 for entry in layout.entries:
                     entry.view_in(block_image).copy_(entry.tensor.detach())
             shard = None
-            if not (i in keep and spec.settled):
+            if not (i in keep and settled):
                 shard = HostBuffer(shard_plan.shard_nbytes)
                 if spec.source is not None:
                     spec.source.fill(layout, shard_pieces(shard_plan), shard.tensor)

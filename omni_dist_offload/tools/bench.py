@@ -67,11 +67,12 @@ from diffusers.hooks import HookRegistry
 from diffusers.hooks.group_offloading import _is_group_offload_enabled
 from torch import nn
 
-from ..apply import MEASURED_FORWARD, apply_offload
+from ..apply import apply_offload
+from ..budget import MEASURED_FORWARD
 from ..config import OffloadConfig
 from ..hostmem import HostBuffer
-from ..models import PRESETS, build_model, case_inputs
 from ..layout import layout_block
+from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
 from ..residency import format_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist

@@ -166,22 +166,23 @@ def test_auto_keeps_a_model_that_fits_resident_and_says_so(caplog):
     model = ToyDiT(4, dim=32)
     x = torch.randn(2, 32)
     ref = model(x)
-    with caplog.at_level("INFO", logger="omni_dist_offload.apply"):
+    with caplog.at_level("INFO", logger="omni_dist_offload.budget"):
         handle = apply_offload(model, _budget_cfg("auto"))
     assert "every block of ['transformer'] fits and stays resident" in caplog.text
-    assert handle.summary()[0]["resident_blocks"] == [0, 1, 2, 3]
+    (row,) = handle.summary()
+    assert row["resident_blocks"] == [0, 1, 2, 3] and row["predicted_ratio"] == 1.0
     assert torch.equal(model(x), ref)
     handle.remove()
 
 
 @torch.no_grad()
 def test_auto_under_a_small_device_plans_the_fewest_resident_blocks(monkeypatch):
-    import omni_dist_offload.apply as apply_mod
+    import omni_dist_offload.budget as budget_mod
     model = ToyDiT(8, dim=32)
     x = torch.randn(4, 32)
     ref = model(x)
     blk = _block_nbytes(model)
-    monkeypatch.setattr(apply_mod, "_free_device_bytes", lambda dev: 6 * blk)
+    monkeypatch.setattr(budget_mod, "free_device_bytes", lambda dev: 6 * blk)
     handle = apply_offload(model, _budget_cfg("auto", activation_reserve=blk))
     (row,) = handle.summary()
     assert row["device_budget"] == 5 * blk  # free, less the reserve (the rest is already on the device)
