@@ -117,7 +117,7 @@ class BlockRing:
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""
         self.tracer = RingTracer([l.name for l in self.layouts], [l.tensor_bytes for l in self.layouts],
-                                 self._cuda)
+                                 self._cuda, self.device)
 
     # -- hooks ---------------------------------------------------------------------------
     def install_hooks(self) -> None:

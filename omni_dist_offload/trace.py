@@ -69,10 +69,12 @@ class _Mark:
 class RingTracer:
     """Timing marks for every block of one ring, most recent forward only."""
 
-    def __init__(self, names: Sequence[str], nbytes: Sequence[int], cuda: bool) -> None:
-        # A stream that never runs anything: an event recorded on it completes as soon as the
-        # host enqueues it, so its time is when the host got there (``issued``).
-        self._clock = torch.cuda.Stream() if cuda else None
+    def __init__(self, names: Sequence[str], nbytes: Sequence[int], cuda: bool,
+                 device: torch.device | None = None) -> None:
+        # A stream of the ring's device that never runs anything: an event recorded on it
+        # completes as soon as the host enqueues it, so its time is when the host got there
+        # (``issued``).
+        self._clock = torch.cuda.Stream(device) if cuda else None
         self.names = list(names)
         self.nbytes = list(nbytes)
         self.marks = [{k: _Mark(cuda) for k in _MARKS} for _ in names]
