@@ -123,10 +123,10 @@ class BlockRing:
     def install_hooks(self) -> None:
         for layout in self.layouts:
             self._hooks.append(layout.module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, layout.index)))
+                torch.compiler.disable(functools.partial(self._pre_forward, layout.index))))
             # always_call: a block that raises (or is interrupted) still releases its slot.
             self._hooks.append(layout.module.register_forward_hook(
-                functools.partial(self._post_forward, layout.index), always_call=True))
+                torch.compiler.disable(functools.partial(self._post_forward, layout.index)), always_call=True))
 
     def watch_forwards(self, callback: Callable[["BlockRing"], bool]) -> None:
         """Call ``callback(ring)`` after every complete forward of the component until it returns
