@@ -120,6 +120,8 @@ class BlockRing:
                                  self._cuda, self.device)
 
     # -- hooks ---------------------------------------------------------------------------
+    # Every hook is excluded from torch.compile: it swaps storage and records events, which
+    # must run eagerly around a compiled block rather than be traced into its graph.
     def install_hooks(self) -> None:
         for layout in self.layouts:
             self._hooks.append(layout.module.register_forward_pre_hook(
@@ -133,8 +135,8 @@ class BlockRing:
         True. Marks the forward's start and end for the tracer (the planner's measurements)."""
         self._on_forward = callback
         root = self.component.module
-        self._root_hooks = [root.register_forward_pre_hook(self._root_pre),
-                            root.register_forward_hook(self._root_post)]
+        self._root_hooks = [root.register_forward_pre_hook(torch.compiler.disable(self._root_pre)),
+                            root.register_forward_hook(torch.compiler.disable(self._root_post))]
 
     def remove_hooks(self) -> None:
         for h in [*self._hooks, *self._root_hooks]:
