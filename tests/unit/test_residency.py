@@ -266,3 +266,28 @@ def test_a_ring_resident_for_good_installs_no_hooks():
     assert handle.summary()[0]["resident_blocks"] == [0, 1, 2, 3]
     assert not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
     handle.remove()
+
+
+def test_a_pipeline_under_a_budget_replans_each_ring_and_stays_bitwise_equal():
+    """DiT and text encoder share a budget; each ring plans from its own measured forward (the
+    DiT's second call is the first step's second guidance pass, the encoder's its second
+    prompt), and generations before and after the plans match the resident pipeline."""
+    def run(pipe):
+        return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
+                    **tiny.TINY_WAN_DEFAULTS).frames
+
+    ref = run(tiny.tiny_wan_pipeline(seed=1))
+    pipe = tiny.tiny_wan_pipeline(seed=1)
+    from omni_dist_offload.layout import layout_block
+    dit = sum(layout_block(i, "b", b).nbytes for i, b in enumerate(pipe.transformer.blocks))
+    enc = sum(layout_block(i, "b", b).nbytes for i, b in enumerate(pipe.text_encoder.encoder.block))
+    cfg = {"mode": "layer", "components": ["dit", "text_encoder"], "device_budget": int(0.7 * (dit + enc))}
+    handle = apply_offload(pipe, cfg)
+    for _ in range(2):
+        assert torch.equal(run(pipe), ref)
+    rows = {r["component"]: r for r in handle.summary()}
+    assert all(r["device_budget"] is not None for r in rows.values())
+    assert sum(r["resident_bytes"] + r["device_slot_bytes"] for r in rows.values()) <= cfg["device_budget"] + 4096
+    assert all(ring.plan is not None and (ring.plan.measured or not ring.streamed) for ring in handle.rings)
+    handle.remove()
+    assert torch.equal(run(pipe), ref)
