@@ -32,6 +32,7 @@ from torch import nn
 
 from ..apply import OffloadHandle, RingSummary, resolve_device
 from ..config import OffloadConfig
+from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
 from ..loading.pipelines import (
     DTYPES,
     ModelLoadError,
@@ -127,13 +128,18 @@ class Omni:
         load_kwargs: Mapping[str, Any] | None = None,
         cold_start: bool = True,
         device_budget: int | str | None = None,
+        compile: bool | str | None = None,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
         denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
         ``load_kwargs`` go to ``from_pretrained``.
         ``cold_start=False`` loads a folder whole before offloading it (the slower, memory-hungry
         path; for comparison and debugging). ``device_budget`` (bytes, ``"24GiB"``, ``"auto"``)
-        sets the config's ``device_budget``; without a config it streams the DiT within it."""
+        sets the config's ``device_budget``; without a config it streams the DiT within it.
+        ``compile``: ``True``/``"regional"`` compiles each DiT block with ``torch.compile``
+        (after offloading; the ring's hooks run between compiled blocks), ``"model"`` each DiT
+        whole; compilation happens in the first generation, whose metadata reports it apart."""
+        self.compile = resolve_compile(compile)
         self.model = model
         self.config = with_budget(diffusion_offload_config, device_budget)
         self.device = resolve_device(device)
@@ -146,6 +152,7 @@ class Omni:
         self.cold_start = loaded.cold_start
         """Whether the streamed components were cold-started from their safetensors files."""
         self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
+        self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
         self.set_progress(progress)
         self._signature = inspect.signature(self.pipeline.__call__)
         logger.info("%s ready on %s (%s) in %.1f s (load %.1f s, %s %.1f s)", model, self.device,
@@ -206,10 +213,13 @@ class Omni:
         latents on every device and rank."""
         call = self.call_kwargs(**options)
         generator = torch.Generator(device="cpu").manual_seed(seed)
+        compiling = compile_seconds() if self.compile else None
         start = time.perf_counter()
         out = self.pipeline(prompt=prompt, generator=generator, output_type="np", **call)
         pixels = to_uint8(out.frames[0] if hasattr(out, "frames") else out.images[0])
         elapsed = time.perf_counter() - start
+        after = compile_seconds() if compiling is not None else None
+        self._compile_s = after - compiling if after is not None else None
         kind = "video" if pixels.ndim == 4 else "image"
         result = GenerationResult(prompt=prompt, seed=seed, kind=kind, frames=pixels,
                                   name=name or f"seed{seed:05d}", fps=fps or DEFAULT_FPS)
@@ -244,8 +254,13 @@ class Omni:
             "dtype": _dtype_name(self.dtype),
             "offload_config": self.config.to_dict() if self.config else None,
             "offload_summary": self.summary(),
+            "compile": self.compile,
             "timings": {"setup_s": self.timings.setup_s, "load_s": self.timings.load_s,
-                        "place_s": self.timings.place_s, "generation_s": elapsed},
+                        "place_s": self.timings.place_s,
+                        # torch.compile's own time in this call (None: not compiled, or this torch
+                        # does not say), reported apart from the generation's.
+                        "compile_s": self._compile_s if self.compile else None,
+                        "generation_s": elapsed - (self._compile_s or 0.0) if self.compile else elapsed},
             "versions": _versions(),
         }
 

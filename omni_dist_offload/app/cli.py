@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..config import OffloadConfig, OffloadConfigError
+from ..loading.compiling import COMPILE_MODES
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..plan import module_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
@@ -82,6 +83,7 @@ class RunPlan:
     as_json: bool
     serve: ServeOptions | None = None
     cold_start: bool = True
+    compile: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +129,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--compile", nargs="?", const="regional", default=None, choices=list(COMPILE_MODES),
+                        help="torch.compile the DiT: regional (each block; the default when the flag "
+                        "is given alone) or model (whole); compile time is reported apart")
     parser.add_argument("--no-cold-start", action="store_true",
                         help="load a model folder whole before offloading it, instead of reading "
                         "each streamed block from the safetensors files into host memory")
@@ -212,7 +217,7 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         video_format=getattr(ns, "video_format", "auto"), fps=getattr(ns, "fps", None),
         progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False),
         serve=_serve_options(ns) if ns.command == "serve" else None,
-        cold_start=not getattr(ns, "no_cold_start", False))
+        cold_start=not getattr(ns, "no_cold_start", False), compile=getattr(ns, "compile", None))
 
 
 def _prompts(ns: argparse.Namespace) -> list[str]:
@@ -291,7 +296,7 @@ def _cmd_inspect(plan: RunPlan) -> int:
 def _cmd_serve(plan: RunPlan) -> int:
     setup_logging()
     factory = functools.partial(Omni, plan.model, plan.config, device=plan.device, dtype=plan.dtype,
-                                progress=False, cold_start=plan.cold_start)
+                                progress=False, cold_start=plan.cold_start, compile=plan.compile)
     return run_serve(factory, plan.device, plan.serve or ServeOptions())
 
 
@@ -311,7 +316,7 @@ _COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
 
 def _load(plan: RunPlan) -> Omni:
     return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress,
-                cold_start=plan.cold_start)
+                cold_start=plan.cold_start, compile=plan.compile)
 
 
 # -- the plan table ------------------------------------------------------------------------

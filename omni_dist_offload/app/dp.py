@@ -72,6 +72,8 @@ class RunReport:
     kind: str = "image"
     elapsed_s: float = 0.0
     """Wall time of the generation loop, the slowest rank's."""
+    compile_s: float = 0.0
+    """Of which torch.compile's own time on this rank (``Omni(compile=...)``)."""
 
     @property
     def per_minute(self) -> float:
@@ -81,8 +83,9 @@ class RunReport:
         """The final report: outputs per minute over the generation loop (setup excluded)."""
         noun = self.kind if self.total_count == 1 else f"{self.kind}s"
         ranks = "rank" if world_size == 1 else "ranks"
+        compiling = f", of which {self.compile_s:.1f} s compiling" if self.compile_s else ""
         return (f"generated {self.total_count} {noun} in {self.elapsed_s:.1f} s on {world_size} "
-                f"{ranks}: {self.per_minute:.2f} {self.kind}s/min (setup {setup_s:.1f} s, not counted)")
+                f"{ranks}{compiling}: {self.per_minute:.2f} {self.kind}s/min (setup {setup_s:.1f} s, not counted)")
 
 
 def run_jobs(
@@ -103,6 +106,7 @@ def run_jobs(
         job_start = time.perf_counter()
         result = omni.generate(job.prompt, seed=job.seed, name=f"{job.index:05d}", fps=fps, **options)
         report.kind = result.kind
+        report.compile_s += result.metadata["timings"].get("compile_s") or 0.0
         if job.padding:
             logger.info("wave %d/%d: padding call done (%.1f s), output discarded",
                         job.wave + 1, len(jobs), time.perf_counter() - job_start)

@@ -172,3 +172,17 @@ def test_tracing_prints_the_offload_summary_line(tmp_path, monkeypatch, capsys) 
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("offload trace, last forward, exposed wait: transformer ")
     assert "text_encoder" in last and "%" in last
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--compile"], "regional"),
+                                             (["--compile", "model"], "model")])
+def test_compile_flag(flags, expected):
+    from omni_dist_offload.app.cli import _validate, build_parser
+
+    plan = _validate(build_parser().parse_args(["generate", "--prompt", "a fox", *flags]))
+    assert plan.compile == expected
+
+
+def test_a_bad_compile_mode_exits_2(capsys):
+    assert main(["generate", "--prompt", "a fox", "--compile", "fast"]) == 2
+    assert "--compile: invalid choice: 'fast'" in capsys.readouterr().err

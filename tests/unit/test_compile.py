@@ -40,3 +40,29 @@ def test_regional_compile_after_offload_matches_compiled_resident(offload):
     # The same graphs as the compiled resident model: streaming adds none, and none recompiles.
     assert streamed["unique_graphs"] == resident["unique_graphs"]
     assert streamed["calls_captured"] == resident["calls_captured"]
+
+
+def test_omni_compiles_the_dit_after_offloading_and_reports_compile_time_apart():
+    from omni_dist_offload import Omni
+
+    kwargs = dict(prompt="a red fox", seed=0, num_inference_steps=2)
+    torch._dynamo.reset()  # compiled code is shared in a process: start from none
+    with Omni("tiny-wan", {"mode": "layer", "components": ["dit", "text_encoder"]}, compile=True) as omni:
+        assert omni.compile == "regional" and omni.compiled == ["transformer"]
+        first = omni.generate(**kwargs)
+        second = omni.generate(**kwargs)
+    with Omni("tiny-wan", None, compile="regional") as resident:
+        ref = resident.generate(**kwargs).frames
+    assert (first.frames == ref).all() and (second.frames == ref).all()
+    timings = first.metadata["timings"]
+    assert first.metadata["compile"] == "regional" and timings["compile_s"] > 0
+    assert second.metadata["timings"]["compile_s"] == 0  # compiled once: nothing recompiles
+    assert timings["generation_s"] > 0
+
+
+@pytest.mark.parametrize("value", ["fast", 1, "max-autotune"])
+def test_a_bad_compile_mode_is_refused_before_loading(value):
+    from omni_dist_offload import Omni
+
+    with pytest.raises(ValueError, match=r"compile=.*use True or \"regional\""):
+        Omni("tiny-wan", None, compile=value)
