@@ -17,7 +17,7 @@ import torch
 from ..config import OffloadConfig
 from ..plan import discover
 
-__all__ = ["COMPILE_MODES", "compile_dits", "compile_seconds", "resolve_compile"]
+__all__ = ["COMPILE_MODES", "compile_dits", "compile_seconds", "resolve_compile", "uncompile"]
 
 #: What ``compile=`` accepts (``True`` means ``"regional"``).
 COMPILE_MODES = ("regional", "model")
@@ -51,6 +51,14 @@ def compile_dits(target: Any, mode: str) -> list[str]:
                 block.compile()
         done.append(comp.name)
     return done
+
+
+def uncompile(target: Any) -> None:
+    """Undo :func:`compile_dits` on a bare module: every submodule runs eagerly again (the
+    compiled code stays in torch's cache, so compiling again is quick)."""
+    for module in target.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
 
 
 def compile_seconds() -> float | None:

@@ -11,7 +11,12 @@ one preset at one block count and one input shape; per case, in one process, the
 * ``rank-local``: ``apply_offload`` streaming every DiT block over this rank's own link;
 * ``allgather``: the same with per-rank host shards all-gathered block by block (world size > 1),
   with the default gather (the copy engines where the GPUs can map each other's memory);
-* ``allgather-nccl`` (only when asked for): allgather with NCCL's all-gather kernels.
+* ``allgather-nccl`` (only when asked for): allgather with NCCL's all-gather kernels;
+* ``compiled`` and ``compiled-streamed`` (only when asked for): the DiT's blocks compiled with
+  regional ``torch.compile`` (``loading.compiling``), resident and streamed rank-local (compiled
+  after offloading, as ``Omni(compile=True)`` does); both are compared bitwise with the compiled
+  resident model, and ``compiled-streamed`` also as a ratio to ``compiled``. With ``--budget``,
+  ``compiled-streamed`` runs once per budget.
 
 **Drift.** Variants run in a mirrored order, each streamed pass applying its offload once and
 removing it after::
@@ -72,6 +77,7 @@ from ..budget import MEASURED_FORWARD
 from ..config import OffloadConfig
 from ..hostmem import HostBuffer
 from ..layout import layout_block
+from ..loading.compiling import compile_dits, compile_seconds, uncompile
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
 from ..residency import format_bytes, min_budget, parse_bytes
@@ -86,7 +92,10 @@ from .timeline import draw_budget_sweep, draw_overhead, draw_timeline
 __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
 
 #: Streamed variants, in the order of the first half of the schedule.
-VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl")
+VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed")
+#: Variants with the DiT's blocks compiled (regional ``torch.compile``): resident, and streamed
+#: rank-local; compared bitwise with the compiled resident model.
+_COMPILED = ("compiled", "compiled-streamed")
 #: Variants that exist only under torchrun with several ranks.
 _MULTI_RANK = ("allgather", "allgather-nccl")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
@@ -128,6 +137,10 @@ class CaseResult:
     resident_blocks: int = 0
     slots: int = 0
     """Device slots of the ring (budget variants: as planned)."""
+    compile_s: float = 0.0
+    """Compiled variants: torch's compile time in the variant's first pass (warm-up)."""
+    vs_compiled: float | None = None
+    """Compiled-streamed variants: forward_ms / the ``compiled`` (resident) variant's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +222,7 @@ class _Pass:
     resident_blocks: int = 0
     slots: int = 0
     streamed_bytes: int = 0
+    compile_s: float = 0.0
 
 
 # -- timing --------------------------------------------------------------------------------
@@ -300,8 +314,9 @@ def schedule(variants: Sequence[str], world: int = 1, budgets: Sequence[Budget] 
     With budgets, each of our variants runs once per budget: ``rank-local@60%``."""
     streamed = [v for v in VARIANTS if v in variants and (v not in _MULTI_RANK or world > 1)]
     if budgets:
-        streamed = [f"{v}@{b.label}" if v != "peer" else v for v in streamed
-                    for b in (budgets if v != "peer" else budgets[:1])]
+        fixed = ("peer", "compiled")  # these hold no budget
+        streamed = [f"{v}@{b.label}" if v not in fixed else v for v in streamed
+                    for b in (budgets if v not in fixed else budgets[:1])]
     return [RESIDENT, *streamed, *reversed(streamed), RESIDENT]
 
 
@@ -390,6 +405,7 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
     variant warms up past its measured forward, so the timed forwards run the final plan."""
     label = variant.split("@")[1] if "@" in variant else None
     device_budget, budget_note = (budgets or {}).get(label, (None, ""))
+    compiling = compile_seconds()
     capped = label is not None and opts.memory_fraction is not None
     if capped:  # the model leaves the device first, so the cap holds only what the variant puts there
         model.cpu()
@@ -412,6 +428,9 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
         equal = bool(torch.equal(out, reference))
         if handle is not None:
             info = {**info, **_plan_info(handle)}
+        after = compile_seconds()
+        if compiling is not None and after is not None:
+            info["compile_s"] = after - compiling
         peak = _peak(opts.device) + info.get("outside_allocator_bytes", 0) / 2**20
         del out
     finally:
@@ -448,12 +467,23 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device,
     if variant == "peer":
         peer = PeerOffload(model, device)
         return peer.remove, {"host_bytes": peer.host_bytes(), "transfer": "group-offload", "note": peer.note}, None
+    if variant == "compiled":
+        compile_dits(model, "regional")
+        return (lambda: uncompile(model)), {"transfer": RESIDENT, "note": "regional torch.compile"}, None
     handle = _apply_ours(model, variant, device, device_budget=device_budget)
+    if variant.startswith("compiled-streamed"):
+        compile_dits(model, "regional")  # after offloading, as Omni(compile=True) does
+
+        def undo() -> None:
+            uncompile(model)
+            handle.remove()
+    else:
+        undo = handle.remove
     (row,) = handle.summary_rows()
     note = f"fell back to {row.weight_transfer}: {row.fallback_reason}" if row.fallback_reason else ""
     if row.gather:
         note = f"gather: {row.gather}" + (f"; {note}" if note else "")
-    return handle.remove, {"transfer": row.weight_transfer, "note": note, **_plan_info(handle)}, handle
+    return undo, {"transfer": row.weight_transfer, "note": note, **_plan_info(handle)}, handle
 
 
 # -- one case ------------------------------------------------------------------------------
@@ -490,14 +520,28 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     trace = None
     with torch.inference_mode():
         reference = forward()
+        references = {False: reference}
+        first_compile = 0.0
+        if any(v in _COMPILED for v in opts.variants):  # compiled kernels round otherwise: own reference
+            before = compile_seconds()
+            compile_dits(model, "regional")
+            references[True] = forward()
+            uncompile(model)
+            after = compile_seconds()
+            first_compile = after - before if before is not None and after is not None else 0.0
         for variant in schedule(opts.variants, opts.world, opts.budgets):
-            passes.setdefault(variant, []).append(_run_pass(variant, model, forward, reference, opts, budgets))
+            compiled = variant.split("@")[0] in _COMPILED
+            passes.setdefault(variant, []).append(
+                _run_pass(variant, model, forward, references[compiled], opts, budgets))
         compute = _block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
         if opts.trace_variant is not None:
             trace = _traced_forward(model, forward, opts)
     label = "x".join(map(str, shape))
     results = _summarise(passes, preset_name, blocks, label, compute, block_bytes, opts)
-    del model, inputs, reference
+    for r in results:  # the compiled reference compiled the blocks first: that is their compile time
+        if r.variant.split("@")[0] in _COMPILED:
+            r.compile_s = max(r.compile_s, first_compile)
+    del model, inputs, reference, references
     _empty(opts.device)
     return CaseRun(results, trace)
 
@@ -520,14 +564,18 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
     pooled = {v: [t for p in ps for t in p.times] for v, ps in passes.items()}
     medians = _slowest_rank({v: statistics.median(ts) for v, ts in pooled.items()}, opts.world)
     res_ms = medians[RESIDENT]
+    compiled_ms = medians.get("compiled")
     out = []
     for variant, ps in passes.items():
         transfer = ps[0].transfer
         share = opts.world if transfer == "allgather" else 1
         floor = res_ms if variant == RESIDENT else floor_ms(res_ms, compute, block_bytes, opts.bandwidth, share)
-        if "@" in variant and opts.bandwidth:
-            # A budget's floor: the compute, or copying the streamed bytes once a forward.
-            floor = max(res_ms, ps[0].streamed_bytes / share / opts.bandwidth * 1e3)
+        base = compiled_ms if variant.startswith("compiled") and compiled_ms else res_ms
+        if variant.startswith("compiled"):
+            floor = base
+        if ("@" in variant or variant.startswith("compiled-streamed")) and opts.bandwidth:
+            # The forward's floor: the compute, or copying the streamed bytes once a forward.
+            floor = max(base, ps[0].streamed_bytes / share / opts.bandwidth * 1e3)
         ms = medians[variant]
         out.append(CaseResult(
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
@@ -537,7 +585,9 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
             predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
-            resident_blocks=ps[0].resident_blocks, slots=ps[0].slots))
+            resident_blocks=ps[0].resident_blocks, slots=ps[0].slots,
+            compile_s=max(p.compile_s for p in ps),
+            vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None))
     return out
 
 
@@ -643,6 +693,8 @@ def format_table(results: Sequence[CaseResult]) -> str:
                      + (f"{pred_ms:>9.2f}{r.forward_ms / pred_ms:>8.3f}" if pred_ms else f"{'-':>9}{'-':>8}"))
         lines.append(line)
     notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
+    notes += [f"{r.variant}: {r.vs_compiled:.3f}x the compiled resident forward (compile {r.compile_s:.1f} s)"
+              for r in results if r.vs_compiled is not None]
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 

@@ -28,9 +28,12 @@ def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
     assert schedule(bench.DEFAULT_VARIANTS, world=2) == [
         "resident", "peer", "rank-local", "allgather", "allgather", "rank-local", "peer", "resident"]
     assert schedule(bench.VARIANTS, world=2) == [
-        "resident", "peer", "rank-local", "allgather", "allgather-nccl",
-        "allgather-nccl", "allgather", "rank-local", "peer", "resident"]
-    assert schedule(bench.VARIANTS, world=1) == schedule(bench.DEFAULT_VARIANTS, world=1)
+        "resident", "peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
+        "compiled-streamed", "compiled", "allgather-nccl", "allgather", "rank-local", "peer", "resident"]
+    # Multi-rank variants drop out on one rank.
+    assert schedule(bench.VARIANTS, world=1) == [
+        "resident", "peer", "rank-local", "compiled", "compiled-streamed",
+        "compiled-streamed", "compiled", "rank-local", "peer", "resident"]
     # The order is fixed whatever order the flags name them in.
     assert schedule(["allgather", "rank-local"], world=2) == [
         "resident", "rank-local", "allgather", "allgather", "rank-local", "resident"]
@@ -162,3 +165,15 @@ def test_budget_sweep_runs_each_budget_and_reports_the_plan(tmp_path, capsys) ->
     assert schedule(["peer", "rank-local"], 1, [bench.Budget.parse("0"), bench.Budget.parse("50")]) == [
         "resident", "peer", "rank-local@0%", "rank-local@50%", "rank-local@50%", "rank-local@0%", "peer",
         "resident"]
+
+
+def test_compiled_variants_compare_with_the_compiled_resident_model(tmp_path) -> None:
+    out_json = tmp_path / "compiled.json"
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "2", "--variants",
+             "compiled", "compiled-streamed", "--budget", "0", "100", "--json", str(out_json)]
+    assert cli_main(["bench", *flags]) == 0
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert list(rows) == ["resident", "compiled", "compiled-streamed@0%", "compiled-streamed@100%"]
+    assert all(r["bitwise_equal"] for r in rows.values())  # compiled ones against compiled resident
+    assert rows["compiled"]["compile_s"] > 0 and rows["compiled"]["vs_compiled"] is None
+    assert rows["compiled-streamed@0%"]["vs_compiled"] > 0 and rows["compiled-streamed@0%"]["slots"] == 2
