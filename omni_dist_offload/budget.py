@@ -98,7 +98,7 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
             for r in planned:
                 everything = tuple(range(len(r.nbytes)))
                 out[r.name] = Residency(resident=everything, num_slots=0, budget=whole[r.name], plan=ResidencyPlan(
-                    everything, 0, whole[r.name], 0.0, 0.0))
+                    everything, 0, whole[r.name], 0.0, 0.0, measured=False))
             logger.info("device_budget auto: %s free for block weights; every block of %s fits and stays "
                         "resident", "the whole device" if budget is None else format_bytes(budget),
                         [r.name for r in planned])

@@ -65,12 +65,12 @@ def parse_bytes(value: object, key: str) -> int:
         "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).")
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps one digit before the point."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

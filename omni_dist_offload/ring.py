@@ -113,6 +113,8 @@ class BlockRing:
         m = len(self.streamed)
         self._ahead = [tuple(self.streamed[(position[i] + d) % m] for d in range(1, min(count, m)))
                        if i in position else () for i in range(n)]
+        # What a prefetch for block i must not overwrite: i itself and the blocks ahead of it.
+        self._keep = [(i, *ahead) for i, ahead in enumerate(self._ahead)]
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""
@@ -167,13 +169,14 @@ class BlockRing:
             self._release(self._current, self._current_slot)
             self._disrupted = True
         tracer = self.tracer
-        stream = self._stream()
         if i in self.resident:
             if tracer is not None:
+                stream = self._stream()
                 tracer.before_wait(i, stream)
                 tracer.after_wait(i, stream)
             self._current, self._current_slot = i, _RESIDENT
             return
+        stream = self._stream()
         slot = self._slot_of(i)
         if slot == _EMPTY:
             slot = self._fetch_missing(i)
@@ -185,10 +188,9 @@ class BlockRing:
             tracer.after_wait(i, stream)
         bind(self.layouts[i].entries, self._slot_views[slot][i])
         self._current, self._current_slot = i, slot
-        ahead = self._ahead[i]
-        for nxt in ahead:  # the prefetch: fills go to the slots round robin
+        for nxt in self._ahead[i]:  # the prefetch: fills go to the slots round robin
             if self._slot_of(nxt) == _EMPTY:
-                self._fill(nxt, self._take_slot((i, *ahead)))
+                self._fill(nxt, self._take_slot(self._keep[i]))
         if not self._warned_grad and torch.is_grad_enabled():
             self._warn_grad()
 

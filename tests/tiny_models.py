@@ -53,6 +53,16 @@ def tiny_qwen2_model(num_layers: int = 3, seed: int = 0, dtype: torch.dtype = to
     return cast_like_pretrained(model, dtype)
 
 
+def wide_ffn_wan_transformer(num_layers: int) -> Any:
+    """The tiny Wan DiT with a 65536-wide FFN in every block: blocks large next to its
+    activations, for memory-bound tests."""
+    model = tiny_wan_transformer(num_layers=num_layers)  # noqa: F405 (from the star import)
+    for block in model.blocks:
+        block.ffn.net[0].proj = torch.nn.Linear(model.config.attention_head_dim * 2, 1 << 16)
+        block.ffn.net[2] = torch.nn.Linear(1 << 16, model.config.attention_head_dim * 2)
+    return model
+
+
 def _packed_image_ids(height: int, width: int) -> torch.Tensor:
     """Flux-style (0, row, col) position ids for a 2x2-packed latent of ``height x width``."""
     ids = torch.zeros(height // 2, width // 2, 3)

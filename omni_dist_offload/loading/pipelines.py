@@ -24,6 +24,7 @@ from ..apply import OffloadHandle, apply_offload
 from ..config import OffloadConfig
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINES, cast_like_pretrained
 from ..plan import module_bytes
+from ..residency import format_bytes
 from .checkpoint import CheckpointSource
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
 from .folders import dtype_kwarg, pipeline_class
@@ -185,11 +186,3 @@ def module_components(pipe: Any) -> dict[str, nn.Module]:
     """A pipeline's module components by attribute name."""
     components = getattr(pipe, "components", None) or {}
     return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"

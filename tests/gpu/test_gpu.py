@@ -73,10 +73,7 @@ def test_peak_memory_is_nonblock_plus_two_blocks_plus_activations():
     gc.collect()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
-    model = tiny.tiny_wan_transformer(num_layers=6)
-    for block in model.blocks:  # make the blocks large next to the activations
-        block.ffn.net[0].proj = torch.nn.Linear(model.config.attention_head_dim * 2, 1 << 16)
-        block.ffn.net[2] = torch.nn.Linear(1 << 16, model.config.attention_head_dim * 2)
+    model = tiny.wide_ffn_wan_transformer(num_layers=6)  # blocks large next to the activations
     model.cuda()
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
     block_bytes = [sum(t.numel() * t.element_size() for t in list(b.parameters()) + list(b.buffers()))

@@ -12,21 +12,12 @@ from omni_dist_offload import apply_offload
 pytestmark = pytest.mark.gpu
 
 
-def _big_block_wan(num_layers: int = 8):
-    """A tiny Wan whose blocks are large next to its activations."""
-    model = tiny.tiny_wan_transformer(num_layers=num_layers)
-    for block in model.blocks:
-        block.ffn.net[0].proj = torch.nn.Linear(model.config.attention_head_dim * 2, 1 << 16)
-        block.ffn.net[2] = torch.nn.Linear(1 << 16, model.config.attention_head_dim * 2)
-    return model
-
-
 @pytest.mark.parametrize("share", [0.45, 0.7])
 def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
     gc.collect()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
-    model = _big_block_wan().cuda()
+    model = tiny.wide_ffn_wan_transformer(num_layers=8).cuda()
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
     block_bytes = [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for b in model.blocks]
     total = torch.cuda.memory_allocated() - start
@@ -59,7 +50,7 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
 
 @torch.inference_mode()
 def test_auto_under_a_capped_device_streams_what_does_not_fit():
-    model = _big_block_wan().cuda()
+    model = tiny.wide_ffn_wan_transformer(num_layers=8).cuda()
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
     ref = model(**batch)[0]
     blocks = sum(t.numel() * t.element_size() for b in model.blocks for t in [*b.parameters(), *b.buffers()])

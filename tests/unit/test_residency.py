@@ -17,6 +17,11 @@ def _cfg(resident, component: str = "dit") -> dict:
             "layer_options": {component: {"resident_blocks": resident}}}
 
 
+def _generate(pipe):
+    return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
+                **tiny.TINY_WAN_DEFAULTS).frames
+
+
 @pytest.mark.parametrize("resident, expected", [([1, 3], [1, 3]), ([4, 0], [0, 4]), (2, [1, 3]), (1, [2]),
                                                 (4, [0, 1, 3, 4]), (0, [])])
 def test_resident_blocks_stay_put_and_outputs_stay_bitwise_equal(resident, expected):
@@ -53,17 +58,13 @@ def test_resident_blocks_stay_put_and_outputs_stay_bitwise_equal(resident, expec
 
 
 def test_a_wan_pipeline_with_resident_dit_and_encoder_blocks_is_bitwise_equal():
-    def run(pipe):
-        return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
-                    **tiny.TINY_WAN_DEFAULTS).frames
-
-    ref = run(tiny.tiny_wan_pipeline(seed=1))
+    ref = _generate(tiny.tiny_wan_pipeline(seed=1))
     pipe = tiny.tiny_wan_pipeline(seed=1)
     cfg = {"mode": "layer", "components": ["dit", "text_encoder"],
            "layer_options": {"dit": {"resident_blocks": [1]}, "text_encoder": {"resident_blocks": 1}}}
     handle = apply_offload(pipe, cfg)
     assert {r.component: r.resident_blocks for r in handle.summary_rows()} == {"transformer": [1], "text_encoder": [1]}
-    assert torch.equal(run(pipe), ref) and torch.equal(run(pipe), ref)
+    assert torch.equal(_generate(pipe), ref) and torch.equal(_generate(pipe), ref)
     handle.remove()
 
 
@@ -273,11 +274,7 @@ def test_a_pipeline_under_a_budget_replans_each_ring_and_stays_bitwise_equal():
     """DiT and text encoder share a budget; each ring plans from its own measured forward (the
     DiT's second call is the first step's second guidance pass, the encoder's its second
     prompt), and generations before and after the plans match the resident pipeline."""
-    def run(pipe):
-        return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
-                    **tiny.TINY_WAN_DEFAULTS).frames
-
-    ref = run(tiny.tiny_wan_pipeline(seed=1))
+    ref = _generate(tiny.tiny_wan_pipeline(seed=1))
     pipe = tiny.tiny_wan_pipeline(seed=1)
     from omni_dist_offload.layout import layout_block
     dit = sum(layout_block(i, "b", b).nbytes for i, b in enumerate(pipe.transformer.blocks))
@@ -285,10 +282,10 @@ def test_a_pipeline_under_a_budget_replans_each_ring_and_stays_bitwise_equal():
     cfg = {"mode": "layer", "components": ["dit", "text_encoder"], "device_budget": int(0.7 * (dit + enc))}
     handle = apply_offload(pipe, cfg)
     for _ in range(2):
-        assert torch.equal(run(pipe), ref)
+        assert torch.equal(_generate(pipe), ref)
     rows = {r["component"]: r for r in handle.summary()}
     assert all(r["device_budget"] is not None for r in rows.values())
     assert sum(r["resident_bytes"] + r["device_slot_bytes"] for r in rows.values()) <= cfg["device_budget"] + 4096
     assert all(ring.plan is not None and (ring.plan.measured or not ring.streamed) for ring in handle.rings)
     handle.remove()
-    assert torch.equal(run(pipe), ref)
+    assert torch.equal(_generate(pipe), ref)
