@@ -40,7 +40,7 @@ from .plan import (
     is_bare_module,
     pipeline_modules,
 )
-from .ring import BlockRing
+from .ring import BlockRing, check_not_cuda_graphs
 from .trace import trace_enabled
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
@@ -280,6 +280,10 @@ def apply_offload(
     components = discover(target, cfg, plan)
     layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+    for c in components:
+        check_not_cuda_graphs(c.name, c.module)
+        for name, block in c.blocks:
+            check_not_cuda_graphs(f"{c.name} block {name}", block)
     sources = _checked_sources(block_sources, components)
     _check_process_group(process_group)
     groups = GroupSession(cfg.collective_timeout_s)

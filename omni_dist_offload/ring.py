@@ -25,12 +25,47 @@ from .residency import ResidencyPlan, RingCosts
 from .trace import RingTracer
 from .transfer.protocol import WeightTransfer
 
-__all__ = ["NUM_SLOTS", "BlockRing"]
+__all__ = ["NUM_SLOTS", "BlockRing", "check_not_cuda_graphs"]
 
 _EMPTY = -1
 _RESIDENT = -2
 #: Device slots of a ring without a residency plan: the block that runs, and the next one arriving.
 NUM_SLOTS = 2
+
+
+def _compile_config(module: torch.nn.Module) -> Mapping | None:
+    """The inductor options ``module`` was compiled with: ``nn.Module.compile()`` (and diffusers'
+    ``compile_repeated_blocks``) keep the compiled callable as ``_compiled_call_impl``;
+    ``torch.compile(module)`` returns an ``OptimizedModule`` that answers itself. None when not
+    compiled, or compiled by a backend other than inductor."""
+    fn = getattr(module, "_compiled_call_impl", None)
+    if fn is None and hasattr(module, "_orig_mod"):
+        fn = module
+    get = getattr(fn, "get_compiler_config", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except Exception:  # a private API: a torch that answers otherwise is treated as not compiled
+        return None
+
+
+def check_not_cuda_graphs(name: str, module: torch.nn.Module) -> None:
+    """Refuse a module compiled with CUDA graphs (``mode="reduce-overhead"``, or
+    ``options={"triton.cudagraphs": True}``) before it runs streamed.
+
+    A CUDA graph replays the addresses it recorded, and a streamed block's weights are at a
+    different slot address from one call to the next (and, under a plan, from one block to the
+    next): torch would re-record or replay stale weights. The regional resident model fails in
+    CUDA-graph trees too (a block's output is overwritten by the next block's replay), so there
+    is no reference this stack could match."""
+    config = _compile_config(module)
+    if config is not None and config.get("triton.cudagraphs"):
+        raise RuntimeError(
+            f"{name} was compiled with CUDA graphs (mode=\"reduce-overhead\" or the inductor option "
+            "triton.cudagraphs), which streamed blocks cannot replay: their weights move between "
+            "device slots. Compile with the default mode or mode=\"max-autotune-no-cudagraphs\" "
+            "(regional: model.compile_repeated_blocks(), or torch.compile on each block).")
 
 
 class BlockRing:
@@ -80,6 +115,10 @@ class BlockRing:
         self._warned_grad = False
         self._hooks: list = []
         self._root_hooks: list = []
+        # Per block, the compiled callable last checked for CUDA graphs (a user may compile
+        # after apply_offload): an identity test per block, a real check only when it changes.
+        self._compiled_seen: list[object] = [None] * len(self.layouts)
+        self._root_compiled_seen: object = None
         self._on_forward: Callable[[BlockRing], bool] | None = None
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
@@ -163,6 +202,13 @@ class BlockRing:
 
     # -- per-block path: no host synchronisation, no allocation -------------------------
     def _pre_forward(self, i: int, module, args) -> None:
+        if module._compiled_call_impl is not self._compiled_seen[i]:
+            check_not_cuda_graphs(f"{self.component.name} block {self.layouts[i].name}", module)
+            self._compiled_seen[i] = module._compiled_call_impl
+        root = self.component.module
+        if root._compiled_call_impl is not self._root_compiled_seen:
+            check_not_cuda_graphs(self.component.name, root)
+            self._root_compiled_seen = root._compiled_call_impl
         if self._current != _EMPTY:
             # The last block's post-forward never ran: torch calls always_call hooks on
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.

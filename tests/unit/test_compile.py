@@ -85,3 +85,53 @@ def test_offloading_an_already_compiled_model():
     handle.remove()
     with torch.no_grad():
         assert torch.equal(model(**batch)[0], ref[0])
+
+
+def test_cuda_graphs_are_refused_before_anything_changes():
+    """mode="reduce-overhead" records weight addresses that streaming moves: refused by
+    apply_offload (compiled first) with the modes that work, the model left as it was."""
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    model.compile_repeated_blocks(mode="reduce-overhead")
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"transformer block blocks.0 was compiled with CUDA graphs.*max-autotune-no-cudagraphs"):
+        apply_offload(model, {"mode": "layer"})
+    assert [p.data_ptr() for p in model.parameters()] == before
+    assert not model.blocks[0]._forward_pre_hooks
+
+
+def test_cuda_graphs_compiled_after_offload_are_refused_at_the_first_forward():
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    batch = tiny.wan_transformer_inputs(model)
+    with torch.no_grad():
+        ref = model(**batch)[0]
+    handle = apply_offload(model, {"mode": "layer"})
+    model.compile(mode="reduce-overhead")
+    with pytest.raises(RuntimeError, match=r"transformer was compiled with CUDA graphs"), torch.no_grad():
+        model(**batch)
+    # Compiled again without CUDA graphs (aot_eager: eager kernels), the ring runs on as before.
+    torch._dynamo.reset()
+    model.compile(backend="aot_eager")
+    with torch.no_grad():
+        assert all(torch.equal(model(**batch)[0], ref) for _ in range(2))
+    handle.remove()
+
+
+def test_whole_model_compile_splits_at_the_blocks_and_never_recompiles():
+    """A whole-model graph cannot hold the ring's per-block stream work: Dynamo compiles around
+    each block's hooks. With eager kernels (aot_eager) the result is the resident model's,
+    bitwise, and after the first forward no graph is added as slots alternate and wrap."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny.tiny_wan_transformer(num_layers=4)
+    batch = tiny.wan_transformer_inputs(model)
+    with torch.no_grad():
+        ref = model(**batch)[0]
+    handle = apply_offload(model, {"mode": "layer"})
+    model.compile(backend="aot_eager")
+    graphs = []
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(model(**batch)[0], ref)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 3
+    handle.remove()
