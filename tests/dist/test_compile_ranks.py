@@ -11,19 +11,22 @@ from omni_dist_offload import apply_offload
 from ranks import run_ranks
 
 
-def _compiled(rank, offload: bool) -> dict:
+def compiled(rank, offload: bool, gather: str = "auto") -> dict:
+    """Also run on GPUs, bf16 (gpu/test_gpu_allgather.py)."""
     torch._dynamo.reset()
     counters.clear()
-    model = tiny.tiny_wan_transformer(num_layers=4)
-    batch = tiny.wan_transformer_inputs(model)
+    cuda = rank.device.type == "cuda"
+    model = tiny.tiny_wan_transformer(num_layers=4, dtype=torch.bfloat16 if cuda else torch.float32).to(rank.device)
+    batch = {k: v.to(rank.device) if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
     handle = None
     if offload:
-        cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 60, "device_budget": "96KiB",
-               "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+        cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 60,
+               "device_budget": "48KiB" if cuda else "96KiB",  # about half the blocks, either dtype
+               "layer_options": {"dit": {"weight_transfer": "allgather", "gather": gather}}}
         handle = apply_offload(model, cfg)
     model.compile_repeated_blocks(fullgraph=False)
     with torch.no_grad():
-        outs = [model(**batch)[0] for _ in range(4)]
+        outs = [model(**batch)[0].float().cpu() for _ in range(4)]
     row = handle.summary()[0] if handle is not None else None
     if handle is not None:
         handle.remove()
@@ -32,8 +35,8 @@ def _compiled(rank, offload: bool) -> dict:
 
 
 def test_regional_compile_on_an_allgather_ring_under_a_budget():
-    ref = run_ranks(_compiled, 2, args=(False,), timeout=240)
-    got = run_ranks(_compiled, 2, args=(True,), timeout=240)
+    ref = run_ranks(compiled, 2, args=(False,), timeout=240)
+    got = run_ranks(compiled, 2, args=(True,), timeout=240)
     for r, g in zip(ref, got):
         assert g["row"]["weight_transfer"] == "allgather" and g["row"]["num_blocks"] >= 2
         assert g["outs"] == r["outs"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dist.test_allgather_ranks import parity
+from dist.test_compile_ranks import compiled
 from ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -24,3 +25,17 @@ def test_parity_on_gpus(gather, ranks):
         for row in r["parity"]["summary"]:
             assert row["weight_transfer"] == "allgather" and row["gather"] == gather, row
             assert row["host_bytes"] <= row["block_bytes"] / world + row["num_blocks"] * 4096
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("gather", ["copy-engine", "nccl"])
+def test_regional_compile_on_an_allgather_ring_under_a_budget_on_gpus(gather):
+    """Compiled after offloading, streamed by allgather under a budget: bitwise equal to the
+    compiled resident model on both ranks, with the same graphs."""
+    ref = run_ranks(compiled, 2, args=(False,), device="cuda", timeout=300)
+    got = run_ranks(compiled, 2, args=(True, gather), device="cuda", timeout=300)
+    for r, g in zip(ref, got):
+        assert g["row"]["weight_transfer"] == "allgather" and g["row"]["gather"] == gather, g["row"]
+        assert g["row"]["num_blocks"] >= 2
+        assert g["outs"] == r["outs"]
+        assert g["graphs"] == r["graphs"]
