@@ -68,6 +68,13 @@ def check_not_cuda_graphs(name: str, module: torch.nn.Module) -> None:
             "(regional: model.compile_repeated_blocks(), or torch.compile on each block).")
 
 
+def _list_slot(root: torch.nn.Module, name: str) -> tuple[dict, str]:
+    """The ``_modules`` dict of the list holding block ``name`` (a dotted path under ``root``,
+    such as ``blocks.0``) and the block's key in it."""
+    parent, _, key = name.rpartition(".")
+    return (root.get_submodule(parent) if parent else root)._modules, key
+
+
 class BlockRing:
     """Streams the non-resident blocks of one component through ``num_slots`` device slots."""
 
@@ -115,10 +122,13 @@ class BlockRing:
         self._warned_grad = False
         self._hooks: list = []
         self._root_hooks: list = []
-        # Per block, the compiled callable last checked for CUDA graphs (a user may compile
-        # after apply_offload): an identity test per block, a real check only when it changes.
-        self._compiled_seen: list[object] = [None] * len(self.layouts)
-        self._root_compiled_seen: object = None
+        # What the pre-forward checks for CUDA graphs (a user may compile after apply_offload):
+        # the block's compiled callable, the entry in its ModuleList (which torch.compile(block)
+        # may have replaced with a wrapper) and the component's compiled callable. An identity
+        # test each per block; a real check only when one changes.
+        root = component.module
+        self._list_slots = [_list_slot(root, l.name) for l in self.layouts]
+        self._compile_seen: list[tuple[object, object, object]] = [(None, None, None)] * len(self.layouts)
         self._on_forward: Callable[[BlockRing], bool] | None = None
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
@@ -202,13 +212,11 @@ class BlockRing:
 
     # -- per-block path: no host synchronisation, no allocation -------------------------
     def _pre_forward(self, i: int, module, args) -> None:
-        if module._compiled_call_impl is not self._compiled_seen[i]:
-            check_not_cuda_graphs(f"{self.component.name} block {self.layouts[i].name}", module)
-            self._compiled_seen[i] = module._compiled_call_impl
-        root = self.component.module
-        if root._compiled_call_impl is not self._root_compiled_seen:
-            check_not_cuda_graphs(self.component.name, root)
-            self._root_compiled_seen = root._compiled_call_impl
+        entries, key = self._list_slots[i]
+        seen = self._compile_seen[i]
+        if (module._compiled_call_impl is not seen[0] or entries.get(key) is not seen[1]
+                or self.component.module._compiled_call_impl is not seen[2]):
+            self._check_compiled(i, module)
         if self._current != _EMPTY:
             # The last block's post-forward never ran: torch calls always_call hooks on
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
@@ -239,6 +247,18 @@ class BlockRing:
                 self._fill(nxt, self._take_slot(self._keep[i]))
         if not self._warned_grad and torch.is_grad_enabled():
             self._warn_grad()
+
+    def _check_compiled(self, i: int, module: torch.nn.Module) -> None:
+        """Something was compiled since block ``i`` last ran: refuse CUDA graphs (see
+        :func:`check_not_cuda_graphs`) before the ring changes anything."""
+        entries, key = self._list_slots[i]
+        entry, root = entries.get(key), self.component.module
+        name = f"{self.component.name} block {self.layouts[i].name}"
+        check_not_cuda_graphs(name, module)
+        if entry is not None and entry is not module:
+            check_not_cuda_graphs(name, entry)
+        check_not_cuda_graphs(self.component.name, root)
+        self._compile_seen[i] = (module._compiled_call_impl, entry, root._compiled_call_impl)
 
     def _post_forward(self, i: int, module, args, output) -> None:
         if self._current != i:  # the pre-forward did not get as far as binding: nothing to release

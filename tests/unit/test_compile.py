@@ -135,3 +135,34 @@ def test_whole_model_compile_splits_at_the_blocks_and_never_recompiles():
             graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 3
     handle.remove()
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_blocks_replaced_by_torch_compile_wrappers(order):
+    """``model.blocks[i] = torch.compile(block)``, before or after offloading: bitwise equal to
+    the same on the resident model (aot_eager: eager kernels), one graph; and the same with CUDA
+    graphs is refused, after offloading at the first forward."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny.tiny_wan_transformer(num_layers=4)
+    batch = tiny.wan_transformer_inputs(model)
+    with torch.no_grad():
+        ref = model(**batch)[0]
+
+    def wrap(**kwargs):
+        for i, block in enumerate(list(model.blocks)):
+            model.blocks[i] = torch.compile(getattr(block, "_orig_mod", block), **kwargs)
+
+    if order == "before":
+        wrap(backend="aot_eager")
+    handle = apply_offload(model, {"mode": "layer"})
+    if order == "after":
+        wrap(backend="aot_eager")
+    with torch.no_grad():
+        assert all(torch.equal(model(**batch)[0], ref) for _ in range(3))
+    assert counters["stats"]["unique_graphs"] == 1
+    if order == "after":
+        wrap(mode="reduce-overhead")
+        with pytest.raises(RuntimeError, match="blocks.0 was compiled with CUDA graphs"), torch.no_grad():
+            model(**batch)
+    handle.remove()
