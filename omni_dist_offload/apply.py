@@ -41,6 +41,7 @@ from .plan import (
     pipeline_modules,
 )
 from .ring import BlockRing, check_not_cuda_graphs
+from .tenants import BlockWatch
 from .trace import trace_enabled
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
@@ -114,6 +115,7 @@ class OffloadHandle:
         self._originals: dict[int, list[list[torch.Tensor]]] = {}
         self._undo_moves: list[Callable[[], None]] = []
         self._removed = False
+        self._watch: BlockWatch | None = None
 
     def summary_rows(self) -> list[RingSummary]:
         """One typed row per streamed ring."""
@@ -162,6 +164,7 @@ class OffloadHandle:
         if self._removed:
             return
         self._synchronize()
+        self._close_watch()
         for ring in self.rings:
             ring.remove_hooks()
             ring.restore(self.device)
@@ -191,6 +194,8 @@ class OffloadHandle:
                 ring.install_hooks()
         for mod in self._modules.values():
             setattr(mod, _STATE_ATTR, self)
+        # Adapters loaded or fused after this point reach the device (see tenants.py).
+        self._watch = BlockWatch(self.rings)
 
     def _commit(self) -> None:
         """Setup succeeded everywhere: drop the original storage of allgather blocks."""
@@ -200,6 +205,7 @@ class OffloadHandle:
     def _rollback(self) -> None:
         """Undo a partial setup: blocks and resident tensors go back where they were."""
         self._synchronize()
+        self._close_watch()
         for undo in reversed(self._undo_moves):
             undo()
         self._undo_moves = []
@@ -216,6 +222,11 @@ class OffloadHandle:
         self._originals = {}
         self._unmark()
         self._removed = True
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

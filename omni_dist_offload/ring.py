@@ -14,8 +14,9 @@ residency plan ([Note: residency planner]), which can change once, between two f
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -27,6 +28,7 @@ from .transfer.protocol import WeightTransfer
 
 __all__ = ["NUM_SLOTS", "BlockRing", "check_not_cuda_graphs"]
 
+_T = TypeVar("_T")
 _EMPTY = -1
 _RESIDENT = -2
 #: Device slots of a ring without a residency plan: the block that runs, and the next one arriving.
@@ -66,6 +68,18 @@ def check_not_cuda_graphs(name: str, module: torch.nn.Module) -> None:
             "triton.cudagraphs), which streamed blocks cannot replay: their weights move between "
             "device slots. Compile with the default mode or mode=\"max-autotune-no-cudagraphs\" "
             "(regional: model.compile_repeated_blocks(), or torch.compile on each block).")
+
+
+def _keep_in(name: str, tensor: torch.Tensor, view: torch.Tensor) -> None:
+    """An edit may have given ``tensor`` new storage (``weight.data = merged``): copy what it
+    holds into ``view``, the storage the ring owns for it."""
+    data = tensor.data
+    if data.data_ptr() == view.data_ptr() and data.stride() == view.stride():
+        return
+    if data.shape != view.shape or data.dtype != view.dtype:
+        raise RuntimeError(f"{name}: an edit changed it to {tuple(data.shape)} {data.dtype}, from "
+                           f"{tuple(view.shape)} {view.dtype}; a streamed tensor keeps its shape and dtype.")
+    view.copy_(data)
 
 
 def _list_slot(root: torch.nn.Module, name: str) -> tuple[dict, str]:
@@ -129,6 +143,12 @@ class BlockRing:
         root = component.module
         self._list_slots = [_list_slot(root, l.name) for l in self.layouts]
         self._compile_seen: list[tuple[object, object, object]] = [(None, None, None)] * len(self.layouts)
+        # Tensors added to the blocks after setup (a LoRA adapter loaded after apply_offload)
+        # are not in any layout: the ring does not stream them. ``adopt_pending`` is set by
+        # whoever saw one added (``tenants.BlockWatch``); the next block to run, or the next
+        # edit, moves them to the device first (:meth:`adopt_strays`).
+        self._entry_ids = frozenset(id(e.tensor) for l in self.layouts for e in l.entries)
+        self.adopt_pending = False
         self._on_forward: Callable[[BlockRing], bool] | None = None
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
@@ -212,6 +232,8 @@ class BlockRing:
 
     # -- per-block path: no host synchronisation, no allocation -------------------------
     def _pre_forward(self, i: int, module, args) -> None:
+        if self.adopt_pending:
+            self.adopt_strays()
         entries, key = self._list_slots[i]
         seen = self._compile_seen[i]
         if (module._compiled_call_impl is not seen[0] or entries.get(key) is not seen[1]
@@ -339,6 +361,73 @@ class BlockRing:
             "weights. Run under torch.no_grad() or torch.inference_mode().",
             RuntimeWarning, stacklevel=4,
         )
+
+    # -- changes to the blocks after setup: between forwards ---------------------------------
+    def adopt_strays(self) -> None:
+        """Move the tensors the blocks gained after setup (not in any layout) to the device,
+        where they stay: a LoRA adapter loaded after ``apply_offload`` is created beside the
+        parked host copies, and is small next to its block (rank 16 on a Wan-14B projection:
+        0.3 MB against 12 MB), so it stays resident rather than growing every slot."""
+        self.adopt_pending = False
+        # Ordinary tensors, whatever mode the forward runs in: their creator made them so.
+        with torch.inference_mode(False), torch.no_grad():
+            for layout in self.layouts:
+                for t in itertools.chain(layout.module.parameters(), layout.module.buffers()):
+                    if id(t) not in self._entry_ids and t.device != self.device:
+                        t.data = t.data.to(self.device)
+
+    def edit_block(self, i: int, edit: Callable[[], _T]) -> _T:
+        """Run ``edit()`` with block ``i``'s tensors on the device, and keep what it leaves in
+        them: in the block's device buffer if it is resident, else in its slot and written back
+        to its host copy (this rank's shard under allgather), so later forwards and
+        ``remove()`` see it. For edits between forwards, such as fusing a LoRA adapter into a
+        block's weights: computed on the device as on the resident model, so the bits match.
+        Synchronises; collective under allgather (every rank edits the same blocks in the same
+        order). If ``edit`` raises, a streamed block keeps its host copy as it was."""
+        if self._current != _EMPTY:
+            raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} cannot be edited "
+                               "during a forward; edit between forwards.")
+        if self.adopt_pending:
+            self.adopt_strays()
+        layout = self.layouts[i]
+        with torch.no_grad():
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            slot = None
+            if i in self.resident:
+                views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
+            else:
+                slot = self._slot_of(i)
+                if slot == _EMPTY:
+                    # Not the slot of the block the next forward starts with, prefetched by the
+                    # last one: the edit leaves the ring warm.
+                    slot = self._take_slot(keep=self.streamed[:1] if self.num_slots > 1 else ())
+                    self._fill(i, slot)
+                if self._cuda:
+                    self._ready[slot].synchronize()  # an edit, not the per-block path
+                views = self._slot_views[slot][i]
+            bind(layout.entries, views)
+            try:
+                result = edit()
+                for entry, view in zip(layout.entries, views):
+                    _keep_in(entry.name, entry.tensor, view)
+                if slot is not None:
+                    self.transfer.write_back(i, self._fill_views[slot][i])
+                elif self.transfer.has_host_copy(i):
+                    # Resident under a plan that is not final yet: a later plan may stream it
+                    # again, from its host copy, which must hold the edit too.
+                    padded = torch.zeros(self.transfer.device_nbytes(i), dtype=torch.uint8, device=self.device)
+                    padded[: layout.nbytes].copy_(self._device_blocks[i][: layout.nbytes])
+                    self.transfer.write_back(i, padded)
+                if self._cuda:
+                    torch.cuda.synchronize(self.device)
+            except BaseException:
+                if slot is not None:  # the slot may hold a half-edited block: it holds none now
+                    self._slot_block[slot] = _EMPTY
+                raise
+            finally:
+                bind(layout.entries, self._parked[i] if slot is not None else views)
+        return result
 
     # -- the residency plan: between forwards ------------------------------------------------
     def measured_costs(self, report: Mapping) -> RingCosts | None:

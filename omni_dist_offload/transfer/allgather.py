@@ -113,6 +113,11 @@ class AllGatherTransfer:
         if marks is not None:
             marks[1].record(comm)
 
+    def write_back(self, block, src) -> None:
+        shard = self.shards[block].tensor
+        for _offset, mine, c, pos in self._chunks[block]:  # this rank's piece of every chunk
+            shard[pos : pos + c].copy_(src[mine : mine + c])
+
     def close(self) -> None:
         self.slots = []
 

@@ -67,6 +67,11 @@ class WeightTransfer(Protocol):
         Without an accelerator (events are None) the fill is complete when it returns.
         ``marks``: when tracing, a (start, end) pair of trace marks to record around the fill."""
 
+    def write_back(self, block: int, src: torch.Tensor) -> None:
+        """Write block ``block``'s bytes from ``src`` (a device slot holding the whole block, as
+        :meth:`fill` left it, then edited) into its host copy: the whole block, or this rank's
+        shard. Between forwards; returns when the host copy holds them."""
+
     def close(self) -> None:
         """Drop what the transfer holds besides its host copy (slots, helper threads).
         Idempotent. The caller has synchronised the device."""

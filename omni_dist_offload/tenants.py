@@ -1,0 +1,100 @@
+"""Changes made to streamed blocks after ``apply_offload``: LoRA adapters and the like.
+
+diffusers and peft change a model in place. ``load_lora_weights`` (peft's injection) replaces a
+block's linear layers by LoRA layers whose adapter weights are created beside the base weight:
+for a streamed block, beside its parked host copy, where no forward can read them. ``fuse_lora``
+adds the adapters into the base weights, on the base weight's device and through ``.data``.
+A :class:`BlockWatch` follows both for every ring of a handle:
+
+- a module, parameter or buffer registered under a block marks the block's ring
+  (``adopt_pending``); before its next block runs, or its next edit, the ring moves the tensors
+  no layout knows to the device, where they stay (:meth:`BlockRing.adopt_strays`);
+- a tuner layer in a block (peft's ``BaseTunerLayer``, known by its ``merge``, ``unmerge`` and
+  ``get_base_layer``), found at setup or registered later, has ``merge`` and ``unmerge`` run
+  inside :meth:`BlockRing.edit_block`: on the device as on the resident model (so the fused
+  bits match), then written back into the host copy, every rank's shard under allgather.
+
+It uses torch's global registration hooks while the watch lives, and knows peft's layers by
+their methods only: nothing here imports peft. See ``docs/design.md``, [Note: tenants].
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Sequence
+
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from .ring import BlockRing
+
+__all__ = ["EDITED_METHODS", "BlockWatch"]
+
+#: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
+EDITED_METHODS = ("merge", "unmerge")
+
+
+def _is_tuner_layer(module: nn.Module) -> bool:
+    return all(callable(getattr(module, name, None)) for name in (*EDITED_METHODS, "get_base_layer"))
+
+
+def _edited(ring: BlockRing, index: int, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return ring.edit_block(index, functools.partial(method, *args, **kwargs))
+
+
+class BlockWatch:
+    """Follows the blocks of ``rings`` until :meth:`close`."""
+
+    def __init__(self, rings: Sequence[BlockRing]) -> None:
+        # Weak: a module dropped from a block (an unloaded LoRA layer) leaves no entry behind,
+        # and a new module at a reused address is never mistaken for it.
+        self._owner: weakref.WeakKeyDictionary[nn.Module, tuple[BlockRing, int]] = weakref.WeakKeyDictionary()
+        self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        for ring in rings:
+            for layout in ring.layouts:
+                self._follow(layout.module, ring, layout.index)
+        self._hooks = [
+            register_module_module_registration_hook(self._on_module),
+            register_module_parameter_registration_hook(self._on_tensor),
+            register_module_buffer_registration_hook(self._on_tensor),
+        ]
+
+    def close(self) -> None:
+        """Stop watching; tuner layers get their own ``merge`` and ``unmerge`` back. Idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for layer in list(self._wrapped):
+            for name in EDITED_METHODS:
+                layer.__dict__.pop(name, None)
+        self._wrapped = weakref.WeakSet()
+        self._owner = weakref.WeakKeyDictionary()
+
+    def _follow(self, module: nn.Module, ring: BlockRing, index: int) -> None:
+        for sub in module.modules():
+            self._owner[sub] = (ring, index)
+            if sub not in self._wrapped and _is_tuner_layer(sub):
+                for name in EDITED_METHODS:
+                    # An instance attribute shadows the class's method; close() deletes it.
+                    setattr(sub, name, functools.partial(_edited, ring, index, getattr(sub, name)))
+                self._wrapped.add(sub)
+
+    # Global hooks: called for every registration in the process, so they return at once
+    # unless the parent is in a watched block.
+    def _on_module(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        owner = self._owner.get(module)
+        if owner is None or submodule is None:
+            return
+        ring, index = owner
+        ring.adopt_pending = True
+        self._follow(submodule, ring, index)
+
+    def _on_tensor(self, module: nn.Module, name: str, tensor: Any) -> None:
+        owner = self._owner.get(module)
+        if owner is not None and tensor is not None:
+            owner[0].adopt_pending = True

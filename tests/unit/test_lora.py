@@ -1,0 +1,155 @@
+"""LoRA on streamed models, through diffusers' own API after apply_offload: every operation
+gives outputs bitwise equal to the same operations on the resident model (CPU; the GPU test,
+where adapters must reach the device, is tests/gpu/test_gpu_lora.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tiny
+from omni_dist_offload import apply_offload
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig  # noqa: E402
+from peft.utils import get_peft_model_state_dict  # noqa: E402
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def lora_state_dict(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA for the tiny Wan pipeline's transformer (random A and B)."""
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    torch.manual_seed(seed)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False),
+                      adapter_name="x")
+    return {f"transformer.{k}": v.clone() for k, v in get_peft_model_state_dict(model, adapter_name="x").items()}
+
+
+def lora_sequence(pipe, loras: tuple[dict, dict], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every LoRA operation a user runs, in a row; the output after each. State dicts are
+    cloned per load: loading assigns their tensors to the adapters, and a hotswap writes there."""
+    a, b = loras
+
+    def load(sd, **kwargs):
+        pipe.load_lora_weights({k: v.clone() for k, v in sd.items()}, **kwargs)
+
+    def gen():
+        return pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
+                    **tiny.TINY_WAN_DEFAULTS).frames
+
+    outs = {"base": gen()}
+    load(a, adapter_name="a")
+    outs["loaded"] = gen()
+    load(b, adapter_name="b")
+    pipe.set_adapters(["a", "b"], adapter_weights=[0.5, 1.0])
+    outs["weighted"] = gen()
+    pipe.fuse_lora(lora_scale=0.9)
+    outs["fused"] = gen()
+    pipe.unfuse_lora()
+    outs["unfused"] = gen()
+    pipe.disable_lora()
+    outs["disabled"] = gen()
+    pipe.enable_lora()
+    outs["enabled"] = gen()
+    pipe.unload_lora_weights()
+    outs["unloaded"] = gen()
+    load(a, adapter_name="h")
+    load(b, adapter_name="h", hotswap=True)
+    outs["hotswapped"] = gen()
+    pipe.fuse_lora()
+    outs["fused_again"] = gen()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def loras():
+    return lora_state_dict(0), lora_state_dict(1)
+
+
+@pytest.fixture(scope="module")
+def resident_outputs(loras):
+    return lora_sequence(tiny.tiny_wan_pipeline(seed=1), loras)
+
+
+@pytest.mark.parametrize("config", [
+    {"mode": "layer", "components": ["dit", "text_encoder"]},
+    {"mode": "layer", "components": ["dit"], "device_budget": "150KiB"},
+], ids=["streamed", "all-resident-plan"])
+def test_lora_operations_after_offload_match_the_resident_pipeline(config, loras, resident_outputs):
+    pipe = tiny.tiny_wan_pipeline(seed=1)
+    handle = apply_offload(pipe, config)
+    outs = lora_sequence(pipe, loras)
+    for step, ref in resident_outputs.items():
+        assert torch.equal(outs[step], ref), step
+    # What remove() gives back holds the fused weights, as the resident pipeline does.
+    handle.remove()
+    gen = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
+               **tiny.TINY_WAN_DEFAULTS).frames
+    assert torch.equal(gen, resident_outputs["fused_again"])
+
+
+@pytest.mark.parametrize("config", [{"mode": "layer"}, {"mode": "layer", "device_budget": "120KiB"}],
+                         ids=["streamed", "budget"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_adapters_added_before_or_after_offload_fuse_into_the_host_copies(order, config):
+    """Adapters present at apply_offload are part of their block's layout (they stream with
+    it); adapters added after stay on the device. Either way, fusing after offloading changes
+    the host copies (or a resident block's buffer) as the resident model's weights change."""
+    def add(model):
+        torch.manual_seed(3)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+
+    def steps(model, batch):
+        with torch.no_grad():
+            outs = [model(**batch)[0]]
+            model.fuse_lora(lora_scale=0.7)
+            outs.append(model(**batch)[0])
+            model.unfuse_lora()
+            outs.append(model(**batch)[0])
+            model.fuse_lora()
+            outs.append(model(**batch)[0])
+        return outs
+
+    ref_model = tiny.tiny_wan_transformer(num_layers=4)
+    batch = tiny.wan_transformer_inputs(ref_model)
+    add(ref_model)
+    ref = steps(ref_model, batch)
+    model = tiny.tiny_wan_transformer(num_layers=4)
+    if order == "before":
+        add(model)
+    handle = apply_offload(model, config)
+    if order == "after":
+        add(model)
+    outs = steps(model, batch)
+    (row,) = handle.summary()
+    lora_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    assert row["num_blocks"] >= 2 and (config.get("device_budget") is None or row["resident_blocks"])
+    # Before: the adapters are in the layouts. After: they are not (they stay on the device).
+    laid_out = block_bytes if order == "before" else block_bytes - lora_bytes
+    assert row["block_bytes"] + row["resident_bytes"] == laid_out
+    assert [torch.equal(a, b) for a, b in zip(outs, ref)] == [True] * 4
+    handle.remove()
+    for (name, p), q in zip(model.state_dict().items(), ref_model.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_an_edit_during_a_forward_is_refused():
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    batch = tiny.wan_transformer_inputs(model)
+    handle = apply_offload(model, {"mode": "layer"})
+    ring = handle.rings[0]
+    seen = []
+
+    def during(module, args):
+        with pytest.raises(RuntimeError, match="cannot be edited during a forward"):
+            ring.edit_block(0, lambda: None)
+        seen.append(True)
+
+    hook = model.blocks[1].register_forward_pre_hook(during)
+    with torch.no_grad():
+        model(**batch)
+    hook.remove()
+    assert seen
+    handle.remove()
