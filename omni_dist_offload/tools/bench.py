@@ -201,6 +201,27 @@ class BenchOptions:
     memory_fraction: float | None = None
     """Cap the allocator at this fraction of the device while budget variants run (what
     ``device_budget: "auto"`` sees); resident and the peer run uncapped."""
+    lora: int | None = None
+    """Add a LoRA of this rank (random weights) on every attention projection of the DiT before
+    any variant runs; resident and streamed variants then all run with it."""
+    lora_fused: bool = False
+    """With ``lora``: fuse it into the base weights (``fuse_lora``) before any variant runs."""
+
+
+#: The attention projections a ``--lora`` adapter targets (diffusers' names, Wan and Flux).
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def add_lora(model: nn.Module, rank: int, fused: bool, seed: int = 0) -> None:
+    """A rank-``rank`` LoRA with random (seeded) A and B on every attention projection; fused
+    into the base weights when ``fused``. Needs peft."""
+    from peft import LoraConfig  # optional (the lora extra): main() checked it is installed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(LORA_TARGETS),
+                                     init_lora_weights=False))
+    if fused:
+        model.fuse_lora()
 
 
 @dataclasses.dataclass
@@ -509,6 +530,8 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     """Run the schedule of one case (and the traced forward if ``opts.trace_variant``)."""
     preset = PRESETS[preset_name]
     model = build_model(preset, blocks, opts.device, opts.dtype).eval()
+    if opts.lora is not None:
+        add_lora(model, opts.lora, opts.lora_fused)
     inputs = case_inputs(preset, model, shape, opts.device, opts.dtype)
     forward = lambda: model(**inputs)[0]
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
@@ -732,6 +755,10 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="with --budget: cap the allocator at this fraction of the GPU while budget "
                    "variants run (what auto then sees); resident and the peer run uncapped")
+    p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
+                   help="add a LoRA of this rank (random weights) on every attention projection of the DiT, "
+                        "for every variant (needs peft)")
+    p.add_argument("--lora-fused", action="store_true", help="with --lora: fuse it into the base weights first")
     p.add_argument("--warmup", type=non_negative_int, default=2,
                    help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
@@ -781,6 +808,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchUsageError("--memory-fraction is a fraction in (0, 1] and needs --budget")
     if args.memory_fraction is not None and not torch.cuda.is_available():
         raise BenchUsageError("--memory-fraction caps a CUDA device; none is visible")
+    if args.lora is not None and importlib.util.find_spec("peft") is None:
+        raise BenchUsageError("--lora needs peft, which is not installed: pip install -e '.[lora]'")
+    if args.lora_fused and args.lora is None:
+        raise BenchUsageError("--lora-fused fuses the adapter --lora RANK adds: give --lora too")
+    if args.lora is not None and args.transfer_mib is not None:
+        raise BenchUsageError("--lora runs model cases; leave out --transfer-mib")
     if args.budgets and args.transfer_mib is not None:
         raise BenchUsageError("--budget runs model cases; leave out --transfer-mib")
     preset = PRESETS[args.preset]
@@ -806,7 +839,7 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
         return 0
     opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
                         bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets,
-                        memory_fraction=args.memory_fraction)
+                        memory_fraction=args.memory_fraction, lora=args.lora, lora_fused=args.lora_fused)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []
@@ -854,6 +887,8 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world, args.budgets),
             "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
+            "lora": None if args.lora is None else {"rank": args.lora, "fused": args.lora_fused,
+                                                    "targets": list(LORA_TARGETS)},
             "peer": {"offload_type": "block_level", "num_blocks_per_group": 1,
                      "use_stream": device.type == "cuda"},
             "argv": list(sys.argv[1:] if argv is None else argv)}

@@ -177,3 +177,23 @@ def test_compiled_variants_compare_with_the_compiled_resident_model(tmp_path) ->
     assert all(r["bitwise_equal"] for r in rows.values())  # compiled ones against compiled resident
     assert rows["compiled"]["compile_s"] > 0 and rows["compiled"]["vs_compiled"] is None
     assert rows["compiled-streamed@0%"]["vs_compiled"] > 0 and rows["compiled-streamed@0%"]["slots"] == 2
+
+
+def test_lora_flags(capsys):
+    from omni_dist_offload.tools.bench import main
+
+    assert main(["--preset", "tiny-wan", "--lora-fused"]) == 2
+    assert "--lora-fused fuses the adapter --lora RANK adds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_a_lora_case_streams_bitwise_equal(fused, tmp_path):
+    from omni_dist_offload.tools.bench import main
+
+    out = tmp_path / "lora.json"
+    argv = ["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", "--variants",
+            "rank-local", "--lora", "4", "--warmup", "0", "--repeats", "1", "--json", str(out)]
+    assert main(argv + (["--lora-fused"] if fused else [])) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["lora"]["rank"] == 4 and data["meta"]["lora"]["fused"] is fused
+    assert all(r["bitwise_equal"] for r in data["results"])
