@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 #: Third-party modules an import inside a function may bring in: the optional extras.
-OPTIONAL = {"fastapi", "uvicorn", "prometheus_client", "matplotlib", "imageio"}
+OPTIONAL = {"fastapi", "uvicorn", "prometheus_client", "matplotlib", "imageio", "peft"}
 #: Package modules that import only optional extras, and so may be imported late too.
 OPTIONAL_INTERNAL = {f"{PACKAGE}.app.serve.run"}
 
