@@ -12,6 +12,15 @@ import tiny_models as tiny
 from omni_dist_offload import apply_offload
 
 
+def _eager(num_layers: int) -> tuple[torch.nn.Module, dict, torch.Tensor]:
+    """A tiny Wan DiT, its inputs, and its eager output."""
+    model = tiny.tiny_wan_transformer(num_layers=num_layers)
+    batch = tiny.wan_transformer_inputs(model)
+    with torch.no_grad():
+        ref = model(**batch)[0]
+    return model, batch, ref
+
+
 def _regional(offload: dict | None) -> tuple[list[torch.Tensor], dict]:
     torch._dynamo.reset()
     counters.clear()
@@ -100,10 +109,7 @@ def test_cuda_graphs_are_refused_before_anything_changes():
 
 
 def test_cuda_graphs_compiled_after_offload_are_refused_at_the_first_forward():
-    model = tiny.tiny_wan_transformer(num_layers=3)
-    batch = tiny.wan_transformer_inputs(model)
-    with torch.no_grad():
-        ref = model(**batch)[0]
+    model, batch, ref = _eager(num_layers=3)
     handle = apply_offload(model, {"mode": "layer"})
     model.compile(mode="reduce-overhead")
     with pytest.raises(RuntimeError, match=r"transformer was compiled with CUDA graphs"), torch.no_grad():
@@ -122,10 +128,7 @@ def test_whole_model_compile_splits_at_the_blocks_and_never_recompiles():
     bitwise, and after the first forward no graph is added as slots alternate and wrap."""
     torch._dynamo.reset()
     counters.clear()
-    model = tiny.tiny_wan_transformer(num_layers=4)
-    batch = tiny.wan_transformer_inputs(model)
-    with torch.no_grad():
-        ref = model(**batch)[0]
+    model, batch, ref = _eager(num_layers=4)
     handle = apply_offload(model, {"mode": "layer"})
     model.compile(backend="aot_eager")
     graphs = []
@@ -144,10 +147,7 @@ def test_blocks_replaced_by_torch_compile_wrappers(order):
     graphs is refused, after offloading at the first forward."""
     torch._dynamo.reset()
     counters.clear()
-    model = tiny.tiny_wan_transformer(num_layers=4)
-    batch = tiny.wan_transformer_inputs(model)
-    with torch.no_grad():
-        ref = model(**batch)[0]
+    model, batch, ref = _eager(num_layers=4)
 
     def wrap(**kwargs):
         for i, block in enumerate(list(model.blocks)):
