@@ -12,8 +12,7 @@ from omni_dist_offload import apply_offload
 from ranks import run_ranks
 
 pytest.importorskip("peft")
-
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+from unit.test_lora import TARGETS  # noqa: E402
 
 
 def fused_on_shards(rank, budget: str | None = None) -> dict:

@@ -26,7 +26,7 @@ def lora_state_dict(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
     return {f"transformer.{k}": v.clone() for k, v in get_peft_model_state_dict(model, adapter_name="x").items()}
 
 
-def lora_sequence(pipe, loras: tuple[dict, dict], device: str = "cpu") -> dict[str, torch.Tensor]:
+def lora_sequence(pipe, loras: tuple[dict, dict]) -> dict[str, torch.Tensor]:
     """Every LoRA operation a user runs, in a row; the output after each. State dicts are
     cloned per load: loading assigns their tensors to the adapters, and a hotswap writes there."""
     a, b = loras
