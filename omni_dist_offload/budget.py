@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 #: The forward a budgeted ring measures before planning for good: the first pays one-off costs
 #: (kernel autotuning, workspace and allocator growth, compilation) that would misstate compute.
 MEASURED_FORWARD = 2
+#: A forward in which a step cache skipped blocks measures nothing for them: the planner
+#: measures the next forward that ran every block instead, up to this one.
+LAST_MEASURED_FORWARD = 10
 #: ``device_budget: "auto"`` plans the fewest resident blocks predicted within this of resident.
 AUTO_TOLERANCE = 0.01
 _MIN_RESERVE = 2 * 2**30
@@ -231,10 +234,12 @@ class Replanner:
         costs = ring.measured_costs(ring.tracer.report())
         if self.group is not None:  # every rank must take the same plan: agree on the figures first
             costs = _agreed(costs, len(ring.layouts), self.group, self.device)
-        if costs is None:  # the forward skipped blocks: keep the current plan, and settle it
+        if costs is None and self.forwards < LAST_MEASURED_FORWARD:
+            return False  # a cache skipped blocks (on some rank): measure the next forward
+        if costs is None:  # every forward skipped blocks: keep the current plan, and settle it
             ring.apply_plan(ring.resident, ring.num_slots or NUM_SLOTS, settle=True)
-            logger.warning("%s: the measured forward did not run every block; keeping the unmeasured "
-                           "residency plan", ring.component.name)
+            logger.warning("%s: none of forwards %d to %d ran every block; keeping the unmeasured "
+                           "residency plan", ring.component.name, MEASURED_FORWARD, LAST_MEASURED_FORWARD)
         else:
             plan = plan_fewest(costs, self.budget, AUTO_TOLERANCE) if self.fewest else plan_residency(costs, self.budget)
             ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True)

@@ -31,6 +31,7 @@ __all__ = ["NUM_SLOTS", "BlockRing", "check_not_cuda_graphs"]
 _T = TypeVar("_T")
 _EMPTY = -1
 _RESIDENT = -2
+_SKIPPED = -3  # the running "block" was skipped by a hook: it holds no slot
 #: Device slots of a ring without a residency plan: the block that runs, and the next one arriving.
 NUM_SLOTS = 2
 
@@ -149,6 +150,17 @@ class BlockRing:
         # edit, moves them to the device first (:meth:`adopt_strays`).
         self._entry_ids = frozenset(id(e.tensor) for l in self.layouts for e in l.entries)
         self.adopt_pending = False
+        # Whether a hook on a block will return without running the block's own forward (a
+        # step cache deciding to skip it): the ring then neither waits for nor binds the block.
+        # Set by ``tenants.BlockWatch``; None: every block runs. See [Note: skipped blocks].
+        self.skip_probe: Callable[[torch.nn.Module], bool] | None = None
+        # The same for decisions fixed before a forward starts (a layer-skip hook): the prefetch
+        # passes over blocks it says will not run. A cache's per-step decision is not known
+        # that early, so only this one is asked about blocks ahead.
+        self.skip_ahead_probe: Callable[[torch.nn.Module], bool] | None = None
+        # Whether every rank must move the same blocks in the same order (the fill is a
+        # collective): then a skipped block's fills still happen, only its wait is dropped.
+        self._lockstep = transfer.gather is not None
         self._on_forward: Callable[[BlockRing], bool] | None = None
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
@@ -184,6 +196,9 @@ class BlockRing:
                        if i in position else () for i in range(n)]
         # What a prefetch for block i must not overwrite: i itself and the blocks ahead of it.
         self._keep = [(i, *ahead) for i, ahead in enumerate(self._ahead)]
+        # The streamed block after streamed block i (wrapping), and the first one (see _skip).
+        self._after = [self.streamed[(position[i] + 1) % m] if i in position else _EMPTY for i in range(n)]
+        self._first = self.streamed[0] if self.streamed else _EMPTY
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``)."""
@@ -244,6 +259,9 @@ class BlockRing:
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
             self._release(self._current, self._current_slot)
             self._disrupted = True
+        if self.skip_probe is not None and i not in self.resident and self.skip_probe(module):
+            self._skip(i)
+            return
         tracer = self.tracer
         if i in self.resident:
             if tracer is not None:
@@ -264,11 +282,58 @@ class BlockRing:
             tracer.after_wait(i, stream)
         bind(self.layouts[i].entries, self._slot_views[slot][i])
         self._current, self._current_slot = i, slot
-        for nxt in self._ahead[i]:  # the prefetch: fills go to the slots round robin
-            if self._slot_of(nxt) == _EMPTY:
-                self._fill(nxt, self._take_slot(self._keep[i]))
+        self._prefetch(i)
         if not self._warned_grad and torch.is_grad_enabled():
             self._warn_grad()
+
+    def _prefetch(self, i: int) -> None:
+        """Have the blocks after ``i`` in slots (round robin), keeping ``i``'s."""
+        ahead, keep = self._ahead[i], self._keep[i]
+        probe = self.skip_ahead_probe
+        if probe is not None and not self._lockstep and any(probe(self.layouts[b].module) for b in ahead):
+            ahead = self._running_ahead(i, probe)
+            keep = (i, *ahead)
+        for nxt in ahead:
+            if self._slot_of(nxt) == _EMPTY:
+                self._fill(nxt, self._take_slot(keep))
+
+    def _running_ahead(self, i: int, probe: Callable[[torch.nn.Module], bool]) -> tuple[int, ...]:
+        """The next ``num_slots - 1`` streamed blocks after ``i`` that ``probe`` does not skip
+        in this forward; from the next forward's first block on, every block counts."""
+        want = len(self._ahead[i])
+        found: list[int] = []
+        b = i
+        while len(found) < want:
+            b = self._after[b]
+            if b == self._first:  # the next forward: its blocks in order, up to i
+                for x in (b, *self._ahead[b]):
+                    if len(found) == want or x == i:
+                        break
+                    if x not in found:
+                        found.append(x)
+                break
+            if not probe(self.layouts[b].module):
+                found.append(b)
+        return tuple(found)
+
+    def _skip(self, i: int) -> None:
+        """Streamed block ``i`` will not run (a hook returns without calling its forward): no
+        wait, no bind. Rank-local, nothing is copied for it either; when the next block does
+        run, it is made ready now if the prefetch left it out. Under a lockstep transfer every
+        rank moves every block regardless of what its own caches decided (ranks may decide
+        differently, and the fills are collectives): the fills go on as if ``i`` ran."""
+        self._current, self._current_slot = i, _SKIPPED
+        if self._lockstep:
+            if self._slot_of(i) == _EMPTY:  # keeps every rank's fills in the same order
+                self._fetch_missing(i)
+            self._prefetch(i)
+            return
+        nxt = self._after[i]
+        # The next streamed block: the first of the next forward always runs; a later one of
+        # this forward runs unless its hooks say otherwise (then its own pre-forward decides).
+        if nxt >= 0 and self._slot_of(nxt) == _EMPTY and (
+                nxt == self._first or not self.skip_probe(self.layouts[nxt].module)):
+            self._fill(nxt, self._take_slot(self._keep[nxt]))
 
     def _check_compiled(self, i: int, module: torch.nn.Module) -> None:
         """Something was compiled since block ``i`` last ran: refuse CUDA graphs (see
@@ -285,6 +350,9 @@ class BlockRing:
     def _post_forward(self, i: int, module, args, output) -> None:
         if self._current != i:  # the pre-forward did not get as far as binding: nothing to release
             return
+        if self._current_slot == _SKIPPED:
+            self._current = self._current_slot = _EMPTY
+            return
         if self.tracer is not None:
             self.tracer.after_compute(i, self._stream())
         if output is None:  # torch passes no output when the block raised
@@ -295,7 +363,7 @@ class BlockRing:
         """Block ``i`` is done with ``slot``: mark the slot free on the compute stream and point
         the block's tensors back at their parked storage."""
         self._current = self._current_slot = _EMPTY
-        if slot == _RESIDENT:
+        if slot == _RESIDENT or slot == _SKIPPED:
             return
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))

@@ -14,13 +14,20 @@ A :class:`BlockWatch` follows both for every ring of a handle:
   inside :meth:`BlockRing.edit_block`: on the device as on the resident model (so the fused
   bits match), then written back into the host copy, every rank's shard under allgather.
 
+Step caches are tenants too: diffusers' block hooks (First Block Cache, MagCache, SeaCache,
+layer skip) return without running a block's own forward when they decide to skip it.
+:func:`skipped_by_hooks` reads that decision, already made when the block is called, so the
+ring neither waits for nor copies a block that will not run ([Note: skipped blocks]).
+
 It uses torch's global registration hooks while the watch lives, and knows peft's layers by
-their methods only: nothing here imports peft. See ``docs/design.md``, [Note: tenants].
+their methods and diffusers' hooks by their class names and state only: nothing here imports
+peft or diffusers. See ``docs/design.md``, [Note: tenants].
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -33,7 +40,7 @@ from torch.nn.modules.module import (
 
 from .ring import BlockRing
 
-__all__ = ["EDITED_METHODS", "BlockWatch"]
+__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "SKIPPING_HOOKS", "BlockWatch", "skipped_by_hooks"]
 
 #: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
 EDITED_METHODS = ("merge", "unmerge")
@@ -41,6 +48,65 @@ EDITED_METHODS = ("merge", "unmerge")
 
 def _is_tuner_layer(module: nn.Module) -> bool:
     return all(callable(getattr(module, name, None)) for name in (*EDITED_METHODS, "get_base_layer"))
+
+
+def _cache_state(hook: Any) -> Any:
+    """The state a cache hook reads in this forward, or None before its context is set (the
+    hook then runs the block)."""
+    manager = hook.state_manager
+    return manager.get_state() if manager._context is not None else None
+
+
+def _fbc_skips(hook: Any) -> bool:
+    # FBCBlockHook: the head block decided in this forward; the others run iff should_compute.
+    # (Its first forward sets the context before any other block runs.)
+    state = _cache_state(hook)
+    return state is not None and not state.should_compute
+
+
+def _sea_skips(hook: Any) -> bool:
+    state = _cache_state(hook)
+    return state is not None and bool(state.skip_remaining)
+
+
+def _layer_skips(hook: Any) -> bool:
+    return math.isclose(hook.dropout, 1.0)
+
+
+#: diffusers block hooks that may return without calling the block's forward, by class name,
+#: and whether the hook will, read when the block is called: never for a head (leader) block,
+#: whose hook decides while it runs.
+SKIPPING_HOOKS: dict[str, Callable[[Any], bool]] = {
+    "FBCBlockHook": _fbc_skips,
+    "MagCacheBlockHook": _fbc_skips,  # same rule: the head decided, ``should_compute`` says
+    "SeaCacheBlockHook": _sea_skips,
+    "TransformerBlockSkipHook": _layer_skips,
+}
+
+
+#: The hooks of :data:`SKIPPING_HOOKS` whose decision is fixed before a forward starts.
+FIXED_SKIPS = frozenset({"TransformerBlockSkipHook"})
+
+
+def skipped_by_hooks(block: nn.Module, fixed_only: bool = False) -> bool:
+    """Whether a diffusers hook on ``block`` will return without running its forward. Each hook
+    calls the next one in, down to the block's forward, so one that skips skips the block. A
+    state this does not understand counts as running: the ring then streams the block as usual.
+    ``fixed_only``: ask only the hooks whose decision is fixed before the forward (for a block
+    ahead of the one running)."""
+    registry = block.__dict__.get("_diffusers_hook")
+    if registry is None:
+        return False
+    for hook in registry.hooks.values():
+        kind = type(hook).__name__
+        probe = SKIPPING_HOOKS.get(kind)
+        if probe is not None and (not fixed_only or kind in FIXED_SKIPS):
+            try:
+                if probe(hook):
+                    return True
+            except (AttributeError, ValueError, TypeError):
+                continue
+    return False
 
 
 def _edited(ring: BlockRing, index: int, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +122,8 @@ class BlockWatch:
         self._owner: weakref.WeakKeyDictionary[nn.Module, tuple[BlockRing, int]] = weakref.WeakKeyDictionary()
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         for ring in rings:
+            ring.skip_probe = skipped_by_hooks
+            ring.skip_ahead_probe = functools.partial(skipped_by_hooks, fixed_only=True)
             for layout in ring.layouts:
                 self._follow(layout.module, ring, layout.index)
         self._hooks = [
