@@ -23,7 +23,7 @@ import inspect
 import logging
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch import nn
 
 from ..apply import OffloadHandle, RingSummary, resolve_device
 from ..config import OffloadConfig
+from ..loading.adapters import AdapterError, CacheSpec, LoraSpec, enable_cache, load_loras
 from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
 from ..loading.pipelines import (
     DTYPES,
@@ -46,6 +47,7 @@ from ..runtime.logs import is_logged_rank
 from .outputs import GenerationResult, to_uint8
 
 __all__ = [
+    "AdapterError",
     "BUILTIN_MODELS",
     "DTYPES",
     "GenerationOptionError",
@@ -129,6 +131,8 @@ class Omni:
         cold_start: bool = True,
         device_budget: int | str | None = None,
         compile: bool | str | None = None,
+        lora: Sequence[str | Mapping[str, Any] | LoraSpec] = (),
+        cache: str | Mapping[str, Any] | CacheSpec | None = None,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
         denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
@@ -138,8 +142,18 @@ class Omni:
         sets the config's ``device_budget``; without a config it streams the DiT within it.
         ``compile``: ``True``/``"regional"`` compiles each DiT block with ``torch.compile``
         (after offloading; the ring's hooks run between compiled blocks), ``"model"`` each DiT
-        whole; compilation happens in the first generation, whose metadata reports it apart."""
+        whole; compilation happens in the first generation, whose metadata reports it apart.
+        ``lora``: LoRA files, each ``PATH`` or ``PATH:SCALE`` (or ``{"path", "scale"}``), loaded
+        with diffusers' ``load_lora_weights`` after offloading and weighed with ``set_adapters``.
+        ``cache``: a step cache on the DiTs, ``"first-block:0.1"`` or ``{"type": "first-block",
+        "threshold": 0.1}`` (:data:`~omni_dist_offload.loading.adapters.CACHES`); its state is
+        reset before every generation. Both are checked before anything loads (raising
+        :class:`AdapterError`) and recorded in the output metadata."""
         self.compile = resolve_compile(compile)
+        self.loras = [LoraSpec.parse(x) for x in ([lora] if isinstance(lora, (str, Mapping)) else lora)]
+        for spec in self.loras:
+            spec.check()
+        self.cache = CacheSpec.parse(cache) if cache is not None else None
         self.model = model
         self.config = with_budget(diffusion_offload_config, device_budget)
         self.device = resolve_device(device)
@@ -152,6 +166,9 @@ class Omni:
         self.cold_start = loaded.cold_start
         """Whether the streamed components were cold-started from their safetensors files."""
         self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
+        # After offloading, as users do: the ring adopts the adapters ([Note: tenants]).
+        load_loras(self.pipeline, self.loras)
+        self._cached = enable_cache(self.pipeline, self.cache) if self.cache is not None else []
         self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
         self.set_progress(progress)
         self._signature = inspect.signature(self.pipeline.__call__)
@@ -214,6 +231,8 @@ class Omni:
         call = self.call_kwargs(**options)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         compiling = compile_seconds() if self.compile else None
+        for module in self._cached:  # a generation's cache starts empty, as the first one's did
+            module._reset_stateful_cache()
         start = time.perf_counter()
         out = self.pipeline(prompt=prompt, generator=generator, output_type="np", **call)
         pixels = to_uint8(out.frames[0] if hasattr(out, "frames") else out.images[0])
@@ -255,6 +274,8 @@ class Omni:
             "offload_config": self.config.to_dict() if self.config else None,
             "offload_summary": self.summary(),
             "compile": self.compile,
+            "lora": [spec.to_dict() for spec in self.loras],
+            "cache": self.cache.to_dict() if self.cache is not None else None,
             "timings": {"setup_s": self.timings.setup_s, "load_s": self.timings.load_s,
                         "place_s": self.timings.place_s,
                         # torch.compile's own time in this call (None: not compiled, or this torch

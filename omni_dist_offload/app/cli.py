@@ -23,13 +23,14 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import OffloadConfig, OffloadConfigError
+from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.compiling import COMPILE_MODES
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..plan import module_bytes
@@ -84,6 +85,8 @@ class RunPlan:
     serve: ServeOptions | None = None
     cold_start: bool = True
     compile: str | None = None
+    lora: list[LoraSpec] = field(default_factory=list)
+    cache: CacheSpec | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +135,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", nargs="?", const="regional", default=None, choices=list(COMPILE_MODES),
                         help="torch.compile the DiT: regional (each block; the default when the flag "
                         "is given alone) or model (whole); compile time is reported apart")
+    parser.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                        help="load a LoRA (.safetensors file, or a folder holding "
+                        "pytorch_lora_weights.safetensors) at SCALE (default 1); repeatable")
+    parser.add_argument("--cache", default=None, metavar="SPEC",
+                        help="a step cache on the DiT: first-block:THRESHOLD, taylorseer:INTERVAL, "
+                        "pyramid-attention:BLOCKS, or a JSON object with \"type\" and the cache's options")
     parser.add_argument("--no-cold-start", action="store_true",
                         help="load a model folder whole before offloading it, instead of reading "
                         "each streamed block from the safetensors files into host memory")
@@ -175,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return _COMMAND_FUNCS[plan.command](plan)
-    except (OffloadConfigError, GenerationOptionError) as exc:
+    except (OffloadConfigError, GenerationOptionError, AdapterError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}", every_rank=False)
         return 2
     except ModelLoadError as exc:
@@ -198,6 +207,13 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
             raise UsageError(f"--device-budget: {exc}") from None
     _check_model(ns.model)
     _check_device(ns.device)
+    try:
+        loras = [LoraSpec.parse(x) for x in ns.lora]
+        for spec in loras:
+            spec.check()
+        cache = CacheSpec.parse(ns.cache) if ns.cache is not None else None
+    except AdapterError as exc:
+        raise UsageError(str(exc)) from None
     generating = ns.command == "generate"
     if generating:
         try:
@@ -217,7 +233,8 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         video_format=getattr(ns, "video_format", "auto"), fps=getattr(ns, "fps", None),
         progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False),
         serve=_serve_options(ns) if ns.command == "serve" else None,
-        cold_start=not getattr(ns, "no_cold_start", False), compile=getattr(ns, "compile", None))
+        cold_start=not getattr(ns, "no_cold_start", False), compile=getattr(ns, "compile", None),
+        lora=loras, cache=cache)
 
 
 def _prompts(ns: argparse.Namespace) -> list[str]:
@@ -296,7 +313,8 @@ def _cmd_inspect(plan: RunPlan) -> int:
 def _cmd_serve(plan: RunPlan) -> int:
     setup_logging()
     factory = functools.partial(Omni, plan.model, plan.config, device=plan.device, dtype=plan.dtype,
-                                progress=False, cold_start=plan.cold_start, compile=plan.compile)
+                                progress=False, cold_start=plan.cold_start, compile=plan.compile,
+                                lora=plan.lora, cache=plan.cache)
     return run_serve(factory, plan.device, plan.serve or ServeOptions())
 
 
@@ -316,7 +334,7 @@ _COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
 
 def _load(plan: RunPlan) -> Omni:
     return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress,
-                cold_start=plan.cold_start, compile=plan.compile)
+                cold_start=plan.cold_start, compile=plan.compile, lora=plan.lora, cache=plan.cache)
 
 
 # -- the plan table ------------------------------------------------------------------------

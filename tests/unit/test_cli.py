@@ -131,6 +131,10 @@ BAD_INPUT = {
     "missing folder": (["--model", "./no-such-model"], "--model './no-such-model': no such folder"),
     "bad dtype": (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     "inspect flag": (["inspect", "--seed", "1"], "unrecognized arguments: --seed"),
+    "missing lora": (["--lora", "nope.safetensors:0.5"], "--lora nope.safetensors: no such file or folder"),
+    "unknown cache": (["--cache", "warp:2"], "unknown step cache 'warp'"),
+    "bad cache value": (["--cache", "first-block:high"], "--cache first-block:high: threshold is a number"),
+    "bad cache option": (["--cache", '{"type": "first-block", "thresh": 0.1}'], "unexpected keyword argument 'thresh'"),
 }
 
 

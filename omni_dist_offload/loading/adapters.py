@@ -1,0 +1,205 @@
+"""LoRA files and step caches for a loaded pipeline, as the front-ends name them.
+
+``--lora PATH[:SCALE]`` (repeatable) loads each file through diffusers' own
+``load_lora_weights`` after the pipeline was offloaded (the ring adopts the adapters, see
+``docs/design.md``, [Note: tenants]) and weighs them with ``set_adapters``. ``--cache
+first-block:0.1`` (or ``{"type": "first-block", "threshold": 0.1}``) enables one of diffusers'
+step caches on every DiT of the pipeline. Both are parsed and checked before anything loads,
+and recorded in the output metadata (:meth:`LoraSpec.to_dict`, :meth:`CacheSpec.to_dict`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import diffusers.hooks
+from torch import nn
+
+__all__ = ["CACHES", "AdapterError", "CacheSpec", "LoraSpec", "cached_modules", "enable_cache", "load_loras"]
+
+
+class AdapterError(ValueError):
+    """A LoRA or cache option that cannot be used as given (the message says how to fix it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """One LoRA file (or a folder holding ``pytorch_lora_weights.safetensors``) and its scale."""
+
+    path: str
+    scale: float = 1.0
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | LoraSpec) -> LoraSpec:
+        """``PATH`` or ``PATH:SCALE`` (the scale is what follows the last ``:``, when it is a
+        number), or ``{"path": ..., "scale": ...}``."""
+        if isinstance(value, LoraSpec):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"path", "scale"}
+            if unknown or "path" not in value:
+                raise AdapterError(f"a LoRA is {{'path': ..., 'scale': ...}}; found keys {sorted(value)}")
+            return cls(str(value["path"]), _scale(value.get("scale", 1.0), value))
+        text = str(value)
+        path, sep, tail = text.rpartition(":")
+        if sep and path and _is_number(tail):
+            return cls(path, _scale(tail, text))
+        if not text:
+            raise AdapterError("--lora needs a path: PATH or PATH:SCALE")
+        return cls(text)
+
+    def check(self) -> None:
+        """The file or folder exists (nothing here downloads)."""
+        if not Path(self.path).exists():
+            raise AdapterError(f"--lora {self.path}: no such file or folder. Give a local .safetensors "
+                               "file, or a folder holding pytorch_lora_weights.safetensors.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "scale": self.scale}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _scale(value: Any, given: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise AdapterError(f"a LoRA scale is a number; found {value!r} in {given!r}") from None
+
+
+def load_loras(pipeline: Any, specs: Sequence[LoraSpec]) -> list[str]:
+    """Load every LoRA into ``pipeline`` (``lora_0``, ``lora_1``, ... in order) and make them
+    active at their scales; returns the adapter names."""
+    if not specs:
+        return []
+    if not callable(getattr(pipeline, "load_lora_weights", None)):
+        raise AdapterError(f"{type(pipeline).__name__} takes no LoRA (it has no load_lora_weights): drop --lora")
+    names = []
+    for k, spec in enumerate(specs):
+        spec.check()
+        name = f"lora_{k}"
+        path = Path(spec.path)
+        if path.is_file():
+            pipeline.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+        else:
+            pipeline.load_lora_weights(str(path), adapter_name=name)
+        names.append(name)
+    pipeline.set_adapters(names, adapter_weights=[s.scale for s in specs])
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class _Cache:
+    config_class: str
+    """The diffusers config class (in ``diffusers.hooks``)."""
+    primary: str
+    """The option ``name:VALUE`` sets."""
+    kind: type
+    needs_timestep: bool = False
+    """The config takes a ``current_timestep_callback``: the pipeline's current timestep."""
+
+
+#: The caches ``--cache`` names, with the option its short form sets. The dict form takes any
+#: option of the diffusers config class.
+CACHES: dict[str, _Cache] = {
+    "first-block": _Cache("FirstBlockCacheConfig", "threshold", float),
+    "taylorseer": _Cache("TaylorSeerCacheConfig", "cache_interval", int),
+    "pyramid-attention": _Cache("PyramidAttentionBroadcastConfig", "spatial_attention_block_skip_range", int,
+                                needs_timestep=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """A step cache and its options."""
+
+    type: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | CacheSpec) -> CacheSpec:
+        """``NAME``, ``NAME:VALUE`` (the cache's main option, e.g. ``first-block:0.1``), a JSON
+        object, or a dict ``{"type": NAME, option: value, ...}``. Checked against the diffusers
+        config class, so a bad option fails here, before anything loads."""
+        if isinstance(value, CacheSpec):
+            return value
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise AdapterError(f"--cache {value}: not valid JSON ({exc})") from None
+        if isinstance(value, Mapping):
+            options = dict(value)
+            name = options.pop("type", None)
+        else:
+            name, sep, tail = str(value).partition(":")
+            options = {}
+            if sep:
+                cache = CACHES.get(name)
+                if cache is not None:
+                    try:
+                        options[cache.primary] = cache.kind(tail)
+                    except ValueError:
+                        raise AdapterError(f"--cache {value}: {cache.primary} is a{'n integer' if cache.kind is int else ' number'}, "
+                                           f"found {tail!r}") from None
+        if name not in CACHES:
+            raise AdapterError(f"unknown step cache {name!r}: choose one of {sorted(CACHES)} "
+                               "(e.g. first-block:0.1)")
+        spec = cls(name, options)
+        spec.build(timestep=lambda: None)  # checks the options against the config class
+        return spec
+
+    def build(self, timestep: Any = None) -> Any:
+        """The diffusers config; ``timestep``: a callable returning the current timestep (for
+        the caches that need one)."""
+        cache = CACHES[self.type]
+        options = dict(self.options)
+        if cache.needs_timestep:
+            if timestep is None:
+                raise AdapterError(f"the {self.type} cache follows a pipeline's timestep: use it through Omni or the CLI")
+            options.setdefault("current_timestep_callback", timestep)
+        config_class = getattr(diffusers.hooks, cache.config_class, None)
+        if config_class is None:
+            raise AdapterError(f"--cache {self.type} needs a diffusers with {cache.config_class} "
+                               f"(this is {diffusers.__version__}): upgrade diffusers")
+        try:
+            return config_class(**options)
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(f"--cache {self.type}: {exc}; the options are those of diffusers' "
+                               f"{cache.config_class}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **self.options}
+
+
+def cached_modules(pipeline_or_model: Any) -> list[nn.Module]:
+    """The modules a cache goes on: the model itself, or a pipeline's DiTs (``transformer``,
+    ``transformer_2``): those with diffusers' ``enable_cache``."""
+    if isinstance(pipeline_or_model, nn.Module):
+        found = [pipeline_or_model]
+    else:
+        found = [getattr(pipeline_or_model, name, None) for name in ("transformer", "transformer_2")]
+    return [m for m in found if m is not None and callable(getattr(m, "enable_cache", None))]
+
+
+def enable_cache(pipeline_or_model: Any, spec: CacheSpec) -> list[nn.Module]:
+    """Enable the cache on every module :func:`cached_modules` finds; returns them."""
+    modules = cached_modules(pipeline_or_model)
+    if not modules:
+        raise AdapterError(f"{type(pipeline_or_model).__name__} has no DiT that takes a step cache: drop --cache")
+    timestep = getattr(type(pipeline_or_model), "current_timestep", None)
+    callback = (lambda: pipeline_or_model.current_timestep) if timestep is not None else None
+    for module in modules:
+        module.enable_cache(spec.build(callback))
+    return modules

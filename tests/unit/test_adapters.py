@@ -1,0 +1,106 @@
+"""LoRA files and step caches through ``Omni`` and the CLI (``--lora PATH[:SCALE]``, ``--cache
+first-block:0.1``): parsed and checked before anything loads, applied after offloading,
+recorded in the metadata, and bitwise equal to the same options on the resident pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from omni_dist_offload import Omni
+from omni_dist_offload.app.cli import main
+from omni_dist_offload.loading.adapters import AdapterError, CacheSpec, LoraSpec
+
+pytest.importorskip("peft")
+from safetensors.torch import save_file  # noqa: E402
+from unit.test_lora import lora_state_dict  # noqa: E402
+
+STREAMED = {"mode": "layer", "components": ["dit", "text_encoder"]}
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("a.safetensors", LoraSpec("a.safetensors", 1.0)),
+    ("dir/a.safetensors:0.5", LoraSpec("dir/a.safetensors", 0.5)),
+    ("C:/loras/a.safetensors", LoraSpec("C:/loras/a.safetensors", 1.0)),  # not a scale: part of the path
+    ({"path": "x", "scale": 2}, LoraSpec("x", 2.0)),
+])
+def test_lora_specs(text, expected):
+    assert LoraSpec.parse(text) == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("first-block:0.1", {"type": "first-block", "threshold": 0.1}),
+    ("taylorseer:3", {"type": "taylorseer", "cache_interval": 3}),
+    ("first-block", {"type": "first-block"}),
+    ('{"type": "first-block", "threshold": 0.2}', {"type": "first-block", "threshold": 0.2}),
+    ({"type": "pyramid-attention", "spatial_attention_block_skip_range": 2},
+     {"type": "pyramid-attention", "spatial_attention_block_skip_range": 2}),
+])
+def test_cache_specs_round_trip(value, expected):
+    spec = CacheSpec.parse(value)
+    assert spec.to_dict() == expected and CacheSpec.parse(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("warp", "unknown step cache 'warp'"),
+    ("taylorseer:0.5", "cache_interval is an integer"),
+    ({"threshold": 0.1}, "unknown step cache None"),
+    ({"type": "first-block", "thresh": 0.1}, "unexpected keyword argument 'thresh'"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_cache_specs_say_what_to_fix(value, message):
+    with pytest.raises(AdapterError, match=message):
+        CacheSpec.parse(value)
+
+
+@pytest.fixture(scope="module")
+def lora_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    paths = []
+    for seed in (0, 1):
+        path = folder / f"lora{seed}.safetensors"
+        save_file(lora_state_dict(seed), str(path))
+        paths.append(str(path))
+    return paths
+
+
+def _frames(omni: Omni) -> list[torch.Tensor]:
+    # Two generations of one seed: the cache's state is reset in between, so they match.
+    return [torch.from_numpy(omni.generate("a red fox", seed=3).frames.copy()) for _ in range(2)]
+
+
+def test_omni_with_loras_and_a_cache_matches_the_resident_pipeline(lora_files):
+    options = {"lora": [f"{lora_files[0]}:0.5", lora_files[1]], "cache": "first-block:0.2"}
+    with Omni("tiny-wan", None, device="cpu", progress=False, **options) as resident:
+        ref = _frames(resident)
+        plain = torch.from_numpy(resident.generate("a red fox", seed=3, name="x").frames.copy())
+    with Omni("tiny-wan", STREAMED, device="cpu", progress=False, **options) as streamed:
+        got = _frames(streamed)
+        meta = streamed.generate("a red fox", seed=3).metadata
+        adapters = [p for n, p in streamed.pipeline.transformer.named_parameters() if "lora_" in n]
+    assert torch.equal(ref[0], ref[1]) and torch.equal(plain, ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert meta["lora"] == [{"path": lora_files[0], "scale": 0.5}, {"path": lora_files[1], "scale": 1.0}]
+    assert meta["cache"] == {"type": "first-block", "threshold": 0.2}
+    assert adapters  # the LoRA did load into the streamed DiT
+    with Omni("tiny-wan", STREAMED, device="cpu", progress=False) as bare:
+        assert not torch.equal(_frames(bare)[0], ref[0])  # and it changes the output
+
+
+def test_cli_lora_and_cache_flags_reach_the_metadata(lora_files, tmp_path):
+    out = tmp_path / "out"
+    rc = main(["--lora", f"{lora_files[0]}:0.75", "--cache", "first-block:0.1", "--num-inference-steps", "3",
+               "--output-dir", str(out), "--video-format", "gif"])
+    assert rc == 0
+    meta = json.loads((out / "00000.json").read_text())
+    assert meta["lora"] == [{"path": lora_files[0], "scale": 0.75}]
+    assert meta["cache"] == {"type": "first-block", "threshold": 0.1}
+
+
+def test_a_missing_lora_file_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import omni_dist_offload.app.api as api
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(AdapterError, match="no such file or folder"):
+        Omni("tiny-wan", STREAMED, device="cpu", lora=[str(tmp_path / "missing.safetensors")])
