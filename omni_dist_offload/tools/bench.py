@@ -18,6 +18,12 @@ one preset at one block count and one input shape; per case, in one process, the
   resident model, and ``compiled-streamed`` also as a ratio to ``compiled``. With ``--budget``,
   ``compiled-streamed`` runs once per budget.
 
+**Denoising loops.** ``--steps N`` times N steps of a plain Euler loop (the latents move by
+the model's output, the timestep falls) instead of one forward; ``--cache SPEC`` (as
+``omni-offload --cache``, e.g. ``first-block:0.1``) enables a step cache on the DiT, resets its
+state every loop, and reports how many steps ran the last block (``computed_steps``); the floor
+of a loop is the resident loop.
+
 **Drift.** Variants run in a mirrored order, each streamed pass applying its offload once and
 removing it after::
 
@@ -48,6 +54,8 @@ block). Only rank 0 prints and writes.
     omni-offload bench --preset flux-12b --blocks 19 --px 1024 512 --timeline flux-timeline.png
     NGPU=2 launch/bench.sh --preset flux-12b --blocks 19 --px 1024     # torchrun, allgather too
     omni-offload bench --preset tiny-wan --frames 5 --height 32 --width 32 --png out.png  # CPU
+    omni-offload bench --preset wan-14b --blocks 8 --frames 81 --steps 10 --cache first-block:0.1 \
+        --variants rank-local                                            # a step cache
 
 ``python -m omni_dist_offload.tools.bench`` is the same command.
 """
@@ -77,6 +85,7 @@ from ..budget import MEASURED_FORWARD
 from ..config import OffloadConfig
 from ..hostmem import HostBuffer
 from ..layout import layout_block
+from ..loading.adapters import AdapterError, CacheSpec, enable_cache
 from ..loading.compiling import compile_dits, compile_seconds, uncompile
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
@@ -141,6 +150,9 @@ class CaseResult:
     """Compiled variants: torch's compile time in the variant's first pass (warm-up)."""
     vs_compiled: float | None = None
     """Compiled-streamed variants: forward_ms / the ``compiled`` (resident) variant's."""
+    computed_steps: int | None = None
+    """``--steps`` loops: how many steps of the resident reference loop ran the last block (all
+    of them without ``--cache``); every variant's output is compared bitwise with that loop's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +218,12 @@ class BenchOptions:
     any variant runs; resident and streamed variants then all run with it."""
     lora_fused: bool = False
     """With ``lora``: fuse it into the base weights (``fuse_lora``) before any variant runs."""
+    steps: int = 1
+    """Time a denoising loop of this many steps instead of one forward (:func:`denoising_loop`)."""
+    cache: CacheSpec | None = None
+    """A step cache on the DiT for every variant (with ``steps``)."""
+    computed_steps: int | None = None
+    """Set by the run: steps of the resident reference loop that ran the last block."""
 
 
 #: The attention projections a ``--lora`` adapter targets (diffusers' names, Wan and Flux).
@@ -222,6 +240,40 @@ def add_lora(model: nn.Module, rank: int, fused: bool, seed: int = 0) -> None:
                                      init_lora_weights=False))
     if fused:
         model.fuse_lora()
+
+
+def _last_child(blocks: Sequence[nn.Module]) -> nn.Module:
+    """A module inside the last block that runs only when the block's own forward does."""
+    for child in blocks[-1].children():
+        if any(True for _ in child.parameters()):
+            return child
+    return blocks[-1]
+
+
+def denoising_loop(model: nn.Module, inputs: Mapping[str, Any], steps: int,
+                   ran: list[int] | None = None) -> Callable[[], torch.Tensor]:
+    """``steps`` Euler steps from ``inputs``: the latents move by ``output / steps``, the
+    timestep falls linearly to ``1 / steps`` of its start. A step cache on ``model`` gets a
+    ``cache_context`` per step and a fresh state per loop, as a pipeline gives it."""
+    cached = callable(getattr(model, "cache_context", None)) and getattr(model, "is_cache_enabled", False)
+    start = inputs["timestep"]
+
+    def loop() -> torch.Tensor:
+        x = inputs["hidden_states"]
+        for k in range(steps):
+            t = start * ((steps - k) / steps)
+            kwargs = {**inputs, "hidden_states": x, "timestep": t}
+            if cached:
+                with model.cache_context("cond"):
+                    out = model(**kwargs)[0]
+            else:
+                out = model(**kwargs)[0]
+            x = x - out / steps
+        if cached:
+            model._reset_stateful_cache()
+        return x
+
+    return loop
 
 
 @dataclasses.dataclass
@@ -532,17 +584,29 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     model = build_model(preset, blocks, opts.device, opts.dtype).eval()
     if opts.lora is not None:
         add_lora(model, opts.lora, opts.lora_fused)
+    if opts.cache is not None:
+        enable_cache(model, opts.cache)
     inputs = case_inputs(preset, model, shape, opts.device, opts.dtype)
-    forward = lambda: model(**inputs)[0]
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
     block_modules = [m for _, m in component.blocks]
+    if opts.steps > 1:
+        forward = denoising_loop(model, inputs, opts.steps)
+    else:
+        forward = lambda: model(**inputs)[0]
     block_bytes = [module_bytes(m) for m in block_modules]
     block_nbytes = [layout_block(i, n, b).nbytes for i, (n, b) in enumerate(component.blocks)]
     budgets = {b.label: b.config_value(block_nbytes) for b in opts.budgets}
     passes: dict[str, list[_Pass]] = {}
     trace = None
     with torch.inference_mode():
-        reference = forward()
+        ran: list[int] = []
+        counting = _last_child(block_modules).register_forward_pre_hook(lambda *_: ran.append(1))
+        try:
+            reference = forward()
+        finally:
+            counting.remove()
+        if opts.steps > 1:
+            opts.computed_steps = len(ran)
         references = {False: reference}
         first_compile = 0.0
         if any(v in _COMPILED for v in opts.variants):  # compiled kernels round otherwise: own reference
@@ -556,7 +620,9 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             compiled = variant.split("@")[0] in _COMPILED
             passes.setdefault(variant, []).append(
                 _run_pass(variant, model, forward, references[compiled], opts, budgets))
-        compute = _block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
+        # A loop's floor is the resident loop (see _summarise): no per-block times needed.
+        compute = (_block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
+                   if opts.steps == 1 else [0.0] * len(block_modules))
         if opts.trace_variant is not None:
             trace = _traced_forward(model, forward, opts)
     label = "x".join(map(str, shape))
@@ -599,6 +665,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
         if ("@" in variant or variant.startswith("compiled-streamed")) and opts.bandwidth:
             # The forward's floor: the compute, or copying the streamed bytes once a forward.
             floor = max(base, ps[0].streamed_bytes / share / opts.bandwidth * 1e3)
+        if opts.steps > 1:  # a cache decides per step what to copy: the resident loop is the floor
+            floor = base
         ms = medians[variant]
         out.append(CaseResult(
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
@@ -610,7 +678,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
             resident_blocks=ps[0].resident_blocks, slots=ps[0].slots,
             compile_s=max(p.compile_s for p in ps),
-            vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None))
+            vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
+            computed_steps=opts.computed_steps))
     return out
 
 
@@ -718,8 +787,9 @@ def format_table(results: Sequence[CaseResult]) -> str:
     notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
     notes += [f"{r.variant}: {r.vs_compiled:.3f}x the compiled resident forward (compile {r.compile_s:.1f} s)"
               for r in results if r.vs_compiled is not None]
+    notes += sorted({f"{r.preset} {r.blocks}b {r.shape}: the loop ran the last block in {r.computed_steps} "
+                     "step(s)" for r in results if r.computed_steps is not None})
     return "\n".join(lines + [f"note: {n}" for n in notes])
-
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -759,6 +829,10 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="add a LoRA of this rank (random weights) on every attention projection of the DiT, "
                         "for every variant (needs peft)")
     p.add_argument("--lora-fused", action="store_true", help="with --lora: fuse it into the base weights first")
+    p.add_argument("--steps", type=positive_int, default=1, metavar="N",
+                   help="time a denoising loop of N steps instead of one forward")
+    p.add_argument("--cache", default=None, metavar="SPEC",
+                   help="a step cache on the DiT, e.g. first-block:0.1 (needs --steps 2 or more)")
     p.add_argument("--warmup", type=non_negative_int, default=2,
                    help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
@@ -814,6 +888,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchUsageError("--lora-fused fuses the adapter --lora RANK adds: give --lora too")
     if args.lora is not None and args.transfer_mib is not None:
         raise BenchUsageError("--lora runs model cases; leave out --transfer-mib")
+    try:
+        args.cache_spec = CacheSpec.parse(args.cache) if args.cache is not None else None
+    except AdapterError as exc:
+        raise BenchUsageError(str(exc)) from None
+    if args.cache_spec is not None and args.steps < 2:
+        raise BenchUsageError("--cache skips steps of a loop: give --steps 2 or more")
+    if args.cache_spec is not None and args.cache_spec.type == "pyramid-attention":
+        raise BenchUsageError("--cache pyramid-attention follows a pipeline's timestep; the bench runs a bare model")
+    if (args.steps > 1 or args.cache) and args.transfer_mib is not None:
+        raise BenchUsageError("--steps and --cache run model cases; leave out --transfer-mib")
     if args.budgets and args.transfer_mib is not None:
         raise BenchUsageError("--budget runs model cases; leave out --transfer-mib")
     preset = PRESETS[args.preset]
@@ -839,7 +923,8 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
         return 0
     opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
                         bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets,
-                        memory_fraction=args.memory_fraction, lora=args.lora, lora_fused=args.lora_fused)
+                        memory_fraction=args.memory_fraction, lora=args.lora, lora_fused=args.lora_fused,
+                        steps=args.steps, cache=args.cache_spec)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []
@@ -853,6 +938,9 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
             if traced:
                 trace = {"case": f"{args.preset} {blocks}b {'x'.join(map(str, shape))}",
                          "variant": opts.trace_variant, "rings": run.trace}
+    if opts.steps > 1:  # the steps each case's loop computed are in its rows
+        meta["steps"] = opts.steps
+        meta["cache"] = opts.cache.to_dict() if opts.cache is not None else None
     if rank == 0:
         _emit(format_table(cases), meta, [dataclasses.asdict(r) for r in cases], trace, args, bandwidth, world)
         if args.png:

@@ -141,6 +141,8 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--budget", "120"], "a percentage is from 0 to 100"),
     (["--budget", "lots"], "give a percentage of the block bytes"),
     (["--budget", "50", "50%"], "each budget once"),
+    (["--cache", "first-block:0.1"], "give --steps 2 or more"),
+    (["--cache", "warp", "--steps", "4"], "unknown step cache 'warp'"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
     assert cli_main(["bench", *flags]) == 2
@@ -197,3 +199,18 @@ def test_a_lora_case_streams_bitwise_equal(fused, tmp_path):
     data = json.loads(out.read_text())
     assert data["meta"]["lora"]["rank"] == 4 and data["meta"]["lora"]["fused"] is fused
     assert all(r["bitwise_equal"] for r in data["results"])
+
+
+def test_a_cached_denoising_loop_streams_bitwise_equal_and_reports_the_steps_it_ran(tmp_path):
+    from omni_dist_offload.tools.bench import main
+
+    out = tmp_path / "cache.json"
+    argv = ["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", "--variants",
+            "rank-local", "--steps", "8", "--cache", "first-block:0.2", "--warmup", "0", "--repeats", "1",
+            "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["steps"] == 8 and data["meta"]["cache"]["type"] == "first-block"
+    assert all(1 <= r["computed_steps"] < 8 for r in data["results"])  # the cache skipped steps
+    assert all(r["bitwise_equal"] for r in data["results"])
+    assert all(r["floor_ms"] == data["results"][0]["forward_ms"] for r in data["results"])  # the resident loop
