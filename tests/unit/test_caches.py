@@ -15,7 +15,9 @@ from diffusers.hooks import (
     LayerSkipConfig,
     MagCacheConfig,
     PyramidAttentionBroadcastConfig,
+    SeaCacheConfig,
     TaylorSeerCacheConfig,
+    TextKVCacheConfig,
     apply_layer_skip,
 )
 
@@ -42,6 +44,8 @@ def cache_configs() -> dict:
             unconditional_batch_skip_range=3, unconditional_batch_timestep_skip_range=(-1, 901),
             current_timestep_callback=lambda: CLOCK["t"], tensor_format="BCFHW",
             attention_weight_callback=lambda _: 0.5), False, 2),
+        "sea": (SeaCacheConfig(threshold=0.5, residual_order=0), True, 1),
+        "text-kv": (TextKVCacheConfig(), True, 1),
         # Skip-layer guidance's hook: blocks 1 and 2 never run their forward.
         "layer-skip": (LayerSkipConfig(indices=[1, 2], fqn="blocks"), False, 1),
     }
@@ -99,7 +103,7 @@ def cached_steps(name: str, offload: dict | None, drift: float = 0.001, cache: b
             kwargs = {"hidden_states": base + drift * s, "timestep": torch.full((batch,), CLOCK["t"], device=device),
                       "encoder_hidden_states": text, "return_dict": False}
             if needs_context and cache:
-                with model.cache_context("cond"):
+                with model.cache_context("cond", step_index=s, sigma=1.0 - s / STEPS, num_inference_steps=STEPS):
                     outs.append(model(**kwargs)[0])
             else:
                 outs.append(model(**kwargs)[0])
@@ -120,7 +124,7 @@ def test_step_caches_on_a_streamed_model_match_the_cached_resident_model(name):
 
 
 @pytest.mark.parametrize("plan", [((), 2), ((), 3), ((0,), 2), ((2,), 2)], ids=lambda p: f"resident{list(p[0])}-slots{p[1]}")
-@pytest.mark.parametrize("name", ["first-block", "mag", "layer-skip"])
+@pytest.mark.parametrize("name", ["first-block", "mag", "sea", "layer-skip"])
 def test_blocks_a_cache_skips_are_not_copied(name, plan):
     """Rank-local, four blocks: a block whose forward does not run is never filled, except those
     the prefetch issued before the decision was known (the first ``slots`` streamed blocks: a
