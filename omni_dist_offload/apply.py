@@ -86,13 +86,17 @@ class RingSummary:
     resident_blocks: list[int]
     """Blocks kept on the device instead of streaming (indices in ring order)."""
     resident_bytes: int
-    """Bytes of those blocks' tensors."""
+    """Bytes of those blocks' tensors, and of the leading tensors that streamed blocks keep on
+    the device (``kept_blocks``)."""
     predicted_ratio: float | None
     """The residency plan's predicted forward / the resident forward; None before a forward
     was measured (and for rings without a device budget)."""
     device_budget: int | None
     """Device bytes this ring's resident blocks and slots may take (its share of
     ``device_budget``, after ``"auto"`` is resolved); None without a budget."""
+    kept_blocks: list[int] = dataclasses.field(default_factory=list)
+    """Streamed blocks that keep their first tensors on the device and stream the rest (a
+    residency plan's partly kept blocks)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,14 +131,15 @@ class OffloadHandle:
             weight_transfer=ring.transfer.name,
             gather=ring.transfer.gather,
             fallback_reason=ring.transfer.fallback_reason,
-            block_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.streamed),
+            block_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.streamed) - ring.kept_tensor_bytes(),
             host_bytes=ring.transfer.host_bytes(),
             device_slot_bytes=sum(s.numel() for s in ring.slots),
             setup_s=ring.setup_s,
             resident_blocks=sorted(ring.resident),
-            resident_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.resident),
+            resident_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.resident) + ring.kept_tensor_bytes(),
             predicted_ratio=ring.plan.predicted_ratio if ring.plan is not None else None,
             device_budget=ring.budget,
+            kept_blocks=ring.kept_blocks(),
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:

@@ -242,7 +242,7 @@ class Replanner:
                            "residency plan", ring.component.name, MEASURED_FORWARD, LAST_MEASURED_FORWARD)
         else:
             plan = plan_fewest(costs, self.budget, AUTO_TOLERANCE) if self.fewest else plan_residency(costs, self.budget)
-            ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True)
+            ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True, kept=dict(plan.kept))
             ring.plan, ring.costs = plan, costs
             _log_plan(ring, plan, costs)
         if not self.keep_trace:
@@ -270,8 +270,10 @@ def _log_plan(ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> None:
     streamed = len(ring.layouts) - len(plan.resident)
     logger.info(
         "%s: residency plan from a measured forward: %d of %d blocks resident (%s), %d streamed "
-        "through %d slots (%s); predicted forward %.1f ms, %.3fx resident (%.1f ms); budget %s",
+        "(%d of them keeping %s of their first tensors on the device) through %d slots (%s); "
+        "predicted forward %.1f ms, %.3fx resident (%.1f ms); budget %s",
         ring.component.name, len(plan.resident), len(ring.layouts),
-        format_bytes(sum(ring.layouts[i].nbytes for i in plan.resident)), streamed, ring.num_slots,
+        format_bytes(sum(ring.layouts[i].nbytes for i in plan.resident)), streamed, len(plan.kept),
+        format_bytes(sum(b for _, b in plan.kept)), ring.num_slots,
         format_bytes(sum(s.numel() for s in ring.slots)), plan.predicted_ms, plan.predicted_ratio or 0.0,
         costs.resident_ms, format_bytes(ring.budget or 0))

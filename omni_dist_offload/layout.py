@@ -42,9 +42,11 @@ class TensorEntry:
     origin: torch.device
     """Device the tensor was on before offloading (restored there if setup fails)."""
 
-    def view_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This tensor as a view into a block buffer (host or device)."""
-        flat = buffer[self.offset : self.offset + self.nbytes].view(self.dtype)
+    def view_in(self, buffer: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """This tensor as a view into a block buffer (host or device); ``base``: the block
+        offset where ``buffer`` starts (a buffer holding only the block's later tensors)."""
+        start = self.offset - base
+        flat = buffer[start : start + self.nbytes].view(self.dtype)
         view = flat.view(self.storage_shape)
         return view.permute(self.inverse_perm) if self.inverse_perm is not None else view
 

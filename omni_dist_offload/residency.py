@@ -96,11 +96,22 @@ class RingCosts:
     forward's start on the device: negative while the host runs ahead. None: never late."""
     measured: bool = True
     """False for :func:`prior_costs`: the plan is a placeholder until a forward is measured."""
+    cuts: tuple[tuple[int, ...], ...] | None = None
+    """Per block, the byte counts of a leading part it can keep on the device while the rest
+    streams (a block splits between two of its tensors), ascending, each above 0 and below the
+    block's slot bytes. None: blocks stay resident or stream whole (allgather rings)."""
 
     def __post_init__(self) -> None:
         n = len(self.nbytes)
         if not (len(self.slot_bytes) == len(self.compute_ms) == len(self.copy_ms) == n):
             raise ValueError("RingCosts: every per-block sequence must have one entry per block")
+        if self.cuts is not None and len(self.cuts) != n:
+            raise ValueError("RingCosts: cuts needs one entry per block")
+
+    def streamed_ms(self, i: int, kept: int) -> float:
+        """Block ``i``'s copy when its first ``kept`` bytes stay on the device (in proportion to
+        the bytes that stream)."""
+        return self.copy_ms[i] * (self.slot_bytes[i] - kept) / self.slot_bytes[i] if kept else self.copy_ms[i]
 
     @property
     def resident_ms(self) -> float:
@@ -120,6 +131,8 @@ class ResidencyPlan:
     predicted_ms: float
     resident_ms: float
     measured: bool = True
+    kept: tuple[tuple[int, int], ...] = ()
+    """Streamed blocks that keep a leading part on the device: (block, bytes kept), by block."""
 
     @property
     def predicted_ratio(self) -> float | None:
@@ -137,15 +150,22 @@ class _Outcome:
     forward_ms: float
     slack_ms: float
     """The smallest margin by which a streamed block's bytes arrived before it was needed."""
+    stalls: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Per streamed block, how long compute waited for it in the steady-state forward."""
 
 
-def simulate(costs: RingCosts, resident: Iterable[int], slots: int) -> float:
-    """The predicted steady-state forward in ms (see the module docstring)."""
-    return _simulate(costs, frozenset(resident), slots).forward_ms
+def simulate(costs: RingCosts, resident: Iterable[int], slots: int,
+             kept: dict[int, int] | None = None) -> float:
+    """The predicted steady-state forward in ms (see the module docstring); ``kept``: bytes
+    each partly kept block keeps on the device."""
+    return _simulate(costs, frozenset(resident), slots, kept).forward_ms
 
 
-def _simulate(costs: RingCosts, resident: frozenset[int], slots: int) -> _Outcome:
-    compute, copy = costs.compute_ms, costs.copy_ms
+def _simulate(costs: RingCosts, resident: frozenset[int], slots: int,
+              kept: dict[int, int] | None = None) -> _Outcome:
+    compute = costs.compute_ms
+    copy = ([costs.streamed_ms(i, kept.get(i, 0)) for i in range(len(compute))] if kept
+            else costs.copy_ms)
     n = len(compute)
     host = costs.issued_ms or (-math.inf,) * n
     order = [i for i in range(n) if i not in resident]
@@ -162,6 +182,7 @@ def _simulate(costs: RingCosts, resident: frozenset[int], slots: int) -> _Outcom
     done: list[float] = []       # per streamed run (same numbering): when its compute ended
     starts: list[float] = []     # per forward: when it started
     slack = math.inf
+    stalls: dict[int, float] = {}
     q = 0                        # streamed runs so far
     for f in range(_FORWARDS):
         if f:
@@ -185,11 +206,13 @@ def _simulate(costs: RingCosts, resident: frozenset[int], slots: int) -> _Outcom
                 copy_clock = max(copy_clock, free, issued) + copy[order[k % m]]
                 ready.append(copy_clock)
             slack = min(slack, t - ready[q])
+            if f == _FORWARDS - 1:
+                stalls[i] = max(0.0, ready[q] - t)
             t = max(t, ready[q]) + compute[i]
             done.append(t)
             q += 1
         t += costs.post_ms
-    return _Outcome(t - starts[-1], slack)
+    return _Outcome(t - starts[-1], slack, stalls)
 
 
 def min_budget(slot_bytes: Sequence[int]) -> int:
@@ -241,8 +264,70 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
                     best = (key, plan)
                 if plan.predicted_ms <= goal:
                     break  # more resident blocks would only cost memory
+    for plan in _partial_plans(costs, budget) if costs.cuts is not None else ():
+        if plan.predicted_ms <= goal:
+            key = (0, plan.device_bytes, plan.predicted_ms, 1.0)
+        else:
+            key = (1, round(plan.predicted_ms / costs.resident_ms, 3), -plan.device_bytes, 1.0)
+        if best is None or key < best[0]:
+            best = (key, plan)
     assert best is not None  # budget >= floor: two slots of the largest block always fit
     return best[1]
+
+
+#: Partial plans: slot sizes tried, as fractions of the largest block.
+_PARTIAL_CAPS = tuple(k / 12 for k in range(1, 12))
+#: The smallest step by which a partial plan keeps more of a block, as a share of the block.
+_PARTIAL_STEP = 1 / 16
+
+
+def _partial_plans(costs: RingCosts, budget: int):
+    """Plans where streamed blocks keep a leading part on the device (``costs.cuts``), so a
+    slot holds only what streams and every block streams about what its neighbours' compute
+    hides. For each slot size (a share of the largest block: blocks keep what does not fit,
+    whole blocks stay resident where no cut fits) and 2 or 3 slots, starting from the least
+    kept: keep more of the block whose bytes arrived latest, one step at a time, while the
+    budget holds. Yields every plan on the way."""
+    sizes, nbytes, cuts = costs.slot_bytes, costs.nbytes, costs.cuts
+    n = len(sizes)
+    for cap in sorted({max(1, int(max(sizes) * f)) for f in _PARTIAL_CAPS}):
+        kept: dict[int, int] = {}
+        resident: set[int] = set()
+        for i in range(n):
+            if sizes[i] <= cap:
+                continue
+            fit = [c for c in cuts[i] if sizes[i] - c <= cap]
+            if fit:
+                kept[i] = fit[0]
+            else:
+                resident.add(i)
+        for slots in (2, 3):
+            plan_kept, plan_resident = dict(kept), set(resident)
+            while True:
+                streamed = [i for i in range(n) if i not in plan_resident]
+                if len(streamed) <= slots:
+                    break
+                slot = max(sizes[i] - plan_kept.get(i, 0) for i in streamed)
+                device = (sum(nbytes[i] for i in plan_resident) + sum(plan_kept.values()) + slots * slot)
+                if device > budget:
+                    break
+                outcome = _simulate(costs, frozenset(plan_resident), slots, plan_kept)
+                yield ResidencyPlan(tuple(sorted(plan_resident)), slots, device, outcome.forward_ms,
+                                    costs.resident_ms, costs.measured,
+                                    tuple(sorted((i, b) for i, b in plan_kept.items() if i not in plan_resident)))
+                late = sorted((w, i) for i, w in outcome.stalls.items() if w > 0)
+                if not late:
+                    break
+                step = None
+                for _, i in reversed(late):  # the latest block first; the next if it cannot grow
+                    now = plan_kept.get(i, 0)
+                    more = [c for c in cuts[i] if c >= now + sizes[i] * _PARTIAL_STEP]
+                    if more:
+                        step = (i, more[0])
+                        break
+                if step is None:
+                    break
+                plan_kept[step[0]] = step[1]
 
 
 def _rounded(ms: float) -> float:

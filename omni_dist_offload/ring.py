@@ -119,6 +119,11 @@ class BlockRing:
         for i, buf in self._device_blocks.items():
             bind(self.layouts[i].entries, [e.view_in(buf) for e in self.layouts[i].entries])
         self.resident: frozenset[int] = frozenset(self._device_blocks)
+        # Streamed blocks that keep their first tensors on the device (a residency plan's
+        # partly kept blocks): block -> how many leading entries stay, and the device buffer
+        # holding them. Only the rest of such a block streams; its slot views start past them.
+        self._kept: dict[int, int] = {}
+        self._kept_bufs: dict[int, torch.Tensor] = {}
         self.plan: ResidencyPlan | None = None
         """The residency plan in force, when a planner made it (see ``apply.py``)."""
         self.costs: RingCosts | None = None
@@ -173,15 +178,22 @@ class BlockRing:
         count = num_slots if self.streamed else 0
         if self.streamed and count < 2:
             raise ValueError(f"{self.component.name}: a ring that streams needs at least 2 slots, found {num_slots}")
-        nbytes = max((self.transfer.device_nbytes(i) for i in self.streamed), default=0)
+        base = [self.kept_bytes(i) for i in range(n)]
+        moving = [self.layouts[i].entries[self._kept.get(i, 0):] for i in range(n)]
+        nbytes = max((self.transfer.device_nbytes(i) - base[i] for i in self.streamed), default=0)
         # The slots are allocated once per plan and reused for every block of every step: the
         # per-block path allocates nothing and never returns memory to the allocator.
         self.transfer.allocate_slots(nbytes, count)
         self.slots = self.transfer.slots
         self.num_slots = count
-        self._slot_views = [[tuple(e.view_in(slot) for e in layout.entries) if layout.index in self.streamed
-                             else None for layout in self.layouts] for slot in self.slots]
-        self._fill_views = [[slot[: self.transfer.device_nbytes(i)] for i in range(n)] for slot in self.slots]
+        # Per block, the entries that move between host and slot (all of them unless the block
+        # keeps a leading part on the device), their slot views and their parked views.
+        self._moving = moving
+        self._base = base
+        self._slot_views = [[tuple(e.view_in(slot, base[i]) for e in moving[i]) if i in self.streamed
+                             else None for i in range(n)] for slot in self.slots]
+        self._fill_views = [[slot[: self.transfer.device_nbytes(i) - base[i]] for i in range(n)] for slot in self.slots]
+        self._parked_moving = [p[self._kept.get(i, 0):] if p is not None else None for i, p in enumerate(self._parked)]
         # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
         # waits on it before the block runs. free[s]: recorded on the compute stream after the
         # block in slot s ran; the transfer waits on it before overwriting slot s.
@@ -280,7 +292,7 @@ class BlockRing:
             stream.wait_event(self._ready[slot])
         if tracer is not None:
             tracer.after_wait(i, stream)
-        bind(self.layouts[i].entries, self._slot_views[slot][i])
+        bind(self._moving[i], self._slot_views[slot][i])
         self._current, self._current_slot = i, slot
         self._prefetch(i)
         if not self._warned_grad and torch.is_grad_enabled():
@@ -367,7 +379,7 @@ class BlockRing:
             return
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
-        bind(self.layouts[i].entries, self._parked[i])
+        bind(self._moving[i], self._parked_moving[i])
 
     def _slot_of(self, block: int) -> int:
         for s in range(self.num_slots):
@@ -391,7 +403,8 @@ class BlockRing:
         self._slot_block[slot] = _EMPTY
         try:
             marks = self.tracer.transfer_marks(block) if self.tracer is not None else None
-            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot], marks)
+            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot], marks,
+                               start=self._base[block])
         except RuntimeError as exc:  # e.g. a gloo collective timed out: say which ring and block
             raise RuntimeError(
                 f"{self.component.name}: moving block {self.layouts[block].name} with the "
@@ -473,14 +486,17 @@ class BlockRing:
                     self._fill(i, slot)
                 if self._cuda:
                     self._ready[slot].synchronize()  # an edit, not the per-block path
-                views = self._slot_views[slot][i]
+                kept = self._kept_views(i)
+                views = [*kept, *self._slot_views[slot][i]]
             bind(layout.entries, views)
             try:
                 result = edit()
                 for entry, view in zip(layout.entries, views):
                     _keep_in(entry.name, entry.tensor, view)
                 if slot is not None:
-                    self.transfer.write_back(i, self._fill_views[slot][i])
+                    self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i])
+                    if i in self._kept:  # the host copy is whole: it holds the kept part's edit too
+                        self.transfer.write_back(i, self._kept_bufs[i], start=0)
                 elif self.transfer.has_host_copy(i):
                     # Resident under a plan that is not final yet: a later plan may stream it
                     # again, from its host copy, which must hold the edit too.
@@ -494,8 +510,36 @@ class BlockRing:
                     self._slot_block[slot] = _EMPTY
                 raise
             finally:
-                bind(layout.entries, self._parked[i] if slot is not None else views)
+                if slot is None:
+                    bind(layout.entries, views)
+                else:
+                    bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
+
+    def kept_bytes(self, i: int) -> int:
+        """Bytes of block ``i``'s leading part kept on the device (0: none)."""
+        k = self._kept.get(i, 0)
+        return self.layouts[i].entries[k].offset if k else 0
+
+    def kept_blocks(self) -> list[int]:
+        """Streamed blocks that keep a leading part on the device."""
+        return sorted(self._kept)
+
+    def kept_tensor_bytes(self) -> int:
+        """Bytes of the tensors that streamed blocks keep on the device."""
+        return sum(e.nbytes for i, k in self._kept.items() for e in self.layouts[i].entries[:k])
+
+    def _kept_views(self, i: int) -> list[torch.Tensor]:
+        k = self._kept.get(i, 0)
+        return [e.view_in(self._kept_bufs[i]) for e in self.layouts[i].entries[:k]] if k else []
+
+    def cuts(self) -> tuple[tuple[int, ...], ...] | None:
+        """Per block, where it can split into a kept part and a streamed one (the offsets of its
+        second to last tensors), for the planner; None for a transfer that moves whole blocks
+        only (a gather: shards are cut from whole blocks)."""
+        if self.transfer.gather is not None:
+            return None
+        return tuple(tuple(e.offset for e in l.entries[1:] if e.offset > 0) for l in self.layouts)
 
     # -- the residency plan: between forwards ------------------------------------------------
     def measured_costs(self, report: Mapping) -> RingCosts | None:
@@ -507,30 +551,42 @@ class BlockRing:
         if len(rows) != len(self.layouts) or report.get("pre_ms") is None:
             return None
         sizes = [self.transfer.device_nbytes(i) for i in range(len(self.layouts))]
-        timed = [(sizes[i], r["transfer_ms"]) for i, r in rows.items() if r["transfer_ms"]]
+        moved = [sizes[i] - self._base[i] for i in range(len(self.layouts))]  # a kept part does not move
+        timed = [(moved[i], r["transfer_ms"]) for i, r in rows.items() if r["transfer_ms"]]
         if not timed:
             return None
         ms_per_byte = sum(ms for _, ms in timed) / sum(b for b, _ in timed)
-        copy = tuple(rows[i]["transfer_ms"] or sizes[i] * ms_per_byte for i in range(len(self.layouts)))
+        copy = tuple(rows[i]["transfer_ms"] * sizes[i] / moved[i] if rows[i]["transfer_ms"] else sizes[i] * ms_per_byte
+                     for i in range(len(self.layouts)))
         issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
         return RingCosts(tuple(l.nbytes for l in self.layouts), tuple(sizes),
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
-                         issued_ms=issued if None not in issued else None)
+                         issued_ms=issued if None not in issued else None, cuts=self.cuts())
 
-    def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool) -> None:
+    def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool,
+                   kept: Mapping[int, int] | None = None) -> None:
         """Make exactly ``resident`` the resident blocks and stream the rest through
         ``num_slots`` slots. Blocks that become resident are brought in through the current
         slot 0 (collective under allgather: every rank applies the same plan at the same point);
-        ``settle``: resident blocks give up their host copies. Between forwards; synchronises.
+        ``settle``: resident blocks give up their host copies. ``kept``: streamed blocks that keep
+        their leading bytes on the device (block -> bytes, one of :meth:`cuts`; rank-local rings
+        only); they keep their whole host copy. Between forwards; synchronises.
 
         Runs in the post-hook of a forward, often under ``torch.inference_mode()``: the buffers
         it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
         outside it, so ``remove()`` can write them later). A failure part way leaves a ring
         that is consistent for the blocks it had moved by then."""
+        kept = dict(kept or {})
+        cuts = self.cuts()
+        for i, nbytes in kept.items():  # bad input changes nothing
+            if cuts is None or not 0 <= i < len(cuts) or i in set(resident) or nbytes not in cuts[i]:
+                raise ValueError(f"{self.component.name}: block {i} cannot keep {nbytes} bytes on the device "
+                                 f"(a streamed block of a rank-local ring keeps a leading part that ends "
+                                 f"where one of its tensors starts)")
         with torch.inference_mode(self._inference), torch.no_grad():
             try:
-                self._apply_plan(frozenset(resident))
+                self._apply_plan(frozenset(resident), kept)
             finally:
                 self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
                 self._configure(num_slots)
@@ -541,9 +597,12 @@ class BlockRing:
                 self._parked[i] = None
         self._warm = False
 
-    def _apply_plan(self, new: frozenset[int]) -> None:
+    def _apply_plan(self, new: frozenset[int], kept: dict[int, int]) -> None:
         if self._cuda:
             torch.cuda.synchronize(self.device)
+        for i in sorted(self._kept):  # partly kept blocks stream whole again first
+            bind(self.layouts[i].entries, self._parked[i])
+            del self._kept[i], self._kept_bufs[i]
         for i in sorted(self.resident - new):
             if self._parked[i] is None:
                 raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} has no host copy "
@@ -552,18 +611,34 @@ class BlockRing:
             del self._device_blocks[i]
             self.resident = self.resident - {i}
         promote = sorted(new - self.resident)
-        if promote and not self.slots:
-            raise RuntimeError(f"{self.component.name}: no slot to bring blocks {promote} in through")
+        self._slot_block = [_EMPTY] * self.num_slots
         for i in promote:
             layout = self.layouts[i]
-            self._slot_block[0] = _EMPTY
-            self.transfer.fill(i, self._fill_views[0][i], None, self._ready[0])
-            if self._cuda:
-                self._ready[0].synchronize()
-            buf = self.slots[0][: layout.nbytes].clone()
+            buf = self._whole_on_device(i)[: layout.nbytes].clone()
             bind(layout.entries, [e.view_in(buf) for e in layout.entries])
             self._device_blocks[i] = buf
             self.resident = self.resident | {i}
+        for i, nbytes in sorted(kept.items()):
+            layout = self.layouts[i]
+            k = next(j for j, e in enumerate(layout.entries) if j and e.offset == nbytes)
+            buf = self._whole_on_device(i)[:nbytes].clone()
+            bind(layout.entries[:k], [e.view_in(buf) for e in layout.entries[:k]])
+            self._kept[i], self._kept_bufs[i] = k, buf
+
+    def _whole_on_device(self, i: int) -> torch.Tensor:
+        """Block ``i`` filled whole into slot 0 (or, on a rank-local ring whose slots hold only
+        the streamed parts of blocks, a buffer of its own), synchronised. Plan changes only."""
+        need = self.transfer.device_nbytes(i)
+        if self.slots and self.slots[0].numel() >= need:
+            dst = self.slots[0][:need]
+        elif self.transfer.gather is None:
+            dst = torch.empty(need, dtype=torch.uint8, device=self.device)
+        else:
+            raise RuntimeError(f"{self.component.name}: no slot to bring block {self.layouts[i].name} in through")
+        self.transfer.fill(i, dst, None, torch.cuda.Event() if self._cuda else None)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return dst
 
     # -- teardown ------------------------------------------------------------------------
     def restore(self, device: torch.device | None) -> None:
@@ -577,10 +652,11 @@ class BlockRing:
                 views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
             else:
                 self._slot_block[slot] = _EMPTY
-                self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot])
+                self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
+                                   start=self._base[i])
                 if self._cuda:
                     self._ready[slot].synchronize()  # teardown, not the per-block path
-                views = self._slot_views[slot][i]
+                views = [*self._kept_views(i), *self._slot_views[slot][i]]
             bind(layout.entries, [
                 torch.empty_strided(v.size(), v.stride(), dtype=v.dtype,
                                     device=device if device is not None else e.origin).copy_(v)
@@ -590,6 +666,7 @@ class BlockRing:
                 self._free[slot].record(torch.cuda.current_stream(self.device))
             self._device_blocks.pop(i, None)
         self.resident = frozenset()
+        self._kept, self._kept_bufs = {}, {}
 
     def release(self) -> None:
         """Free the slots, device buffers and host buffers. The caller has synchronised the device."""
@@ -600,4 +677,5 @@ class BlockRing:
         self._fill_views = []
         self._parked = []
         self._device_blocks = {}
+        self._kept, self._kept_bufs = {}, {}
         self.transfer.release()

@@ -24,6 +24,12 @@ __all__ = ["AllGatherTransfer"]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def whole_blocks(start: int) -> None:
+    """Refuse a part of a block: a gather moves whole blocks (its shards are cut from them)."""
+    if start:
+        raise ValueError("an allgather transfer moves whole blocks (shards are cut from them): start must be 0")
+
+
 class AllGatherTransfer:
     """Every rank holds one shard of each block; the device rebuilds the block by all-gather.
 
@@ -83,7 +89,8 @@ class AllGatherTransfer:
         if shard is not None:
             shard.release()
 
-    def fill(self, block, dst, after, ready, marks=None) -> None:
+    def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
+        whole_blocks(start)
         src = self.shards[block].tensor
         group, world = self.group.group, self.group.size
         copy, comm = self._copy_stream, self._comm_stream
@@ -113,7 +120,8 @@ class AllGatherTransfer:
         if marks is not None:
             marks[1].record(comm)
 
-    def write_back(self, block, src) -> None:
+    def write_back(self, block, src, start=0) -> None:
+        whole_blocks(start)
         shard = self.shards[block].tensor
         for _offset, mine, c, pos in self._chunks[block]:  # this rank's piece of every chunk
             shard[pos : pos + c].copy_(src[mine : mine + c])

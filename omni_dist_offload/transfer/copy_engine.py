@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - older torch
     symm_mem = None
 
 from ..hostmem import HostBuffer
-from .allgather import AllGatherTransfer
+from .allgather import AllGatherTransfer, whole_blocks
 from .groups import WeightGroup
 from .memops import StreamMemOps
 from .protocol import TransferStreams
@@ -98,7 +98,8 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
         self._watchdog = _Watchdog(self._timeout_s, self._name)
         return [base[s * nbytes : (s + 1) * nbytes] for s in range(count)]
 
-    def fill(self, block, dst, after, ready, marks=None) -> None:
+    def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
+        whole_blocks(start)
         src = self.shards[block].tensor
         ops, peers = self._ops, self._peers
         copy, comm = self._copy_stream, self._comm_stream

@@ -61,16 +61,19 @@ class WeightTransfer(Protocol):
         """Unpin and free block ``block``'s host copy: it stays on the device from now on."""
 
     def fill(self, block: int, dst: torch.Tensor, after: "torch.cuda.Event | None",
-             ready: "torch.cuda.Event | None", marks=None) -> None:
+             ready: "torch.cuda.Event | None", marks=None, start: int = 0) -> None:
         """Enqueue filling ``dst`` with block ``block``: start once ``after`` has fired (the
         slot's previous tenant finished computing), record ``ready`` when the bytes are there.
         Without an accelerator (events are None) the fill is complete when it returns.
-        ``marks``: when tracing, a (start, end) pair of trace marks to record around the fill."""
+        ``marks``: when tracing, a (start, end) pair of trace marks to record around the fill.
+        ``start``: fill ``dst`` with the block's bytes from this offset on (a block whose first
+        tensors stay on the device); transfers with a gather take whole blocks only (0)."""
 
-    def write_back(self, block: int, src: torch.Tensor) -> None:
-        """Write block ``block``'s bytes from ``src`` (a device slot holding the whole block, as
-        :meth:`fill` left it, then edited) into its host copy: the whole block, or this rank's
-        shard. Between forwards; returns when the host copy holds them."""
+    def write_back(self, block: int, src: torch.Tensor, start: int = 0) -> None:
+        """Write block ``block``'s bytes from ``src`` (a device slot holding the block, or its
+        bytes from ``start`` on, as :meth:`fill` left it, then edited) into its host copy: the
+        whole block, or this rank's shard. Between forwards; returns when the host copy holds
+        them."""
 
     def close(self) -> None:
         """Drop what the transfer holds besides its host copy (slots, helper threads).

@@ -47,8 +47,8 @@ class RankLocalTransfer:
         if buf is not None:
             buf.release()
 
-    def fill(self, block, dst, after, ready, marks=None) -> None:
-        src = self.buffers[block].tensor
+    def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
+        src = self.buffers[block].tensor[start : start + dst.numel()]
         stream = self._copy_stream
         if stream is None:
             if marks is not None:
@@ -67,8 +67,8 @@ class RankLocalTransfer:
         if marks is not None:
             marks[1].record(stream)
 
-    def write_back(self, block, src) -> None:
-        self.buffers[block].tensor.copy_(src)
+    def write_back(self, block, src, start=0) -> None:
+        self.buffers[block].tensor[start : start + src.numel()].copy_(src)
 
     def close(self) -> None:
         self.slots = []

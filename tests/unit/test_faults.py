@@ -216,10 +216,10 @@ def _raise_in_fill(ring, exc: type[BaseException], when: int):
     calls = itertools.count()
     real = ring.transfer.fill
 
-    def fill(*args):
+    def fill(*args, **kwargs):
         if next(calls) == when:
             raise exc("simulated interrupt (fill)")
-        return real(*args)
+        return real(*args, **kwargs)
 
     return mock.patch.object(ring.transfer, "fill", fill)
 

@@ -289,3 +289,36 @@ def test_a_pipeline_under_a_budget_replans_each_ring_and_stays_bitwise_equal():
     assert all(ring.plan is not None and (ring.plan.measured or not ring.streamed) for ring in handle.rings)
     handle.remove()
     assert torch.equal(_generate(pipe), ref)
+
+
+# -- blocks that keep a part on the device ---------------------------------------------------------
+def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
+    model = tiny.tiny_wan_transformer(num_layers=4)
+    batch = tiny.wan_transformer_inputs(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(**batch)[0]
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]})
+    ring = handle.rings[0]
+    cuts = ring.cuts()
+    (before,) = handle.summary()
+    halves = {i: cuts[i][len(cuts[i]) // 2] for i in (0, 2, 3)}
+    for bad in ({0: 1}, {1: cuts[1][0], 5: 256}):  # not a cut; no such block
+        with pytest.raises(ValueError, match="cannot keep"):
+            ring.apply_plan((), 2, settle=False, kept=bad)
+        assert handle.summary() == [before]  # bad input changed nothing
+    ring.apply_plan((1,), 2, settle=True, kept=halves)
+    (row,) = handle.summary()
+    assert row["kept_blocks"] == [0, 2, 3] and row["resident_blocks"] == [1]
+    kept = ring.kept_tensor_bytes()
+    assert 0 < kept and row["resident_bytes"] == module_bytes(model.blocks[1]) + kept
+    # Slots hold only the parts that stream: smaller than the largest block.
+    assert row["device_slot_bytes"] < before["device_slot_bytes"]
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(**batch)[0], ref)
+    # The kept tensors live on the device for good, the others only while their block runs.
+    first = next(model.blocks[0].parameters())
+    assert first.data_ptr() == ring._kept_bufs[0].data_ptr()
+    handle.remove()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
