@@ -144,6 +144,8 @@ class CaseResult:
     device_budget: int | None = None
     """Budget variants: the budget in bytes (after ``auto`` and the two-slot minimum)."""
     resident_blocks: int = 0
+    kept_blocks: int = 0
+    """Budget variants: streamed blocks keeping their first tensors on the device."""
     slots: int = 0
     """Device slots of the ring (budget variants: as planned)."""
     compile_s: float = 0.0
@@ -293,6 +295,7 @@ class _Pass:
     predicted_ms: float | None = None
     device_budget: int | None = None
     resident_blocks: int = 0
+    kept_blocks: int = 0
     slots: int = 0
     streamed_bytes: int = 0
     compile_s: float = 0.0
@@ -527,7 +530,8 @@ def _plan_info(handle) -> dict[str, Any]:
     return {"host_bytes": row.host_bytes, "outside_allocator_bytes": outside,
             "predicted_ratio": row.predicted_ratio, "device_budget": row.device_budget,
             "predicted_ms": ring.plan.predicted_ms if measured else None,
-            "resident_blocks": len(row.resident_blocks), "slots": handle.rings[0].num_slots,
+            "resident_blocks": len(row.resident_blocks), "kept_blocks": len(row.kept_blocks),
+            "slots": handle.rings[0].num_slots,
             "streamed_bytes": row.block_bytes}
 
 
@@ -676,7 +680,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
             predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
-            resident_blocks=ps[0].resident_blocks, slots=ps[0].slots,
+            resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
             compile_s=max(p.compile_s for p in ps),
             vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
             computed_steps=opts.computed_steps))
@@ -771,7 +775,7 @@ def format_table(results: Sequence[CaseResult]) -> str:
     head = (f"{'case':<30}{'variant':<{width}}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'x floor':>9}"
             f"{'peak MiB':>10}{'host MiB':>10}{'setup s':>9}{'equal':>7}")
     if budgets:
-        head += f"{'budget MiB':>12}{'kept':>6}{'slots':>6}{'pred x':>8}{'pred ms':>9}{'/ pred':>8}"
+        head += f"{'budget MiB':>12}{'kept':>6}{'part':>6}{'slots':>6}{'pred x':>8}{'pred ms':>9}{'/ pred':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
         case = f"{r.preset} {r.blocks}b {r.shape}"
@@ -780,7 +784,7 @@ def format_table(results: Sequence[CaseResult]) -> str:
                 f"{'yes' if r.bitwise_equal else 'NO':>7}")
         if budgets and r.device_budget is not None:
             pred, pred_ms = r.predicted_ratio, r.predicted_ms
-            line += (f"{r.device_budget / 2**20:>12.1f}{r.resident_blocks:>6}{r.slots:>6}"
+            line += (f"{r.device_budget / 2**20:>12.1f}{r.resident_blocks:>6}{r.kept_blocks:>6}{r.slots:>6}"
                      + (f"{pred:>8.3f}" if pred else f"{'-':>8}")
                      + (f"{pred_ms:>9.2f}{r.forward_ms / pred_ms:>8.3f}" if pred_ms else f"{'-':>9}{'-':>8}"))
         lines.append(line)

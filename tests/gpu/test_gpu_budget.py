@@ -40,7 +40,7 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
             torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(out, ref)
     (row,) = handle.summary()
-    assert row["predicted_ratio"] is not None and row["resident_blocks"]
+    assert row["predicted_ratio"] is not None and (row["resident_blocks"] or row["kept_blocks"])
     assert row["resident_bytes"] + row["device_slot_bytes"] <= budget + 256 * len(block_bytes)
     peak = torch.cuda.max_memory_allocated() - start
     assert peak <= nonblock + budget + activations + 64 * 1024
