@@ -97,6 +97,10 @@ class RingSummary:
     kept_blocks: list[int] = dataclasses.field(default_factory=list)
     """Streamed blocks that keep their first tensors on the device and stream the rest (a
     residency plan's partly kept blocks)."""
+    found_by: str = ""
+    """How the block lists were found: ``declared`` (the class's
+    ``_layerwise_offload_blocks_attrs`` or the pipeline's ``OffloadPlan``), ``built-in table``
+    or ``scan``."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,6 +144,7 @@ class OffloadHandle:
             predicted_ratio=ring.plan.predicted_ratio if ring.plan is not None else None,
             device_budget=ring.budget,
             kept_blocks=ring.kept_blocks(),
+            found_by=ring.component.source if ring.component.source in ("built-in table", "scan") else "declared",
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:

@@ -6,24 +6,29 @@ ring, in execution order.
 
 Where the block lists come from, first match wins:
 
-* DiT: the class attribute ``_layerwise_offload_blocks_attrs``; the built-in table
-  :data:`DIT_BLOCK_ATTRS` (by class name, subclasses included); a scan for one dominant
-  ``ModuleList``.
+* DiT: the class attribute ``_layerwise_offload_blocks_attrs``; the built-in tables
+  :data:`DIT_BLOCK_ATTRS` and :data:`DIT_BLOCK_ALTERNATIVES` (by class name, subclasses
+  included); a scan for the ``ModuleList``s of blocks (several when a model has them, ordered as
+  its ``forward`` source names them).
 * Text encoder: the pipeline's ``OffloadPlan.encoder_block_attrs``; the class attribute; the
   built-in table :data:`ENCODER_BLOCK_ATTRS`; the scan.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from torch import nn
 
 from .config import OffloadConfig, OffloadConfigError
 
 __all__ = [
+    "DIT_BLOCK_ALTERNATIVES",
     "DIT_BLOCK_ATTRS",
     "ENCODER_BLOCK_ATTRS",
     "OffloadPlan",
@@ -63,6 +68,68 @@ DIT_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     "SanaVideoTransformer3DModel": ("transformer_blocks",),
     "AllegroTransformer3DModel": ("transformer_blocks",),
     "CosmosTransformer3DModel": ("transformer_blocks",),
+    # Single block lists.
+    "AceStepTransformer1DModel": ("layers",),
+    "AnyFlowTransformer3DModel": ("blocks",),
+    "AnyFlowFARTransformer3DModel": ("blocks",),
+    "CogView3PlusTransformer2DModel": ("transformer_blocks",),
+    "ConsisIDTransformer3DModel": ("transformer_blocks",),  # its face cross-attention interleaves: resident
+    "DiTTransformer2DModel": ("transformer_blocks",),
+    "DreamLiteTransformer2DModel": ("transformer_blocks",),
+    "EasyAnimateTransformer3DModel": ("transformer_blocks",),
+    "ErnieImageTransformer2DModel": ("layers",),
+    "GlmImageTransformer2DModel": ("transformer_blocks",),
+    "HeliosTransformer3DModel": ("blocks",),
+    "HunyuanDiT2DModel": ("blocks",),
+    "Ideogram4Transformer2DModel": ("layers",),
+    "JoyImageEditTransformer3DModel": ("double_blocks",),
+    "JoyImageEditPlusTransformer3DModel": ("double_blocks",),
+    "Kandinsky6Transformer3DModel": ("visual_transformer_blocks",),
+    "Kandinsky6SRTransformer3DModel": ("visual_transformer_blocks",),
+    "Krea2Transformer2DModel": ("transformer_blocks",),
+    "LuminaNextDiT2DModel": ("layers",),
+    "LongCatAudioDiTTransformer": ("blocks",),
+    "Cosmos3OmniTransformer": ("layers",),
+    "MiniMaxMusic3RVQDepthDecoder": ("layers",),
+    "RFD4ProteinaTransformer": ("transformer_layers",),
+    # Per-mode blocks, then joint ones; the image-conditioning mode's blocks run only with a
+    # reference image, so they stay resident rather than be prefetched in vain.
+    "Flux3Transformer2DModel": ("txt_mode_blocks", "mode_blocks.image", "single_transformer_blocks"),
+    "MiniMaxH3Transformer3DModel": ("transformer_blocks",),
+    "MiniMaxMusic3Transformer1DModel": ("transformer_blocks",),
+    "NucleusMoEImageTransformer2DModel": ("transformer_blocks",),
+    "OmniGenTransformer2DModel": ("layers",),
+    "PRXTransformer2DModel": ("blocks",),
+    "PriorTransformer": ("transformer_blocks",),
+    "T5FilmDecoder": ("decoders",),
+    "QwenImage21Transformer2DModel": ("transformer_blocks",),
+    "SanaWMTransformer3DModel": ("blocks",),
+    "SanaWMLTX2RefinerTransformer3DModel": ("transformer_blocks",),
+    "StableAudioDiTModel": ("transformer_blocks",),
+    "StableAudio3DiTModel": ("transformer_blocks",),
+    "Transformer2DModel": ("transformer_blocks",),
+    "TransformerTemporalModel": ("transformer_blocks",),
+    "WanAnimateTransformer3DModel": ("blocks",),  # its face adapters run between blocks: resident
+    "WanAnimate2Transformer3DModel": ("blocks",),
+    # Two or more lists, in the order the forward runs them.
+    "AuraFlowTransformer2DModel": ("joint_transformer_blocks", "single_transformer_blocks"),
+    "BriaTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "BriaFiboTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "BriaFibo2Transformer2DModel": ("noise_refiner", "layers"),
+    "HiDreamImageTransformer2DModel": ("double_stream_blocks", "single_stream_blocks"),
+    "Kandinsky5Transformer3DModel": ("text_transformer_blocks", "visual_transformer_blocks"),
+    "LongCatImageTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "Lumina2Transformer2DModel": ("context_refiner", "noise_refiner", "layers"),
+    "MotifVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "OvisImageTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    # Spatial and temporal blocks take turns: "a|b" runs a[0], b[0], a[1], b[1], ...
+    "LatteTransformer3DModel": ("transformer_blocks|temporal_transformer_blocks",),
+}
+
+#: Classes whose block lists depend on their configuration: alternatives, tried in order.
+DIT_BLOCK_ALTERNATIVES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "ZImageTransformer2DModel": (("noise_refiner", "context_refiner", "siglip_refiner", "layers"),
+                                 ("noise_refiner", "context_refiner", "layers")),
 }
 
 #: Block lists of common transformers text encoders. Each entry lists alternatives, tried in
@@ -89,6 +156,20 @@ ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
     "Gemma3ForCausalLM": (("model.layers",),),
     "Gemma3TextModel": (("layers",),),
     "Gemma3ForConditionalGeneration": (("model.language_model.layers",), ("language_model.model.layers",)),
+    "Gemma3Model": (("language_model.layers",),),
+    "MistralModel": (("layers",),),
+    "MistralForCausalLM": (("model.layers",),),
+    # Flux 2's encoder and HunyuanVideo I2V's: the language model streams, the vision tower stays.
+    "Mistral3ForConditionalGeneration": (("model.language_model.layers",), ("language_model.model.layers",)),
+    "Mistral3Model": (("language_model.layers",),),
+    "LlavaForConditionalGeneration": (("model.language_model.layers",), ("language_model.model.layers",)),
+    "LlavaModel": (("language_model.layers",),),
+    "Qwen3VLForConditionalGeneration": (("model.language_model.layers",),),
+    "Qwen3VLModel": (("language_model.layers",),),
+    "BertModel": (("encoder.layer",),),  # HunyuanDiT's
+    "GlmModel": (("layers",),),
+    "Glm4Model": (("layers",),),
+    "T5GemmaEncoderModel": (("encoder.layers",),),
 }
 
 #: Name-based fallback for pipelines without an OffloadPlan entry for a component.
@@ -100,8 +181,10 @@ _NAME_CATEGORIES: dict[str, str] = {
     "text_encoder_3": "text_encoder",
 }
 
-#: A scanned ModuleList must hold at least this share of its component's tensor bytes.
+#: The scanned ModuleLists together must hold at least this share of their component's bytes.
 _SCAN_MIN_SHARE = 0.5
+#: A scanned ModuleList holding less than this share of its component stays resident.
+_SCAN_MIN_LIST_SHARE = 0.02
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +271,7 @@ def is_bare_module(target: Any) -> bool:
         return False
     if hasattr(target, "_offload_plan"):
         return False
-    if _declared_attrs(target) is not None or _table_attrs(target, DIT_BLOCK_ATTRS) is not None:
+    if _declared_attrs(target) is not None or _table_entries(target, "dit"):
         return True
     # An nn.Module that holds conventional components is a pipeline written as a module.
     return not any(name in _NAME_CATEGORIES for name, _ in target.named_children())
@@ -242,34 +325,45 @@ def resolve_component(name: str, category: str, module: nn.Module, plan: Offload
         # Declarations are authoritative: a wrong one is an error, not a reason to guess.
         attrs, source = attempts[0]
         return _component(name, category, module, attrs, source, strict=True)
-    table = DIT_BLOCK_ATTRS if category == "dit" else ENCODER_BLOCK_ATTRS
-    entry = _table_attrs(module, table)
-    if entry is not None:
-        for attrs in entry if category == "text_encoder" else (entry,):
-            comp = _component(name, category, module, attrs, "built-in table", strict=False)
-            if comp is not None:
-                return comp
+    for attrs in _table_entries(module, category):
+        comp = _component(name, category, module, attrs, "built-in table", strict=False)
+        if comp is not None:
+            return comp
     attrs = _scan(name, module)
     logger.info("%s (%s): blocks found by scan at %s", name, type(module).__name__, list(attrs))
     return _component(name, category, module, attrs, "scan", strict=True)
 
 
+def _table_entries(module: nn.Module, category: str) -> tuple[tuple[str, ...], ...]:
+    """The built-in table's block lists for ``module``'s class: alternatives, tried in order."""
+    if category != "dit":
+        return _table_attrs(module, ENCODER_BLOCK_ATTRS) or ()
+    entry = _table_attrs(module, DIT_BLOCK_ATTRS)
+    return (entry,) if entry is not None else _table_attrs(module, DIT_BLOCK_ALTERNATIVES) or ()
+
+
 def _component(name, category, module, attrs, source, *, strict) -> StreamedComponent | None:
+    """``attrs``: dotted paths of block lists in execution order; ``"a|b"`` names lists whose
+    blocks take turns (``a[0], b[0], a[1], b[1], ...``)."""
     blocks: list[tuple[str, nn.Module]] = []
-    for path in attrs:
-        lst = _get_path(module, path)
-        if not isinstance(lst, nn.ModuleList) or len(lst) == 0:
-            if not strict:
-                return None
-            what = "does not exist" if lst is None else (
-                "is empty" if isinstance(lst, nn.ModuleList) else f"is a {type(lst).__name__}, not an nn.ModuleList"
-            )
-            raise OffloadConfigError(
-                f"{name} ({type(module).__name__}): block list {path!r} from {source} {what}. "
-                f"ModuleLists seen: {_module_lists(module) or 'none'}. Fix the declaration to name "
-                "the ModuleList(s) that hold the transformer blocks."
-            )
-        blocks.extend((f"{path}.{i}", block) for i, block in enumerate(lst))
+    for entry in attrs:
+        lists = []
+        for path in entry.split("|"):
+            lst = _get_path(module, path)
+            if not isinstance(lst, nn.ModuleList) or len(lst) == 0:
+                if not strict:
+                    return None
+                what = "does not exist" if lst is None else (
+                    "is empty" if isinstance(lst, nn.ModuleList) else f"is a {type(lst).__name__}, not an nn.ModuleList"
+                )
+                raise OffloadConfigError(
+                    f"{name} ({type(module).__name__}): block list {path!r} from {source} {what}. "
+                    f"ModuleLists seen: {_module_lists(module) or 'none'}. Fix the declaration to name "
+                    "the ModuleList(s) that hold the transformer blocks."
+                )
+            lists.append((path, lst))
+        for i in range(max(len(lst) for _, lst in lists)):
+            blocks.extend((f"{path}.{i}", lst[i]) for path, lst in lists if i < len(lst))
     return StreamedComponent(name, category, module, tuple(attrs), tuple(blocks), source)
 
 
@@ -305,24 +399,75 @@ def _module_lists(module: nn.Module) -> list[str]:
     return [f"{n} ({len(m)})" for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and n]
 
 
+def _is_block_list(lst: nn.Module) -> bool:
+    """A ModuleList of blocks: one class throughout, each a composite of layers with weights that
+    is called as a whole (not a list of bare Linear layers, of containers whose parts are called
+    one by one, or of mixed helpers such as a feed-forward's ``net``)."""
+    if not isinstance(lst, nn.ModuleList) or len(lst) == 0 or len({type(b) for b in lst}) != 1:
+        return False
+    first = lst[0]
+    if type(first).forward is nn.Module.forward:  # a container (ModuleList, ModuleDict): never called
+        return False
+    return sum(1 for m in first.modules() if m is not first and any(True for _ in m.parameters(recurse=False))) >= 2
+
+
+def _forward_source(module: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _forward_order(source: str, paths: list[str]) -> list[str]:
+    """``paths`` in the order the component's ``forward`` source first names them (then in
+    registration order), read without running anything; lists the source walks together
+    (``zip(self.a, self.b)``) become one entry ``"a|b"``, whose blocks take turns."""
+
+    def first_use(item: tuple[int, str]) -> tuple[int, int]:
+        k, path = item
+        at = source.find(f"self.{path.split('.')[0]}")
+        return (at if at >= 0 else len(source) + 1, k)
+
+    ordered = [p for _, p in sorted(enumerate(paths), key=first_use)]
+    for a, b in re.findall(r"zip\(\s*self\.(\w+)\s*,\s*self\.(\w+)\s*\)", source):
+        if a in ordered and b in ordered:
+            ordered[ordered.index(a)] = f"{a}|{b}"
+            ordered.remove(b)
+    return ordered
+
+
+def _indexed_only(source: str, path: str) -> bool:
+    """The forward picks entries of this list by index (``self.adapters[i]``) and never walks
+    it: its blocks run between others' (a face adapter every few blocks), so they stay
+    resident rather than break the ring's order."""
+    name = path.split(".")[0]
+    if "." in path or not re.search(rf"self\.{name}\s*\[", source):
+        return False
+    return not re.search(rf"in\s+(?:enumerate\(|zip\()?[^\n]*self\.{name}\b(?!\s*\[)", source)
+
+
 def _scan(name: str, module: nn.Module) -> tuple[str, ...]:
-    """The one ModuleList that holds most of the component's bytes, if there is one."""
+    """Every top-level ModuleList of blocks (:func:`_is_block_list`; lists inside a chosen one
+    are part of its blocks) holding at least 2% of the component's bytes, in the order the
+    forward names them, when together they hold most of its bytes."""
     total = module_bytes(module)
-    best: tuple[int, str] | None = None
+    source = _forward_source(module)
+    found: list[tuple[str, int]] = []
     for path, lst in module.named_modules():
-        if not path or not isinstance(lst, nn.ModuleList) or len(lst) < 2:
+        if not path or any(path.startswith(f"{p}.") for p, _ in found) or not _is_block_list(lst):
             continue
-        size = module_bytes(lst)
-        if best is None or size > best[0]:
-            best = (size, path)
-    if best is None or total == 0 or best[0] < _SCAN_MIN_SHARE * total:
+        found.append((path, module_bytes(lst)))
+    chosen = [p for p, size in found if total and size >= _SCAN_MIN_LIST_SHARE * total
+              and not _indexed_only(source, p)]
+    held = sum(size for p, size in found if p in chosen)
+    if not chosen or held < _SCAN_MIN_SHARE * total:
         raise OffloadConfigError(
             f"{name} ({type(module).__name__}): no transformer blocks found. ModuleLists seen: "
             f"{_module_lists(module) or 'none'}. Declare them with "
             f"{type(module).__name__}._layerwise_offload_blocks_attrs = ['<path>'] or, for an "
             "encoder, OffloadPlan(encoder_block_attrs={...})."
         )
-    return (best[1],)
+    return tuple(_forward_order(source, chosen))
 
 
 def module_bytes(module: nn.Module) -> int:

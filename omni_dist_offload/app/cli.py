@@ -361,6 +361,9 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "resident_blocks": list(ring.resident_blocks) if ring else [],
             "device_budget": ring.device_budget if ring else None,
             "predicted_ratio": ring.predicted_ratio if ring else None,
+            # The share of the module's bytes that stream, and how its blocks were found.
+            "streamed_share": block_bytes / max(1, module_bytes(module)),
+            "found_by": ring.found_by if ring else None,
         })
     return rows
 
@@ -374,16 +377,18 @@ def _fmt_transfer(row: dict[str, Any]) -> str:
 
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
-    header = ["component", "category", "class", "blocks", "kept", "streamed", "host", "slots", "resident",
-              "budget", "transfer", "setup", "fallback"]
+    header = ["component", "category", "class", "blocks", "kept", "streamed", "share", "host", "slots",
+              "resident", "budget", "transfer", "found", "setup", "fallback"]
     table = [header] + [[
         r["component"], r["category"], r["module_class"], str(r["num_blocks"]), _fmt_kept(r),
-        _fmt_bytes(r["block_bytes"]), _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
-        _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r), _fmt_setup(r),
+        _fmt_bytes(r["block_bytes"]), f"{100 * r['streamed_share']:.0f}%" if r["weight_transfer"] else "-",
+        _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
+        _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r),
+        {"built-in table": "table"}.get(r["found_by"], r["found_by"] or "-"), _fmt_setup(r),
         r["fallback_reason"] or "-",
     ] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    numeric = {3, 4, 5, 6, 7, 8, 9}
+    numeric = {3, 4, 5, 6, 7, 8, 9, 10}
     lines = ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
              for line in table]
