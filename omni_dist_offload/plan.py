@@ -170,6 +170,18 @@ ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
     "GlmModel": (("layers",),),
     "Glm4Model": (("layers",),),
     "T5GemmaEncoderModel": (("encoder.layers",),),
+    "T5GemmaEncoder": (("layers",),),
+    "T5Gemma2Encoder": (("text_model.layers",),),  # prompts are text: the vision tower stays
+    "Gemma4UnifiedForConditionalGeneration": (("model.language_model.layers",),),
+    "Qwen2_5_VLTextModel": (("layers",),),
+    "SmolLM3Model": (("layers",),),
+    "SmolLM3ForCausalLM": (("model.layers",),),
+    "ChatGLMModel": (("encoder.layers",),),  # CogView3/Kolors
+    "ClapTextModelWithProjection": (("text_model.encoder.layer",),),
+    "ContextCLIPTextModel": (("text_model.encoder.layers",),),
+    "MultilingualCLIP": (("transformer.encoder.layer",),),
+    "RobertaSeriesModelWithTransformation": (("roberta.encoder.layer",),),
+    "VitsModel": (("text_encoder.encoder.layers",),),
 }
 
 #: Name-based fallback for pipelines without an OffloadPlan entry for a component.

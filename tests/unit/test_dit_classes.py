@@ -70,13 +70,15 @@ def realistic_share(model: nn.Module, streamed: list[nn.Module]) -> float:
 
 def _tensors(out) -> list[torch.Tensor]:
     """Every tensor of a forward's output (a tensor, a tuple or list of them, possibly nested,
-    or an output object with ``sample``), cloned."""
+    an output object with ``sample``, or a transformers ``ModelOutput``), cloned."""
     if isinstance(out, torch.Tensor):
         return [out.clone()]
     if isinstance(out, (tuple, list)):
         return [t for item in out for t in _tensors(item)]
     if hasattr(out, "sample"):
         return _tensors(out.sample)
+    if callable(getattr(out, "to_tuple", None)):  # a transformers ModelOutput
+        return _tensors(out.to_tuple())
     return []
 
 
