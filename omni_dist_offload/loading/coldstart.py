@@ -54,6 +54,12 @@ from .checkpoint import (
 )
 from .folders import dtype_kwarg, pipeline_class
 
+try:  # transformers 5: keys renamed on load (vision-language models' legacy checkpoint names)
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+except ImportError:  # earlier transformers: checkpoint keys are the module's
+    get_model_conversion_mapping = None
+
 __all__ = ["ColdStart", "cold_start_folder", "load_offloaded", "prepare_cold_start"]
 
 logger = logging.getLogger(__name__)
@@ -138,8 +144,9 @@ def prepare_cold_start(
                 continue
             checkpoint = SafetensorsCheckpoint.from_folder(sub)
             try:
-                module, dtype_of, fresh_buffers = builder(class_name, sub, dtype, checkpoint)
-                keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of, fresh_buffers)
+                module, dtype_of, fresh_buffers, renamed = builder(class_name, sub, dtype, checkpoint)
+                keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of, fresh_buffers,
+                                    renamed)
             except BaseException:
                 checkpoint.close()
                 raise
@@ -212,7 +219,7 @@ def _diffusers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkp
 
     module.eval()
     module.register_to_config(_name_or_path=str(folder))
-    return module, dtype_of, None
+    return module, dtype_of, None, {}
 
 
 def _transformers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkpoint: SafetensorsCheckpoint):
@@ -234,7 +241,30 @@ def _transformers_builder(class_name: str, folder: Path, dtype: torch.dtype, che
     def dtype_of(name: str, tensor: torch.Tensor, stored: torch.dtype) -> torch.dtype:
         return tensor.dtype
 
-    return module, dtype_of, fresh_buffers
+    return module, dtype_of, fresh_buffers, _renamed_keys(module, checkpoint)
+
+
+def _renamed_keys(module: nn.Module, checkpoint: SafetensorsCheckpoint) -> dict[str, str]:
+    """Model key -> checkpoint key where transformers renames on load (``save_pretrained`` of a
+    vision-language model writes ``language_model.model.layers...``, the module holds
+    ``model.language_model.layers...``): the library's own renamings, applied as its loader
+    applies them. Keys a converter fuses or splits (one tensor from several) have no single
+    source and are left out."""
+    if get_model_conversion_mapping is None:  # a transformers without load-time renaming
+        return {}
+    transforms = get_model_conversion_mapping(module)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not renamings:
+        return {}
+    meta = dict(module.state_dict())
+    prefix = getattr(module, "base_model_prefix", None) or None
+    found: dict[str, str] = {}
+    for key in checkpoint.tensors:
+        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
+        if converted is None and renamed != key:
+            found[renamed] = key
+    return found
 
 
 _BUILDERS = {"diffusers": _diffusers_builder, "transformers": _transformers_builder}
@@ -242,7 +272,8 @@ _BUILDERS = {"diffusers": _diffusers_builder, "transformers": _transformers_buil
 
 def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                  checkpoint: SafetensorsCheckpoint, device: torch.device, dtype_of: DtypeOf,
-                 fresh_buffers: Callable[[], dict[str, torch.Tensor]] | None) -> dict[int, str]:
+                 fresh_buffers: Callable[[], dict[str, torch.Tensor]] | None,
+                 renamed: Mapping[str, str]) -> dict[int, str]:
     """Give every tensor of ``module`` real storage but its block tensors: those become
     placeholders, and the returned map says which checkpoint key fills each. Non-block tensors are
     read and put on ``device``; a tensor shared by several names stays one object."""
@@ -266,7 +297,7 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                     registry[attr] = done[id(t)]
                     continue
                 quals = names[id(t)]
-                key = _checkpoint_key(quals, checkpoint, prefix)
+                key = _checkpoint_key(quals, checkpoint, prefix, renamed)
                 if key is None and not t.is_meta:
                     continue  # a buffer the constructor computed: apply_offload places it
                 if key is None:
@@ -308,8 +339,11 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
     return keys
 
 
-def _checkpoint_key(quals: list[str], checkpoint: SafetensorsCheckpoint, prefix: str) -> str | None:
+def _checkpoint_key(quals: list[str], checkpoint: SafetensorsCheckpoint, prefix: str,
+                    renamed: Mapping[str, str]) -> str | None:
     for qual in quals:
+        if qual in renamed:
+            return renamed[qual]
         for key in (qual, f"{prefix}.{qual}" if prefix else None,
                     qual.removeprefix(f"{prefix}.") if prefix and qual.startswith(f"{prefix}.") else None):
             if key is not None and key in checkpoint:
