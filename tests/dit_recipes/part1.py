@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-
-def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=g)
+from .common import flux_like_ids as _flux_like_ids
+from .common import randn as _randn
 
 
 def _ace_step(seed: int):
@@ -122,12 +121,6 @@ def _anyflow_far(seed: int):
     return model, kwargs
 
 
-def _flux_like_ids(txt_len: int, h: int, w: int):
-    txt_ids = torch.zeros(txt_len, 3)
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
-    return txt_ids, img_ids.reshape(h * w, 3)
 
 
 def _auraflow(seed: int):

@@ -25,17 +25,7 @@ from diffusers import (
 )
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 
-
-def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Eval mode, with every all-zero parameter (zero-initialised output projections, gates and modulations)
-    refilled with small seeded noise, so that the output is not all zeros and depends on every block."""
-    model = model.eval()
-    g = torch.Generator().manual_seed(seed + 12345)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            if param.numel() and not param.any():
-                param.copy_(0.02 * torch.randn(param.shape, generator=g))
-    return model
+from .common import finish as _finish
 
 
 def _grid_ids(height: int, width: int, ncols: int, axes: tuple[int, int] = (1, 2)) -> torch.Tensor:

@@ -25,19 +25,9 @@ from diffusers import (
 )
 from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
 
-
-def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=g)
-
-
-def _fill_zero_params(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Give parameters the class initialises to all zeros (zero-init output heads) small seeded values, so the
-    output is not trivially zero."""
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.numel() and not p.any():
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+from .common import fill_zero_params as _fill_zero_params
+from .common import flux_like_ids as _flux_like_ids
+from .common import randn as _randn
 
 
 def _ltx2(seed: int):
@@ -152,12 +142,6 @@ def _longcat_audio(seed: int):
     return model, kwargs
 
 
-def _flux_like_ids(txt: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    txt_ids = torch.zeros(txt, 3)
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
-    return txt_ids, img_ids.reshape(h * w, 3)
 
 
 def _longcat_image(seed: int):

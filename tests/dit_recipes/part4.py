@@ -25,21 +25,8 @@ from diffusers import (
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
 
-
-def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Eval mode, and every all-zero parameter (zero-initialised output projections, gates and modulations)
-    refilled with small seeded noise, so that the forward output depends on every block."""
-    model = model.eval()
-    g = torch.Generator().manual_seed(seed + 12345)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            if param.numel() and not param.any():
-                param.copy_(0.02 * torch.randn(param.shape, generator=g))
-    return model
-
-
-def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=g)
+from .common import finish as _finish
+from .common import randn as _randn
 
 
 def _qwen_image(seed: int):
