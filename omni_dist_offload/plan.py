@@ -178,6 +178,7 @@ ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
     "SmolLM3ForCausalLM": (("model.layers",),),
     "ChatGLMModel": (("encoder.layers",),),  # CogView3/Kolors
     "ClapTextModelWithProjection": (("text_model.encoder.layer",),),
+    "ClapModel": (("text_model.encoder.layer",),),  # pipelines call get_text_features: the audio tower stays
     "ContextCLIPTextModel": (("text_model.encoder.layers",),),
     "MultilingualCLIP": (("transformer.encoder.layer",),),
     "RobertaSeriesModelWithTransformation": (("roberta.encoder.layer",),),
