@@ -68,29 +68,35 @@ def test_images_come_back_and_equal_omni_generate(flux) -> None:
         "a cat", 1, 1, path.name)
 
 
-BAD_REQUESTS = {
-    "malformed JSON": (b'{"prompt": ', 400, None),
-    "not an object": (b"[1, 2]", 400, None),
-    "unknown field": ({"prompt": "x", "quality": "hd"}, 422, "quality"),
-    "missing prompt": ({"n": 1}, 422, "prompt"),
-    "wrong type": ({"prompt": "x", "n": "2"}, 422, "n"),
-    "n too large": ({"prompt": "x", "n": 5}, 422, "n"),
-    "size not a multiple": ({"prompt": "x", "size": "18x16"}, 422, "size"),
-    "size not WxH": ({"prompt": "x", "size": "large"}, 422, "size"),
-    "size too large": ({"prompt": "x", "size": "4096x4096"}, 422, "size"),
-    "too many steps": ({"prompt": "x", "num_inference_steps": 1000}, 422, "num_inference_steps"),
-    "url format": ({"prompt": "x", "response_format": "url"}, 422, "response_format"),
-    "other model": ({"prompt": "x", "model": "dall-e-3"}, 422, "model"),
+BAD_REQUESTS = {  # body, param, OpenAI-style error code (every one a 400)
+    "malformed JSON": (b'{"prompt": ', None, "invalid_json"),
+    "not an object": (b"[1, 2]", None, "invalid_body"),
+    "unknown field": ({"prompt": "x", "colour": "red"}, "colour", "unknown_parameter"),
+    "missing prompt": ({"n": 1}, "prompt", "missing_required_parameter"),
+    "wrong type": ({"prompt": "x", "n": "2"}, "n", "invalid_value"),
+    "n too large": ({"prompt": "x", "n": 5}, "n", "invalid_value"),
+    "size not a multiple": ({"prompt": "x", "size": "18x16"}, "size", "invalid_value"),
+    "size not WxH": ({"prompt": "x", "size": "large"}, "size", "invalid_value"),
+    "size too large": ({"prompt": "x", "size": "4096x4096"}, "size", "invalid_value"),
+    "too many steps": ({"prompt": "x", "num_inference_steps": 1000}, "num_inference_steps", "invalid_value"),
+    "url format": ({"prompt": "x", "response_format": "url"}, "response_format", "invalid_value"),
+    "jpeg output": ({"prompt": "x", "output_format": "jpeg"}, "output_format", "invalid_value"),
+    "other model": ({"prompt": "x", "model": "dall-e-3"}, "model", "model_not_found"),
+    "seed + n past 2**63": ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, "seed", "invalid_value"),
 }
 
 
 def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> None:
     before = call(flux.port, "/metrics")[1]
-    for case, (body, code, param) in BAD_REQUESTS.items():
+    for case, (body, param, code) in BAD_REQUESTS.items():
         status, answer = call(flux.port, IMAGES, body)
         error = answer["error"]
-        assert (status, error["param"], error["code"]) == (code, param, code), (case, answer)
+        assert (status, error["param"], error["code"], error["type"]) == (400, param, code, "invalid_request_error"), (
+            case, answer)
         assert param is None or param in answer["error"]["message"], (case, answer)
+    # What OpenAI's clients send along is taken (and has no effect here).
+    extras = {"user": "u1", "quality": "hd", "style": "vivid", "background": "auto", "output_format": "png"}
+    assert call(flux.port, IMAGES, {"prompt": "x", "seed": 3, **extras})[0] == 200
     status, answer = call(flux.port, VIDEOS, {"prompt": "x"})
     assert status == 400 and "POST /v1/images/generations" in answer["error"]["message"]
     assert call(flux.port, "/nope")[0] == 404
@@ -100,6 +106,11 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
                  metric(before, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c))
                  for c in (400, 422))
     assert errors == len(BAD_REQUESTS)
+    for status, answer in _oversized(flux.port):
+        assert status == 413 and answer["error"]["code"] == "request_too_large"
+    status, card = call(flux.port, "/v1/models/tiny-flux")
+    assert status == 200 and card["id"] == "tiny-flux" and card["object"] == "model"
+    assert call(flux.port, "/v1/models/dall-e-3")[0] == 404
 
 
 def test_health_models_and_metrics(flux) -> None:
@@ -152,7 +163,7 @@ def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
         for bad, param in (({"num_frames": 8}, "num_frames"), ({"num_frames": 13}, "num_frames"),
                            ({"size": "24x16"}, "size"), ({"fps": 0}, "fps")):
             status, answer = call(server.port, VIDEOS, {"prompt": "x", **bad})
-            assert (status, answer["error"]["param"]) == (422, param), answer
+            assert (status, answer["error"]["param"]) == (400, param), answer
         assert call(server.port, IMAGES, {"prompt": "x"})[0] == 400
         status, body = call(server.port, VIDEOS, {"prompt": "a cat", "response_format": "path"})
         assert status == 200 and Path(body["data"][0]["path"]).is_file()
@@ -195,7 +206,9 @@ def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
     loop.start()
     try:
         status, body = call(service.options.port, IMAGES, {"prompt": "fail"})
-        assert status == 500 and "out of device memory (simulated)" in body["error"]["message"]
+        # The reason stays in the log: an exception's text may hold internals.
+        assert status == 500 and body["error"]["code"] == "generation_failed"
+        assert "simulated" not in body["error"]["message"] and "req-" in body["error"]["message"]
         assert call(service.options.port, IMAGES, {"prompt": "a red fox"})[0] == 200
         text = call(service.options.port, "/metrics")[1]
         assert metric(text, "omni_serve_request_errors_total", endpoint=IMAGES, code="500") == 1
@@ -208,6 +221,82 @@ def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
         loop.join(timeout=10)
         server.stop()
         omni.close()
+
+
+def _oversized(port: int) -> list[tuple[int, dict]]:
+    """Bodies over the 1 MiB default: one that declares 2 MiB (answered from its headers, before
+    any of it is sent) and one sent in chunks without a length (answered once 1 MiB is read)."""
+    import http.client
+
+    answers = []
+    for chunked in (False, True):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            if chunked:
+                chunks = (b"x" * 65536 for _ in range(40))
+                conn.request("POST", IMAGES, body=chunks, encode_chunked=True,
+                             headers={"Content-Type": "application/json"})
+            else:
+                conn.putrequest("POST", IMAGES)
+                conn.putheader("Content-Type", "application/json")
+                conn.putheader("Content-Length", str(2 << 20))
+                conn.endheaders()
+            response = conn.getresponse()
+            answers.append((response.status, json.loads(response.read())))
+        finally:
+            conn.close()
+    return answers
+
+
+def _request(port: int, path: str, body: dict | None = None, key: str | None = None):
+    """(status, headers, parsed body) of a request with an optional bearer key."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, json.loads(exc.read())
+
+
+def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_to_retry(caplog) -> None:
+    from omni_dist_offload.app.serve.http import HttpServer
+    from omni_dist_offload.app.serve.metrics import ServeMetrics
+
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    service = Service(omni, DistContext(), ServeOptions(port=free_port(), api_key="s3cret"), None)
+    service.metrics = ServeMetrics(service)
+    server = HttpServer(service)
+    assert server.start()
+    loop = threading.Thread(target=service.run)
+    loop.start()
+    port = service.options.port
+    try:
+        for path, body in ((IMAGES, {"prompt": "x"}), ("/v1/models", None), ("/metrics", None)):
+            for key in (None, "wrong", "s3cre"):
+                status, _, answer = _request(port, path, body, key)
+                assert (status, answer["error"]["code"]) == (401, "invalid_api_key"), (path, key)
+        assert _request(port, "/health")[0] == 200
+        assert _request(port, "/v1/models", key="s3cret")[0] == 200
+        assert _request(port, IMAGES, {"prompt": "a red fox", "seed": 1}, "s3cret")[0] == 200
+        real_submit = service.submit
+        service.submit = lambda slots: (_ for _ in ()).throw(QueueFull("256 queued (--max-queue 256): retry later."))
+        status, headers, answer = _request(port, IMAGES, {"prompt": "x"}, "s3cret")
+        assert (status, answer["error"]["code"], headers.get("retry-after")) == (429, "queue_full", "1")
+        service.submit = real_submit
+    finally:
+        service.request_stop()
+        loop.join(timeout=10)
+        server.stop()
+        omni.close()
+    # No key on an address others can reach: a warning.
+    caplog.clear()
+    HttpServer(Service(omni, DistContext(), ServeOptions(host="0.0.0.0", port=free_port()), None))
+    assert "without an API key" in caplog.text
 
 
 def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:

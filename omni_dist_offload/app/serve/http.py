@@ -5,15 +5,20 @@ Needs the ``serve`` extra (``pip install -e ".[serve]"``); the CLI imports it (t
 their futures; rank 0's main thread generates (see [Note: waves] in ``service.py``).
 
 Errors are JSON, in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``;
-``param`` names the offending field. 400: the body is not JSON, or the model makes the other
-kind of output; 422: a field is unknown, of the wrong type or out of range; 503: shutting down
-or queue full; 500: the pipeline raised while generating.
+``param`` names the offending field and ``code`` is a string (or null). 400: the body is not
+JSON, a field is unknown, of the wrong type or out of range, or the model makes the other kind
+of output; 401: a missing or wrong API key; 404: no such route or model; 413: the body is larger
+than ``--max-body``; 429 (with ``Retry-After``): the queue is full; 503: shutting down; 500: the
+pipeline raised while generating (the body names the request; the reason is in the log only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
+import ipaddress
+import logging
 import re
 import secrets
 import threading
@@ -34,6 +39,7 @@ from .metrics import ServeMetrics
 from .service import (
     GenerationFailed,
     ModelLimits,
+    QueueFull,
     ServeOptions,
     Service,
     ServiceUnavailable,
@@ -46,15 +52,24 @@ _PATHS = {"image": "/v1/images/generations", "video": "/v1/videos/generations"}
 _SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
 # Seconds a graceful stop waits for open connections before closing them.
 _GRACEFUL_S = 30
+# What a client told the queue is full should wait before it retries, in seconds.
+_RETRY_AFTER_S = 1
+#: Largest seed: output i of a request uses seed + i, which must stay below 2**63.
+SEED_LIMIT = 2**63
+#: Formats a response may take; OpenAI's "url" is not served.
+RESPONSE_FORMATS = ("b64_json", "path")
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
     """A request the model cannot take; ``param`` names the field."""
 
-    def __init__(self, message: str, param: str | None, status: int = 422) -> None:
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
 
 
 # -- request bodies --------------------------------------------------------------------------
@@ -66,13 +81,22 @@ class _GenerationRequest(BaseModel):
     n: int = Field(1, ge=1)
     size: str | None = None
     """``WIDTHxHEIGHT`` (OpenAI's order); default: the model's own size."""
-    response_format: Literal["b64_json", "path"] = "b64_json"
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    response_format: str = "b64_json"
+    """``b64_json`` or ``path``; OpenAI's ``url`` gets a 400 naming these."""
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     """Seed of output 0; output i uses seed + i. Default: a random one (returned)."""
     num_inference_steps: int | None = Field(None, ge=1)
     negative_prompt: str | None = None
     model: str | None = None
     """If given, must be the served model."""
+    # Fields OpenAI clients send. Accepted so such clients work; they have no meaning for these
+    # models and are ignored (documented in docs/serving.md).
+    user: str | None = None
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    output_format: str | None = None
+    """If given, must be the format this service writes (``png`` for images)."""
 
 
 class ImageRequest(_GenerationRequest):
@@ -91,10 +115,21 @@ def plan_slots(body: _GenerationRequest, kind: str, limits: ModelLimits, options
     """The request's slots, after the checks that depend on the model and the server's limits."""
     if body.model is not None and body.model != limits.model:
         raise RequestError(f"model {body.model!r} is not served here; this service serves "
-                           f"{limits.model!r} (or leave 'model' out).", "model")
+                           f"{limits.model!r} (or leave 'model' out).", "model", code="model_not_found")
     if kind != limits.kind:
         raise RequestError(f"{limits.model} makes {limits.kind}s: POST {_PATHS[limits.kind]}.",
-                           None, status=400)
+                           None, code="wrong_endpoint")
+    if body.response_format not in RESPONSE_FORMATS:
+        raise RequestError(f"response_format {body.response_format!r} is not served here: use "
+                           f"{' or '.join(RESPONSE_FORMATS)} (the media inline, or a path on the server).",
+                           "response_format")
+    if body.output_format is not None and (kind != "image" or body.output_format.lower() != "png"):
+        raise RequestError(f"output_format {body.output_format!r}: this service writes "
+                           f"{'png images' if kind == 'image' else 'videos as --video-format says'}; "
+                           "leave output_format out.", "output_format")
+    if body.seed is not None and body.seed + body.n - 1 >= SEED_LIMIT:
+        raise RequestError(f"seed {body.seed} with n={body.n}: output i uses seed + i, which must "
+                           f"stay below 2**63; give a seed below {SEED_LIMIT - body.n + 1}.", "seed")
     if body.n > options.max_n:
         raise RequestError(f"n={body.n} is more than this service allows (--max-n "
                            f"{options.max_n}): send several requests.", "n")
@@ -147,11 +182,17 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 # -- the app ---------------------------------------------------------------------------------
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found", 405: "invalid_request_error",
-            422: "invalid_request_error", 503: "unavailable"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in OpenAI's shape; ``code`` is a string or null, as OpenAI's clients expect."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -161,16 +202,68 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     if first["type"] == "json_invalid":
-        return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}).")
+        return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}).",
+                      code="invalid_json")
     if param is None:
         return _error(400, "the body must be a JSON object with at least 'prompt', sent with "
-                      "Content-Type: application/json.")
+                      "Content-Type: application/json.", code="invalid_body")
     if first["type"] == "extra_forbidden":
-        return _error(422, f"unknown field {param!r}: drop it; see docs/serving.md for the fields.",
-                      param)
+        return _error(400, f"unknown field {param!r}: drop it; see docs/serving.md for the fields.",
+                      param, code="unknown_parameter")
     if first["type"] == "missing":
-        return _error(422, f"{param} is required.", param)
-    return _error(422, f"{param}: {first['msg']} (got {first.get('input')!r}).", param)
+        return _error(400, f"{param} is required.", param, code="missing_required_parameter")
+    shown = first.get("input")
+    shown = f"{shown[:40]!r}..." if isinstance(shown, str) and len(shown) > 40 else repr(shown)
+    return _error(400, f"{param}: {first['msg']} (got {shown}).", param, code="invalid_value")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413, whether it declares its
+    length or streams in chunks; nothing past the limit is read."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        response = _error(413, f"the request body is larger than this service takes (--max-body "
+                          f"{self.limit} bytes).", code="request_too_large")
+        await response(scope, receive, send)
+
+
+class _TooLarge(BaseException):
+    """Raised out of the body read: a BaseException, so the framework's own handlers (which
+    turn any Exception while parsing a body into a 400) let it through to :class:`_BodyLimit`."""
 
 
 def build_app(service: Service) -> FastAPI:
@@ -179,10 +272,19 @@ def build_app(service: Service) -> FastAPI:
     metrics: ServeMetrics = service.metrics  # type: ignore[assignment]
     endpoints = set(_PATHS.values())
 
+    key = service.options.api_key
+    # Innermost (added before the middleware below): nothing but the router sits between it and
+    # the body read, so its exception reaches it unwrapped, and the 413 is counted below.
+    app.add_middleware(_BodyLimit, limit=service.options.max_body_bytes)
+
     @app.middleware("http")
     async def _observe(request: Request, call_next: Any) -> Response:
         start = time.perf_counter()
-        response = await call_next(request)
+        if key is not None and request.url.path != "/health" and not _authorised(request, key):
+            response: Response = _error(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
+                                        code="invalid_api_key")
+        else:
+            response = await call_next(request)
         if request.url.path in endpoints:
             metrics.answered(request.url.path, response.status_code, time.perf_counter() - start)
         return response
@@ -210,14 +312,23 @@ def build_app(service: Service) -> FastAPI:
                 "queue_depth": service.queue.depth()}
         return JSONResponse(body, status_code=503 if service.draining else 200)
 
+    def model_card() -> dict[str, Any]:
+        omni = service.omni
+        return {"id": omni.model, "object": "model", "created": int(service.started),
+                "owned_by": "omni_dist_offload", "kind": service.limits.kind,
+                "world_size": service.ctx.world_size,
+                "offload_config": omni.config.to_dict() if omni.config else None}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        omni = service.omni
-        return JSONResponse({"object": "list", "data": [{
-            "id": omni.model, "object": "model", "created": int(service.started),
-            "owned_by": "omni_dist_offload", "kind": service.limits.kind,
-            "world_size": service.ctx.world_size,
-            "offload_config": omni.config.to_dict() if omni.config else None}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != service.omni.model:
+            return _error(404, f"model {model_id!r} is not served here; this service serves "
+                          f"{service.omni.model!r}.", "model", code="model_not_found")
+        return JSONResponse(model_card())
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -226,21 +337,31 @@ def build_app(service: Service) -> FastAPI:
     return app
 
 
+def _authorised(request: Request, key: str) -> bool:
+    """``Authorization: Bearer <key>``, compared in constant time."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
 async def _generate(service: Service, kind: str, body: _GenerationRequest) -> JSONResponse:
     request_id = f"req-{uuid.uuid4().hex[:12]}"
     try:
         slots = plan_slots(body, kind, service.limits, service.options, request_id)
         futures = service.submit(slots)
     except RequestError as exc:
-        return _error(exc.status, str(exc), exc.param)
+        return _error(exc.status, str(exc), exc.param, code=exc.code)
+    except QueueFull as exc:
+        return _error(429, str(exc), code="queue_full", headers={"Retry-After": str(_RETRY_AFTER_S)})
     except ServiceUnavailable as exc:
-        return _error(503, str(exc))
+        return _error(503, str(exc), code="shutting_down")
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-    except GenerationFailed as exc:
-        return _error(500, f"generation failed: {exc}")
+    except GenerationFailed:
+        # The reason (an exception's text) stays in the server's log: it may hold internals.
+        return _error(500, f"generation failed for request {request_id}; the server's log has the reason.",
+                      code="generation_failed")
     except ServiceUnavailable as exc:
-        return _error(503, str(exc))
+        return _error(503, str(exc), code="shutting_down")
     data = []
     for slot, result in zip(slots, results, strict=True):
         meta = result.metadata
@@ -277,6 +398,9 @@ class HttpServer:
                                 timeout_graceful_shutdown=_GRACEFUL_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="omni-serve-http", daemon=True)
+        if opts.api_key is None and not _is_loopback(opts.host):
+            logger.warning("listening on %s, which is not a loopback address, without an API key: anyone "
+                           "who can reach it can generate. Set --api-key (or OMNI_OFFLOAD_API_KEY).", opts.host)
 
     def start(self) -> bool:
         """Start listening; ``False`` if the server could not start (port taken, say)."""

@@ -32,6 +32,7 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -79,7 +80,7 @@ class ServiceUnavailable(RuntimeError):
 
 
 class QueueFull(ServiceUnavailable):
-    """More slots are queued than ``--max-queue`` allows (HTTP 503)."""
+    """More slots are queued than ``--max-queue`` allows (HTTP 429 with ``Retry-After``)."""
 
 
 class GenerationFailed(RuntimeError):
@@ -109,6 +110,11 @@ class ServeOptions:
     """Where ``"response_format": "path"`` outputs and their JSON sidecars are written."""
     video_format: Literal["mp4", "gif"] = "gif"
     """Resolved from ``--video-format``: MP4 with the ``video`` extra, else GIF."""
+    api_key: str | None = None
+    """Bearer token every endpoint but ``/health`` requires (``--api-key`` or
+    ``OMNI_OFFLOAD_API_KEY``); None: no authentication."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body; beyond it 413."""
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +139,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="where response_format=path outputs go (default: %(default)s)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
                         help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $OMNI_OFFLOAD_API_KEY, else none)")
+    parser.add_argument("--max-body", type=positive_int, default=d.max_body_bytes, metavar="BYTES",
+                        help="largest request body in bytes, then 413 (default: %(default)s)")
 
 
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
@@ -150,9 +161,13 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         video_format = resolve_video_format(ns.video_format)
     except ValueError as exc:
         raise ValueError(f"--video-format: {exc}") from None
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("OMNI_OFFLOAD_API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the flag out.")
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
                         max_size=ns.max_size, max_steps=ns.max_steps, max_queue=ns.max_queue,
-                        wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format)
+                        wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format,
+                        api_key=api_key, max_body_bytes=ns.max_body)
 
 
 # -- what the model accepts ------------------------------------------------------------------
