@@ -299,6 +299,68 @@ def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_
     assert "without an API key" in caplog.text
 
 
+def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() -> None:
+    import socket
+
+    from omni_dist_offload.app.serve.http import HttpServer
+    from omni_dist_offload.app.serve.metrics import ServeMetrics
+
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    generate, ran = omni.generate, []
+
+    def slow(prompt: str, **kwargs):
+        ran.append(prompt)
+        time.sleep(1.5)
+        return generate(prompt, **kwargs)
+
+    omni.generate = slow
+    service = Service(omni, DistContext(), ServeOptions(port=free_port()), None)
+    service.metrics = ServeMetrics(service)
+    server = HttpServer(service)
+    assert server.start()
+    loop = threading.Thread(target=service.run)
+    loop.start()
+    port = service.options.port
+
+    def leave(prompt: str) -> socket.socket:
+        body = json.dumps({"prompt": prompt, "seed": 1}).encode()
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        return sock
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            kept = pool.submit(call, port, IMAGES, {"prompt": "kept", "seed": 1})
+            while ran != ["kept"]:
+                time.sleep(0.01)
+            queued = leave("queued")  # waits behind "kept", then its client leaves
+            while service.queue.depth() < 1:
+                time.sleep(0.01)
+            queued.close()
+            assert kept.result()[0] == 200
+        running = leave("running")  # starts, then its client leaves while it runs
+        while ran[-1] != "running":
+            time.sleep(0.01)
+        running.close()
+        deadline = time.monotonic() + 30
+        text = ""
+        while time.monotonic() < deadline:
+            text = call(port, "/metrics")[1]
+            if metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="running") == 1:
+                break
+            time.sleep(0.1)
+        assert ran == ["kept", "running"]  # "queued" never ran
+        assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="queued") == 1
+        assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="running") == 1
+        assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="200") == 1  # "kept" only
+    finally:
+        service.request_stop()
+        loop.join(timeout=30)
+        server.stop()
+        omni.close()
+
+
 def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:
     return Slot(kind="image", prompt="p", seed=seed, name=f"s{seed}", height=height, width=16,
                 num_inference_steps=steps)

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -54,6 +54,11 @@ _SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
 _GRACEFUL_S = 30
 # What a client told the queue is full should wait before it retries, in seconds.
 _RETRY_AFTER_S = 1
+# How often a waiting request checks whether its client is still there, in seconds.
+_DISCONNECT_POLL_S = 0.25
+# The status of a request whose client went away (nginx's "client closed request"): never sent,
+# it keeps such requests out of the answered counts.
+_ABANDONED = 499
 #: Largest seed: output i of a request uses seed + i, which must stay below 2**63.
 SEED_LIMIT = 2**63
 #: Formats a response may take; OpenAI's "url" is not served.
@@ -272,22 +277,11 @@ def build_app(service: Service) -> FastAPI:
     metrics: ServeMetrics = service.metrics  # type: ignore[assignment]
     endpoints = set(_PATHS.values())
 
-    key = service.options.api_key
-    # Innermost (added before the middleware below): nothing but the router sits between it and
-    # the body read, so its exception reaches it unwrapped, and the 413 is counted below.
+    # Plain ASGI middlewares (the decorator kind hides a client's disconnect from the handlers,
+    # which watch for it). Added inner first: the body limit sits next to the router, so its
+    # exception reaches it unwrapped; the front counts every answer, the 413s too.
     app.add_middleware(_BodyLimit, limit=service.options.max_body_bytes)
-
-    @app.middleware("http")
-    async def _observe(request: Request, call_next: Any) -> Response:
-        start = time.perf_counter()
-        if key is not None and request.url.path != "/health" and not _authorised(request, key):
-            response: Response = _error(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
-                                        code="invalid_api_key")
-        else:
-            response = await call_next(request)
-        if request.url.path in endpoints:
-            metrics.answered(request.url.path, response.status_code, time.perf_counter() - start)
-        return response
+    app.add_middleware(_Front, metrics=metrics, key=service.options.api_key, endpoints=endpoints)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -298,12 +292,12 @@ def build_app(service: Service) -> FastAPI:
         return _error(exc.status_code, str(exc.detail))
 
     @app.post(_PATHS["image"])
-    async def images(body: ImageRequest) -> JSONResponse:
-        return await _generate(service, "image", body)
+    async def images(body: ImageRequest, request: Request) -> Response:
+        return await _generate(service, "image", body, request)
 
     @app.post(_PATHS["video"])
-    async def videos(body: VideoRequest) -> JSONResponse:
-        return await _generate(service, "video", body)
+    async def videos(body: VideoRequest, request: Request) -> Response:
+        return await _generate(service, "video", body, request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -337,13 +331,47 @@ def build_app(service: Service) -> FastAPI:
     return app
 
 
-def _authorised(request: Request, key: str) -> bool:
+def _authorised(headers: dict[bytes, bytes], key: str) -> bool:
     """``Authorization: Bearer <key>``, compared in constant time."""
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
-async def _generate(service: Service, kind: str, body: _GenerationRequest) -> JSONResponse:
+class _Front:
+    """ASGI middleware: the API key (every path but ``/health``), then the answered-requests
+    metrics of the generation endpoints (not for requests whose client went away)."""
+
+    def __init__(self, app: Any, metrics: ServeMetrics, key: str | None, endpoints: set[str]) -> None:
+        self.app, self.metrics, self.key, self.endpoints = app, metrics, key, endpoints
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, path = time.perf_counter(), scope["path"]
+        status: list[int] = []
+        if self.key is not None and path != "/health" and not _authorised(dict(scope.get("headers") or []), self.key):
+            response = _error(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
+                              code="invalid_api_key")
+            await response(scope, receive, send)
+            status.append(401)
+        else:
+            async def sent(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    status.append(message["status"])
+                await send(message)
+
+            await self.app(scope, receive, sent)
+        if path in self.endpoints and status and status[0] != _ABANDONED:
+            self.metrics.answered(path, status[0], time.perf_counter() - start)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+
+
+async def _generate(service: Service, kind: str, body: _GenerationRequest, request: Request) -> Response:
     request_id = f"req-{uuid.uuid4().hex[:12]}"
     try:
         slots = plan_slots(body, kind, service.limits, service.options, request_id)
@@ -354,8 +382,27 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest) -> JS
         return _error(429, str(exc), code="queue_full", headers={"Retry-After": str(_RETRY_AFTER_S)})
     except ServiceUnavailable as exc:
         return _error(503, str(exc), code="shutting_down")
+    # Wait for the outputs or for the client to leave, whichever comes first. A client that left
+    # cancels its queued slots (the generation loop skips cancelled ones, so they never run; with
+    # several ranks rank 0 leaves them out of the wave it sends, so the ranks agree); slots
+    # already running finish and are discarded, counted apart from answered requests.
+    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+    gone = asyncio.ensure_future(_client_gone(request))
+    await asyncio.wait({gathered, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not gathered.done():
+        queued = sum(f.cancel() for f in futures)
+        if service.metrics is not None:
+            service.metrics.abandoned_slots(_PATHS[kind], queued, len(futures) - queued)  # type: ignore[attr-defined]
+        logger.info("request %s: the client went away; %d queued output(s) dropped, %d running "
+                    "discarded", request_id, queued, len(futures) - queued)
+        return Response(status_code=_ABANDONED)  # no one to deliver it to
+    gone.cancel()
+    outcomes = gathered.result()
     try:
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        results = outcomes
     except GenerationFailed:
         # The reason (an exception's text) stays in the server's log: it may hold internals.
         return _error(500, f"generation failed for request {request_id}; the server's log has the reason.",

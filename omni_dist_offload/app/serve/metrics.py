@@ -31,8 +31,11 @@ class ServeMetrics:
         self.latency = Histogram("omni_serve_request_seconds", "Time from request to answer of "
                                  "successful generation requests.", ["endpoint"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.outputs = Counter("omni_serve_outputs", "Images or videos generated and returned.",
+        self.outputs = Counter("omni_serve_outputs", "Images or videos generated.",
                                ["kind"], registry=r)
+        self.abandoned = Counter("omni_serve_abandoned", "Images or videos of requests whose client "
+                                 "went away: dropped from the queue (stage=queued) or generated and "
+                                 "discarded (stage=running).", ["endpoint", "stage"], registry=r)
         self.waves = Counter("omni_serve_waves", "Waves run (one slot per rank).", registry=r)
         self.padded = Counter("omni_serve_padded_slots", "Padding slots run to fill waves.", registry=r)
         self.wave_seconds = Histogram("omni_serve_wave_seconds", "Time of one wave, broadcast to "
@@ -67,6 +70,11 @@ class ServeMetrics:
             for row in handle.trace_report():
                 self.trace_wait.labels(row["component"]).set(row["exposed_wait_ms"] / 1e3)
                 self.trace_forward.labels(row["component"]).set(row["forward_ms"] / 1e3)
+
+    def abandoned_slots(self, endpoint: str, queued: int, running: int) -> None:
+        """A request's client went away: ``queued`` slots were dropped, ``running`` ran in vain."""
+        self.abandoned.labels(endpoint, "queued").inc(queued)
+        self.abandoned.labels(endpoint, "running").inc(running)
 
     def answered(self, endpoint: str, code: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(code)).inc()
