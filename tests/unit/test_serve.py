@@ -361,6 +361,48 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
         omni.close()
 
 
+def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
+    import socket
+
+    from omni_dist_offload.app.serve.http import HttpServer
+    from omni_dist_offload.app.serve.metrics import ServeMetrics
+
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    service = Service(omni, DistContext(), ServeOptions(port=free_port(), read_timeout_s=3.0), None)
+    service.metrics = ServeMetrics(service)
+    server = HttpServer(service)
+    assert server.start()
+    loop = threading.Thread(target=service.run)
+    loop.start()
+    head = (b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"prompt": "')
+    stalled = []
+    try:
+        sock = socket.create_connection(("127.0.0.1", service.options.port), timeout=10)
+        start = time.monotonic()
+        sock.sendall(head)  # 12 of 100 bytes, then nothing
+        answer = sock.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer, answer
+        assert 2.5 < time.monotonic() - start < 8
+        sock.close()
+        for _ in range(3):  # uploads stalled when the stop comes
+            sock = socket.create_connection(("127.0.0.1", service.options.port))
+            sock.sendall(head)
+            stalled.append(sock)
+        service.request_stop()
+        loop.join(timeout=10)
+        start = time.monotonic()
+        server.stop()
+        assert time.monotonic() - start < 2.9  # the 2 s graceful wait, not the uploads' 3 s deadline
+    finally:
+        for sock in stalled:
+            sock.close()
+        service.request_stop()
+        loop.join(timeout=10)
+        server.stop()
+        omni.close()
+
+
 def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:
     return Slot(kind="image", prompt="p", seed=seed, name=f"s{seed}", height=height, width=16,
                 num_inference_steps=steps)

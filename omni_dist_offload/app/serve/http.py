@@ -50,8 +50,12 @@ __all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoRequest", "build_
 
 _PATHS = {"image": "/v1/images/generations", "video": "/v1/videos/generations"}
 _SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
-# Seconds a graceful stop waits for open connections before closing them.
-_GRACEFUL_S = 30
+# Seconds a graceful stop waits for open connections before closing them: answers in flight are
+# written by then (the running wave finished before the stop), and a stalled upload must not hold
+# the shutdown up.
+_GRACEFUL_S = 2
+# Seconds an idle keep-alive connection stays open.
+_KEEP_ALIVE_S = 5
 # What a client told the queue is full should wait before it retries, in seconds.
 _RETRY_AFTER_S = 1
 # How often a waiting request checks whether its client is still there, in seconds.
@@ -188,7 +192,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 # -- the app ---------------------------------------------------------------------------------
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error",
                 503: "service_unavailable_error"}
 
 
@@ -233,10 +238,11 @@ def _is_loopback(host: str) -> bool:
 
 class _BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes gets 413, whether it declares its
-    length or streams in chunks; nothing past the limit is read."""
+    length or streams in chunks; nothing past the limit is read. A body that has not fully
+    arrived ``deadline_s`` after the request started gets 408 (a stalled upload holds nothing)."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, deadline_s: float) -> None:
+        self.app, self.limit, self.deadline_s = app, limit, deadline_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -244,26 +250,41 @@ class _BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(scope, receive, send)
-        seen = 0
+        seen, complete = 0, False
+        deadline = time.monotonic() + self.deadline_s
 
         async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:
+                return await receive()  # after the body: the disconnect, whenever it comes
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise _TooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
                     raise _TooLarge
+                complete = not message.get("more_body", False)
             return message
 
         try:
             await self.app(scope, counted, send)
         except _TooLarge:
             await self._refuse(scope, receive, send)
+        except _TooSlow:
+            response = _error(408, f"the request body did not arrive within {self.deadline_s:g} s "
+                              "(--read-timeout).", code="request_timeout")
+            await response(scope, receive, send)
 
     async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
         response = _error(413, f"the request body is larger than this service takes (--max-body "
                           f"{self.limit} bytes).", code="request_too_large")
         await response(scope, receive, send)
+
+
+class _TooSlow(BaseException):
+    """Raised out of the body read when the deadline passed (a BaseException, as below)."""
 
 
 class _TooLarge(BaseException):
@@ -280,7 +301,7 @@ def build_app(service: Service) -> FastAPI:
     # Plain ASGI middlewares (the decorator kind hides a client's disconnect from the handlers,
     # which watch for it). Added inner first: the body limit sits next to the router, so its
     # exception reaches it unwrapped; the front counts every answer, the 413s too.
-    app.add_middleware(_BodyLimit, limit=service.options.max_body_bytes)
+    app.add_middleware(_BodyLimit, limit=service.options.max_body_bytes, deadline_s=service.options.read_timeout_s)
     app.add_middleware(_Front, metrics=metrics, key=service.options.api_key, endpoints=endpoints)
 
     @app.exception_handler(RequestValidationError)
@@ -442,7 +463,8 @@ class HttpServer:
         opts = service.options
         config = uvicorn.Config(build_app(service), host=opts.host, port=opts.port, lifespan="off",
                                 log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=_GRACEFUL_S)
+                                timeout_graceful_shutdown=_GRACEFUL_S, timeout_keep_alive=_KEEP_ALIVE_S,
+                                limit_concurrency=opts.max_connections)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="omni-serve-http", daemon=True)
         if opts.api_key is None and not _is_loopback(opts.host):

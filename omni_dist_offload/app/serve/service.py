@@ -115,6 +115,10 @@ class ServeOptions:
     ``OMNI_OFFLOAD_API_KEY``); None: no authentication."""
     max_body_bytes: int = 1 << 20
     """Largest request body; beyond it 413."""
+    read_timeout_s: float = 30.0
+    """Seconds a request's body may take to arrive; beyond it 408 (a stalled upload)."""
+    max_connections: int = 1000
+    """Open connections at most; beyond it new ones get 503 (the server's own limit)."""
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +148,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: $OMNI_OFFLOAD_API_KEY, else none)")
     parser.add_argument("--max-body", type=positive_int, default=d.max_body_bytes, metavar="BYTES",
                         help="largest request body in bytes, then 413 (default: %(default)s)")
+    parser.add_argument("--read-timeout", type=float, default=d.read_timeout_s, metavar="S",
+                        help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
+    parser.add_argument("--max-connections", type=positive_int, default=d.max_connections, metavar="N",
+                        help="open connections at most, then 503 (default: %(default)s)")
 
 
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
@@ -155,6 +163,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
                          "'omni_dist_offload[serve]').")
     if ns.wave_wait < 0:
         raise ValueError(f"--wave-wait {ns.wave_wait}: give 0 or more seconds.")
+    if not ns.read_timeout > 0:
+        raise ValueError(f"--read-timeout {ns.read_timeout}: give a positive number of seconds.")
     if ns.output_dir.exists() and not ns.output_dir.is_dir():
         raise ValueError(f"--output-dir {str(ns.output_dir)!r} is a file: give a folder.")
     try:
@@ -167,7 +177,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
                         max_size=ns.max_size, max_steps=ns.max_steps, max_queue=ns.max_queue,
                         wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format,
-                        api_key=api_key, max_body_bytes=ns.max_body)
+                        api_key=api_key, max_body_bytes=ns.max_body, read_timeout_s=ns.read_timeout,
+                        max_connections=ns.max_connections)
 
 
 # -- what the model accepts ------------------------------------------------------------------
