@@ -94,6 +94,12 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
         assert (status, error["param"], error["code"], error["type"]) == (400, param, code, "invalid_request_error"), (
             case, answer)
         assert param is None or param in answer["error"]["message"], (case, answer)
+    # A prompt past the text encoders' longest window (T5's 512 tokens here) is refused...
+    status, answer = call(flux.port, IMAGES, {"prompt": "fox " * 600})
+    assert (status, answer["error"]["code"], answer["error"]["param"]) == (400, "prompt_too_long", "prompt")
+    # ... one past CLIP's 77 only is taken, and the part CLIP cut off is not written to the log.
+    assert call(flux.port, IMAGES, {"prompt": "a red fox " * 20 + "zebracornmarker", "seed": 4})[0] == 200
+    assert "zebracornmarker" not in flux.output()
     # What OpenAI's clients send along is taken (and has no effect here).
     extras = {"user": "u1", "quality": "hd", "style": "vivid", "background": "auto", "output_format": "png"}
     assert call(flux.port, IMAGES, {"prompt": "x", "seed": 3, **extras})[0] == 200
@@ -105,7 +111,7 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
     errors = sum(metric(after, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c)) -
                  metric(before, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c))
                  for c in (400, 422))
-    assert errors == len(BAD_REQUESTS)
+    assert errors == len(BAD_REQUESTS) + 1  # and the prompt too long
     for status, answer in _oversized(flux.port):
         assert status == 413 and answer["error"]["code"] == "request_too_large"
     status, card = call(flux.port, "/v1/models/tiny-flux")
@@ -428,9 +434,10 @@ def test_wave_queue_groups_by_shape_in_arrival_order() -> None:
 def test_model_limits() -> None:
     with Omni("tiny-wan", None, progress=False) as wan, Omni("tiny-flux", None, progress=False) as flux:
         assert ModelLimits.of(wan) == ModelLimits(model="tiny-wan", kind="video", size_multiple=16,
-                                                  frame_step=4)
+                                                  frame_step=4, max_prompt_tokens=512)
+        # Flux: CLIP reads 77 tokens, T5 512; the longer window bounds a prompt.
         assert ModelLimits.of(flux) == ModelLimits(model="tiny-flux", kind="image", size_multiple=4,
-                                                   frame_step=1)
+                                                   frame_step=1, max_prompt_tokens=512)
 
 
 def test_missing_http_stack_is_one_line_naming_the_extra(monkeypatch, capsys) -> None:

@@ -40,6 +40,7 @@ from .service import (
     GenerationFailed,
     ModelLimits,
     QueueFull,
+    prompt_tokens,
     ServeOptions,
     Service,
     ServiceUnavailable,
@@ -386,6 +387,21 @@ class _Front:
             self.metrics.answered(path, status[0], time.perf_counter() - start)
 
 
+def _check_prompts(service: Service, body: _GenerationRequest) -> None:
+    """A prompt longer than the text encoders read is refused rather than cut: the cut part would
+    be lost, and diffusers would log it."""
+    limit = service.limits.max_prompt_tokens
+    if limit is None:
+        return
+    for field in ("prompt", "negative_prompt"):
+        text = getattr(body, field)
+        if text:
+            count = prompt_tokens(service.omni.pipeline, text)
+            if count > limit:
+                raise RequestError(f"{field} is {count} tokens; {service.limits.model} reads at most {limit}: "
+                                   "shorten it.", field, code="prompt_too_long")
+
+
 async def _client_gone(request: Request) -> None:
     """Returns once the client has closed the connection."""
     while not await request.is_disconnected():
@@ -396,6 +412,8 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
     request_id = f"req-{uuid.uuid4().hex[:12]}"
     try:
         slots = plan_slots(body, kind, service.limits, service.options, request_id)
+        # Tokenising a long prompt takes a while: off the event loop.
+        await asyncio.to_thread(_check_prompts, service, body)
         futures = service.submit(slots)
     except RequestError as exc:
         return _error(exc.status, str(exc), exc.param, code=exc.code)

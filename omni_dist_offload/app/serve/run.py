@@ -13,7 +13,7 @@ from ...runtime.dist import DistContext, destroy_dist, maybe_init_dist
 from ..api import Omni
 from .http import HttpServer
 from .metrics import ServeMetrics
-from .service import _WAVE_GROUP_TIMEOUT, ServeOptions, Service
+from .service import _WAVE_GROUP_TIMEOUT, ServeOptions, Service, redact_prompts_in_logs
 
 __all__ = ["run_serve"]
 
@@ -25,6 +25,7 @@ def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: Ser
     ctx = maybe_init_dist(device)
     try:
         omni = omni_factory()
+        redact_prompts_in_logs()  # every rank generates, so every rank's pipeline may log a prompt
         try:
             # Every rank creates the group, in the same order, after the pipeline's own groups.
             group = (dist.new_group(backend="gloo", timeout=_WAVE_GROUP_TIMEOUT)

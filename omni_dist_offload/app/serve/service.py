@@ -193,15 +193,59 @@ class ModelLimits:
     patching (Flux packs latents 2x2, Wan's and SD3's DiTs patch 2x2)."""
     frame_step: int
     """Videos: ``num_frames - 1`` must be a multiple of it (the VAE's temporal factor)."""
+    max_prompt_tokens: int | None = None
+    """The longest prompt, in tokens, the pipeline's text encoders read (the longest window of
+    its tokenizers); None if it has no tokenizer."""
 
     @classmethod
     def of(cls, omni: Omni) -> ModelLimits:
         pipe = omni.pipeline
         params = inspect.signature(pipe.__call__).parameters
         spatial = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
+        found = prompt_tokenizer(pipe)
         return cls(model=omni.model, kind="video" if "num_frames" in params else "image",
                    size_multiple=int(spatial) * 2,
-                   frame_step=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1))
+                   frame_step=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1),
+                   max_prompt_tokens=found[1] if found is not None else None)
+
+
+def prompt_tokenizer(pipe: Any) -> tuple[Any, int] | None:
+    """The pipeline's tokenizer with the longest window, and that window in tokens."""
+    best = None
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        tokenizer = getattr(pipe, name, None)
+        window = getattr(tokenizer, "model_max_length", None)
+        if tokenizer is None or not isinstance(window, int) or window > 1_000_000:  # "no limit" sentinels
+            continue
+        if best is None or window > best[1]:
+            best = (tokenizer, window)
+    return best
+
+
+def prompt_tokens(pipe: Any, text: str) -> int:
+    """How many tokens ``text`` is for the tokenizer :func:`prompt_tokenizer` picks."""
+    found = prompt_tokenizer(pipe)
+    if found is None:
+        return 0
+    return len(found[0](text, truncation=False, verbose=False)["input_ids"])
+
+
+class RedactPromptText(logging.Filter):
+    """Keeps prompts out of the log: diffusers' pipelines log the part of a prompt their text
+    encoder cut off (which can be most of a long prompt); the record keeps only that it happened."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("The following part of your input was truncated"):
+            record.msg, record.args = "a prompt was longer than a text encoder's window and was cut (text not logged)", ()
+        return True
+
+
+def redact_prompts_in_logs() -> None:
+    """Install :class:`RedactPromptText` on the handlers diffusers' and transformers' records reach."""
+    for name in ("diffusers", "transformers", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactPromptText) for f in handler.filters):
+                handler.addFilter(RedactPromptText())
 
 
 # -- slots and waves -------------------------------------------------------------------------
