@@ -150,6 +150,7 @@ def plan_slots(body: _GenerationRequest, kind: str, limits: ModelLimits, options
     num_frames = getattr(body, "num_frames", None)
     if num_frames is not None:
         _check_frames(num_frames, limits, options)
+    _check_cost(body.n, width, height, num_frames, limits, options)
     seed = secrets.randbelow(2**31) if body.seed is None else body.seed
     return [Slot(kind=limits.kind, prompt=body.prompt, seed=seed + i, name=f"{request_id}-{i}",
                  num_inference_steps=body.num_inference_steps, height=height, width=width,
@@ -173,7 +174,28 @@ def _parse_size(size: str | None, limits: ModelLimits,
     if max(width, height) > options.max_size:
         raise RequestError(f"size {size!r} is larger than this service allows (--max-size "
                            f"{options.max_size} pixels a side).", "size")
+    if max(width, height) > options.max_aspect * min(width, height):
+        raise RequestError(f"size {size!r} is more than {options.max_aspect:g} times as long as it is wide "
+                           "(--max-aspect).", "size")
     return width, height
+
+
+#: ``--max-pixels`` when not given: 4 images of 2048x2048; one 1280x720 video of 121 frames.
+DEFAULT_MAX_PIXELS = {"image": 4 * 2048 * 2048, "video": 1280 * 720 * 121}
+
+
+def _check_cost(n: int, width: int | None, height: int | None, num_frames: int | None,
+                limits: ModelLimits, options: ServeOptions) -> None:
+    """``n x width x height x frames`` within ``--max-pixels`` (a size or frame count left to
+    the model's default is not counted: the model's own defaults are sane)."""
+    if width is None or height is None:
+        return
+    budget = options.max_pixels or DEFAULT_MAX_PIXELS[limits.kind]
+    cost = n * width * height * (num_frames or 1)
+    if cost > budget:
+        raise RequestError(f"n x size{' x num_frames' if num_frames else ''} is {cost} pixels, more than "
+                           f"this service allows per request (--max-pixels {budget}): ask for less.",
+                           "size")
 
 
 def _check_frames(num_frames: int, limits: ModelLimits, options: ServeOptions) -> None:

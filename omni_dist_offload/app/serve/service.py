@@ -102,6 +102,11 @@ class ServeOptions:
     """Largest height or width, in pixels."""
     max_steps: int = 100
     """Largest ``num_inference_steps``."""
+    max_aspect: float = 16.0
+    """Largest ratio of the longer side to the shorter one (extreme shapes break some VAEs)."""
+    max_pixels: int | None = None
+    """Largest ``n x width x height x frames`` of one request (its cost); None: 4 images of
+    2048x2048 for an image model, one 1280x720 video of 121 frames for a video model."""
     max_queue: int = 256
     """Slots waiting at most; beyond it requests get 503."""
     wave_wait_s: float = 0.1
@@ -134,6 +139,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest height or width (default: %(default)s)")
     parser.add_argument("--max-steps", type=positive_int, default=d.max_steps, metavar="N",
                         help="largest num_inference_steps (default: %(default)s)")
+    parser.add_argument("--max-aspect", type=float, default=d.max_aspect, metavar="R",
+                        help="largest longer-side / shorter-side ratio of a size (default: %(default)s)")
+    parser.add_argument("--max-pixels", type=positive_int, default=None, metavar="N",
+                        help="largest n x width x height x frames of one request (default: 4 x 2048x2048 "
+                        "for images, 1280x720 x 121 frames for videos)")
     parser.add_argument("--max-queue", type=positive_int, default=d.max_queue, metavar="N",
                         help="queued images or videos at most, then 503 (default: %(default)s)")
     parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
@@ -163,6 +173,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
                          "'omni_dist_offload[serve]').")
     if ns.wave_wait < 0:
         raise ValueError(f"--wave-wait {ns.wave_wait}: give 0 or more seconds.")
+    if not ns.max_aspect >= 1:
+        raise ValueError(f"--max-aspect {ns.max_aspect}: give a ratio of 1 or more.")
     if not ns.read_timeout > 0:
         raise ValueError(f"--read-timeout {ns.read_timeout}: give a positive number of seconds.")
     if ns.output_dir.exists() and not ns.output_dir.is_dir():
@@ -175,7 +187,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the flag out.")
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
-                        max_size=ns.max_size, max_steps=ns.max_steps, max_queue=ns.max_queue,
+                        max_size=ns.max_size, max_steps=ns.max_steps, max_aspect=ns.max_aspect,
+                        max_pixels=ns.max_pixels, max_queue=ns.max_queue,
                         wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format,
                         api_key=api_key, max_body_bytes=ns.max_body, read_timeout_s=ns.read_timeout,
                         max_connections=ns.max_connections)
