@@ -120,6 +120,23 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
     assert call(flux.port, "/v1/models/dall-e-3")[0] == 404
 
 
+def test_the_official_openai_client_generates_and_gets_its_own_errors(flux) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{flux.port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    result = client.images.generate(model="tiny-flux", prompt="a red fox", n=1, size="32x16",
+                                    response_format="b64_json", quality="hd", user="u1", extra_body={"seed": 3})
+    (item,) = result.data
+    assert decode({"b64_json": item.b64_json, "format": "png"}).shape == (1, 16, 32, 3)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.images.generate(model="tiny-flux", prompt="x", size="18x16")
+    assert err.value.code == "invalid_value" and err.value.param == "size"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("dall-e-3")
+    assert client.models.retrieve("tiny-flux").id == "tiny-flux"
+    assert [m.id for m in client.models.list()] == ["tiny-flux"]
+
+
 def test_health_models_and_metrics(flux) -> None:
     assert call(flux.port, "/health") == (200, {"status": "ok", "model": "tiny-flux", "kind": "image",
                                                  "world_size": 1, "queue_depth": 0})
