@@ -3,6 +3,7 @@ queue, the limits and the flags in process. Two ranks: dist/test_serve_ranks.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -209,10 +210,29 @@ def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
 
 
 # -- in process: a failing generation, the queue, the flags ----------------------------------
-def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
+@contextlib.contextmanager
+def in_process(omni: Omni, options: ServeOptions):
+    """A one-rank service of ``omni`` with its HTTP server and generation loop, in this process;
+    stopped, and ``omni`` closed, on exit."""
     from omni_dist_offload.app.serve.http import HttpServer
     from omni_dist_offload.app.serve.metrics import ServeMetrics
 
+    service = Service(omni, DistContext(), options, None)
+    service.metrics = ServeMetrics(service)
+    server = HttpServer(service)
+    assert server.start()
+    loop = threading.Thread(target=service.run)
+    loop.start()
+    try:
+        yield service
+    finally:
+        service.request_stop()
+        loop.join(timeout=30)
+        server.stop()
+        omni.close()
+
+
+def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
     omni = Omni("tiny-flux", CONFIG, progress=False)
     generate = omni.generate
 
@@ -222,13 +242,7 @@ def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
         return generate(prompt, **kwargs)
 
     omni.generate = flaky
-    service = Service(omni, DistContext(), ServeOptions(port=free_port()), None)
-    service.metrics = ServeMetrics(service)
-    server = HttpServer(service)
-    assert server.start()
-    loop = threading.Thread(target=service.run)
-    loop.start()
-    try:
+    with in_process(omni, ServeOptions(port=free_port())) as service:
         status, body = call(service.options.port, IMAGES, {"prompt": "fail"})
         # The reason stays in the log: an exception's text may hold internals.
         assert status == 500 and body["error"]["code"] == "generation_failed"
@@ -237,14 +251,9 @@ def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
         text = call(service.options.port, "/metrics")[1]
         assert metric(text, "omni_serve_request_errors_total", endpoint=IMAGES, code="500") == 1
         service.request_stop()
-        loop.join(timeout=10)
+        time.sleep(0.5)  # the loop sees the stop
         assert call(service.options.port, IMAGES, {"prompt": "late"})[0] == 503
         assert call(service.options.port, "/health")[1]["status"] == "stopping"
-    finally:
-        service.request_stop()
-        loop.join(timeout=10)
-        server.stop()
-        omni.close()
 
 
 def _oversized(port: int) -> list[tuple[int, dict]]:
@@ -289,17 +298,10 @@ def _request(port: int, path: str, body: dict | None = None, key: str | None = N
 
 def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_to_retry(caplog) -> None:
     from omni_dist_offload.app.serve.http import HttpServer
-    from omni_dist_offload.app.serve.metrics import ServeMetrics
 
     omni = Omni("tiny-flux", CONFIG, progress=False)
-    service = Service(omni, DistContext(), ServeOptions(port=free_port(), api_key="s3cret"), None)
-    service.metrics = ServeMetrics(service)
-    server = HttpServer(service)
-    assert server.start()
-    loop = threading.Thread(target=service.run)
-    loop.start()
-    port = service.options.port
-    try:
+    with in_process(omni, ServeOptions(port=free_port(), api_key="s3cret")) as service:
+        port = service.options.port
         for path, body in ((IMAGES, {"prompt": "x"}), ("/v1/models", None), ("/metrics", None)):
             for key in (None, "wrong", "s3cre"):
                 status, _, answer = _request(port, path, body, key)
@@ -312,11 +314,6 @@ def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_
         status, headers, answer = _request(port, IMAGES, {"prompt": "x"}, "s3cret")
         assert (status, answer["error"]["code"], headers.get("retry-after")) == (429, "queue_full", "1")
         service.submit = real_submit
-    finally:
-        service.request_stop()
-        loop.join(timeout=10)
-        server.stop()
-        omni.close()
     # No key on an address others can reach: a warning.
     caplog.clear()
     HttpServer(Service(omni, DistContext(), ServeOptions(host="0.0.0.0", port=free_port()), None))
@@ -333,8 +330,6 @@ def _until(condition, timeout: float = 60) -> None:
 def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() -> None:
     import socket
 
-    from omni_dist_offload.app.serve.http import HttpServer
-    from omni_dist_offload.app.serve.metrics import ServeMetrics
 
     omni = Omni("tiny-flux", CONFIG, progress=False)
     generate, ran = omni.generate, []
@@ -345,22 +340,16 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
         return generate(prompt, **kwargs)
 
     omni.generate = slow
-    service = Service(omni, DistContext(), ServeOptions(port=free_port()), None)
-    service.metrics = ServeMetrics(service)
-    server = HttpServer(service)
-    assert server.start()
-    loop = threading.Thread(target=service.run)
-    loop.start()
-    port = service.options.port
+    with in_process(omni, ServeOptions(port=free_port())) as service:
+        port = service.options.port
 
-    def leave(prompt: str) -> socket.socket:
-        body = json.dumps({"prompt": prompt, "seed": 1}).encode()
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        return sock
+        def leave(prompt: str) -> socket.socket:
+            body = json.dumps({"prompt": prompt, "seed": 1}).encode()
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            return sock
 
-    try:
         with ThreadPoolExecutor(1) as pool:
             kept = pool.submit(call, port, IMAGES, {"prompt": "kept", "seed": 1})
             _until(lambda: ran == ["kept"])
@@ -382,11 +371,6 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
         assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="queued") == 1
         assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="running") == 1
         assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="200") == 1  # "kept" only
-    finally:
-        service.request_stop()
-        loop.join(timeout=30)
-        server.stop()
-        omni.close()
 
 
 def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
