@@ -302,9 +302,12 @@ class BlockRing:
         """Have the blocks after ``i`` in slots (round robin), keeping ``i``'s."""
         ahead, keep = self._ahead[i], self._keep[i]
         probe = self.skip_ahead_probe
-        if probe is not None and not self._lockstep and any(probe(self.layouts[b].module) for b in ahead):
-            ahead = self._running_ahead(i, probe)
-            keep = (i, *ahead)
+        if probe is not None and not self._lockstep:
+            for b in ahead:
+                if probe(self.layouts[b].module):  # rare (a layer skip): work out what runs
+                    ahead = self._running_ahead(i, probe)
+                    keep = (i, *ahead)
+                    break
         for nxt in ahead:
             if self._slot_of(nxt) == _EMPTY:
                 self._fill(nxt, self._take_slot(keep))

@@ -48,7 +48,9 @@ class RankLocalTransfer:
             buf.release()
 
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
-        src = self.buffers[block].tensor[start : start + dst.numel()]
+        src = self.buffers[block].tensor
+        if start:  # a block whose first tensors stay on the device: only the rest moves
+            src = src[start : start + dst.numel()]
         stream = self._copy_stream
         if stream is None:
             if marks is not None:

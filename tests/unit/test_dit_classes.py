@@ -82,6 +82,35 @@ def _tensors(out) -> list[torch.Tensor]:
     return []
 
 
+def assert_streams_bitwise(model: nn.Module, kwargs: dict, target, config: dict, attrs) -> None:
+    """``model``'s outputs equal, resident, streamed (``apply_offload(target, config)``: two
+    forwards, the second after the wrap to block 0) and after ``remove()``."""
+    with torch.no_grad():
+        ref = _tensors(model(**kwargs))
+        handle = apply_offload(target, config, device="cpu")
+        outs = [_tensors(model(**kwargs)) for _ in range(2)]
+        handle.remove()
+        after = _tensors(model(**kwargs))
+    assert ref and all(len(o) == len(ref) for o in (*outs, after))
+    for got in (*outs, after):
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), attrs
+
+
+def assert_same_tensors(ref: nn.Module, got: nn.Module) -> None:
+    """Every parameter and buffer of the two modules: same names, dtypes and bytes."""
+    want, have = {**ref.state_dict(), **dict(ref.named_buffers())}, {**got.state_dict(), **dict(got.named_buffers())}
+    assert set(want) == set(have)
+    for key in want:
+        assert want[key].dtype == have[key].dtype and torch.equal(want[key], have[key]), key
+
+
+def assert_same_outputs(ref: nn.Module, got: nn.Module, kwargs: dict) -> None:
+    with torch.no_grad():
+        expected = _tensors(ref(**kwargs))
+        outs = _tensors(got(**kwargs))
+    assert expected and all(torch.equal(a, b) for a, b in zip(outs, expected))
+
+
 def test_every_class_has_a_recipe_or_a_reason():
     missing = [c for c in CLASSES if c not in RECIPES and c not in SKIPPED]
     assert not missing, f"no tiny recipe for {missing}: add one to tests/dit_recipes (or a reason to SKIPPED)"
@@ -95,15 +124,7 @@ def test_a_diffusers_transformer_streams_bitwise_equal(name):
     model, kwargs = RECIPES[name](0)
     (comp,) = discover(model, OffloadConfig.parse(CONFIG))
     assert realistic_share(model, [b for _, b in comp.blocks]) >= 0.8, (comp.block_attrs, comp.source)
-    with torch.no_grad():
-        ref = _tensors(model(**kwargs))
-        handle = apply_offload(model, CONFIG)
-        outs = [_tensors(model(**kwargs)) for _ in range(2)]  # the second after the wrap to block 0
-        handle.remove()
-        after = _tensors(model(**kwargs))
-    assert ref and all(len(o) == len(ref) for o in (*outs, after))
-    for got in (*outs, after):
-        assert all(torch.equal(a, b) for a, b in zip(got, ref)), comp.block_attrs
+    assert_streams_bitwise(model, kwargs, model, CONFIG, comp.block_attrs)
 
 
 #: Classes whose blocks the scan alone must find, in execution order (several lists, nested
@@ -162,19 +183,13 @@ def test_a_diffusers_transformer_cold_starts_bitwise_equal(name, tmp_path):
         handle = apply_offload(got, CONFIG, device="cpu", block_sources=cold.sources)
     finally:
         cold.close()
-    want, have = {**ref.state_dict(), **dict(ref.named_buffers())}, {**got.state_dict(), **dict(got.named_buffers())}
-    assert set(want) == set(have)
-    for key in want:
-        assert want[key].dtype == have[key].dtype and torch.equal(want[key], have[key]), key
+    assert_same_tensors(ref, got)
     # An attention processor the recipe set (configs do not save it), on both.
     procs = {n: type(m.processor) for n, m in model.named_modules() if callable(getattr(m, "set_processor", None))}
     for module in (ref, got):
         for n, m in module.named_modules():
             if n in procs and type(m.processor) is not procs[n]:
                 m.set_processor(procs[n]())
-    with torch.no_grad():
-        expected = _tensors(ref(**kwargs))
-        outs = _tensors(got(**kwargs))
-    assert expected and all(torch.equal(a, b) for a, b in zip(outs, expected))
+    assert_same_outputs(ref, got, kwargs)
     handle.remove()
     ref_handle.remove()

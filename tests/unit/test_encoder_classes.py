@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from encoder_recipes import RECIPES, SKIPPED
-from unit.test_dit_classes import _tensors, realistic_share
+from unit.test_dit_classes import assert_same_outputs, assert_same_tensors, assert_streams_bitwise, realistic_share
 
 from omni_dist_offload import OffloadConfig, apply_offload
 from omni_dist_offload.plan import discover
@@ -70,15 +70,7 @@ def test_a_pipeline_text_encoder_streams_bitwise_equal(name):
     pipe = types.SimpleNamespace(text_encoder=model)
     (comp,) = discover(pipe, OffloadConfig.parse(CONFIG))
     assert realistic_share(model, [b for _, b in comp.blocks]) >= 0.8, (comp.block_attrs, comp.source)
-    with torch.no_grad():
-        ref = _tensors(model(**kwargs))
-        handle = apply_offload(pipe, CONFIG, device="cpu")
-        outs = [_tensors(model(**kwargs)) for _ in range(2)]
-        handle.remove()
-        after = _tensors(model(**kwargs))
-    assert ref and all(len(o) == len(ref) for o in (*outs, after))
-    for got in (*outs, after):
-        assert all(torch.equal(a, b) for a, b in zip(got, ref)), comp.block_attrs
+    assert_streams_bitwise(model, kwargs, pipe, CONFIG, comp.block_attrs)
 
 
 @pytest.mark.parametrize("name", CLASSES)
@@ -115,13 +107,7 @@ def test_a_transformers_text_encoder_cold_starts_bitwise_equal(name, tmp_path):
                                block_sources=cold.sources)
     finally:
         cold.close()
-    want, have = {**ref.state_dict(), **dict(ref.named_buffers())}, {**got.state_dict(), **dict(got.named_buffers())}
-    assert set(want) == set(have)
-    for key in want:
-        assert want[key].dtype == have[key].dtype and torch.equal(want[key], have[key]), key
-    with torch.no_grad():
-        expected = _tensors(ref(**kwargs))
-        outs = _tensors(got(**kwargs))
-    assert expected and all(torch.equal(a, b) for a, b in zip(outs, expected))
+    assert_same_tensors(ref, got)
+    assert_same_outputs(ref, got, kwargs)
     handle.remove()
     ref_handle.remove()
