@@ -3,6 +3,7 @@ queue, the limits and the flags in process. Two ranks: dist/test_serve_ranks.py.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -422,6 +423,103 @@ def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
         omni.close()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks its video API deprecated
+def test_video_jobs_through_the_official_openai_client(tmp_path) -> None:
+    openai = pytest.importorskip("openai")
+    omni = Omni("tiny-wan", CONFIG, progress=False)
+    want = omni.generate("a red fox", seed=2, num_frames=9, height=16, width=32, fps=8)
+    gif = want.save(tmp_path, video_format="gif").media.read_bytes()
+    generate, gate = omni.generate, threading.Event()
+    gate.set()
+
+    def gated(prompt: str, **kwargs):
+        if prompt == "fail":
+            raise RuntimeError("out of device memory (simulated)")
+        assert gate.wait(60)
+        return generate(prompt, **kwargs)
+
+    omni.generate = gated
+    options = ServeOptions(port=free_port(), max_frames=9, max_video_jobs=3, video_ttl_s=3.0, video_format="gif")
+    with in_process(omni, options) as service:
+        port = service.options.port
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        videos = client.videos
+        first = videos.create_and_poll(prompt="a red fox", size="32x16", seconds="1",
+                                       extra_body={"seed": 2, "fps": 8}, poll_interval_ms=20)
+        assert (first.object, first.status, first.progress, first.size, first.seconds, first.model) == (
+            "video", "completed", 100, "32x16", "1", "tiny-wan")
+        assert first.created_at <= first.completed_at < first.expires_at
+        # The bytes omni-offload generate writes for this seed (the progress reports change nothing).
+        assert videos.download_content(first.id).content == gif
+        thumbnail = videos.download_content(first.id, variant="thumbnail").content
+        assert np.array_equal(decode({"b64_json": base64.b64encode(thumbnail), "format": "png"})[0], want.frames[0])
+        # A JSON body works too; the job starts queued or running.
+        status, card = call(port, "/v1/videos", {"prompt": "a red fox", "num_frames": 9, "fps": 8, "size": "32x16"})
+        assert status == 200 and card["status"] in ("queued", "in_progress", "completed"), card
+        _until(lambda: videos.retrieve(card["id"]).status == "completed")
+        assert [v.id for v in videos.list(limit=1)] == [card["id"], first.id]  # newest first, two pages
+        assert [v.id for v in videos.list(order="asc")] == [first.id, card["id"]]
+
+        for bad, param in (({"seconds": "1", "extra_body": {"num_frames": 9}}, "seconds"),
+                           ({"seconds": "4"}, "seconds"), ({"size": "24x16"}, "size"),
+                           ({"extra_body": {"steps": 2}}, "steps"),
+                           ({"input_reference": ("ref.png", thumbnail, "image/png")}, "input_reference")):
+            with pytest.raises(openai.BadRequestError) as err:
+                videos.create(prompt="x", **bad)
+            assert err.value.param == param, (bad, err.value.message)
+        with pytest.raises(openai.NotFoundError):
+            videos.retrieve("video_0")
+
+        # The store keeps 3 jobs: new ones evict the oldest finished; when all are live, 429.
+        gate.clear()
+        running = videos.create(prompt="slow a", extra_body={"seed": 1})
+        _until(lambda: videos.retrieve(running.id).status == "in_progress")
+        queued = videos.create(prompt="slow b")
+        with pytest.raises(openai.NotFoundError):
+            videos.retrieve(first.id)  # evicted, and its file with it
+        third = videos.create(prompt="slow c")
+        with pytest.raises(openai.RateLimitError) as err:
+            videos.create(prompt="slow d")
+        assert err.value.code == "too_many_jobs"
+        assert videos.retrieve(queued.id).status == "queued"
+        with pytest.raises(openai.ConflictError):
+            videos.download_content(queued.id)
+        # Deleting a queued job drops it; deleting a running one discards its output.
+        assert videos.delete(queued.id).deleted and videos.delete(running.id).deleted
+        gate.set()
+        _until(lambda: videos.retrieve(third.id).status == "completed")
+        text = call(port, "/metrics")[1]
+        assert metric(text, "omni_serve_abandoned_total", endpoint="/v1/videos", stage="queued") == 1
+        assert metric(text, "omni_serve_abandoned_total", endpoint="/v1/videos", stage="running") == 1
+        assert metric(text, "omni_serve_requests_total", endpoint="/v1/videos", code="200") == 5
+        assert metric(text, "omni_serve_requests_total", endpoint="/v1/videos", code="400") == 5
+        assert [v.id for v in videos.list()] == [third.id]
+
+        failed = videos.create_and_poll(prompt="fail", poll_interval_ms=20)
+        assert failed.status == "failed" and failed.error.code == "generation_failed"
+        assert "simulated" not in failed.error.message
+        # Finished jobs expire, files and all.
+        _until(lambda: not any(True for _ in videos.list()), timeout=10)
+        with pytest.raises(openai.NotFoundError):
+            videos.download_content(third.id)
+
+
+def test_the_video_store_removes_its_files_when_the_service_stops() -> None:
+    from omni_dist_offload.app.serve.jobs import VideoStore
+    from omni_dist_offload.app.serve.service import Job, SlotResult
+
+    store = VideoStore(max_jobs=2, ttl_s=60)
+    job = Job(_slot(1))
+    video = store.add(job, model="m", prompt="p", size="16x16", seconds="1")
+    job.future.set_running_or_notify_cancel()
+    job.future.set_result(SlotResult(media=b"GIF89a", suffix=".gif", thumbnail=b"png"))
+    assert video.status == "completed" and video.media.read_bytes() == b"GIF89a"
+    folder = video.media.parent
+    store.close()
+    assert not folder.exists() and store.get(video.id) is None
+
+
 def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:
     return Slot(kind="image", prompt="p", seed=seed, name=f"s{seed}", height=height, width=16,
                 num_inference_steps=steps)
@@ -458,10 +556,12 @@ def test_a_request_costing_more_pixels_than_allowed_is_refused_before_queueing()
 def test_model_limits() -> None:
     with Omni("tiny-wan", None, progress=False) as wan, Omni("tiny-flux", None, progress=False) as flux:
         assert ModelLimits.of(wan) == ModelLimits(model="tiny-wan", kind="video", size_multiple=16,
-                                                  frame_step=4, max_prompt_tokens=512)
+                                                  frame_step=4, max_prompt_tokens=512,
+                                                  default_size=(32, 32), default_frames=5)
         # Flux: CLIP reads 77 tokens, T5 512; the longer window bounds a prompt.
         assert ModelLimits.of(flux) == ModelLimits(model="tiny-flux", kind="image", size_multiple=4,
-                                                   frame_step=1, max_prompt_tokens=512)
+                                                   frame_step=1, max_prompt_tokens=512,
+                                                   default_size=(16, 16))
 
 
 def test_missing_http_stack_is_one_line_naming_the_extra(monkeypatch, capsys) -> None:

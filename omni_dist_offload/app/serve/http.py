@@ -30,26 +30,30 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..api import DEFAULT_FPS
+from .jobs import StoreFull, VideoStore
 from .metrics import ServeMetrics
 from .service import (
     GenerationFailed,
     ModelLimits,
     QueueFull,
-    prompt_tokens,
     ServeOptions,
     Service,
     ServiceUnavailable,
     Slot,
+    prompt_tokens,
 )
 
-__all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoRequest", "build_app"]
+__all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoJobRequest", "VideoRequest", "build_app"]
 
 _PATHS = {"image": "/v1/images/generations", "video": "/v1/videos/generations"}
+#: OpenAI's video job API: POST creates a job, GET polls and lists, .../content downloads.
+_JOBS = "/v1/videos"
 _SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
 # Seconds a graceful stop waits for open connections before closing them: answers in flight are
 # written by then (the running wave finished before the stop), and a stalled upload must not hold
@@ -118,6 +122,45 @@ class VideoRequest(_GenerationRequest):
 
     num_frames: int | None = Field(None, ge=1)
     fps: int | None = Field(None, ge=1, le=240)
+
+
+class VideoJobRequest(BaseModel):
+    """``POST /v1/videos``: OpenAI's video job fields, then this service's own.
+
+    OpenAI's client sends it as a multipart form (every value a string), so types are converted
+    the way form data needs ("7" is 7); unknown fields are still refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    seconds: float | None = Field(None, gt=0)
+    """Length of the clip: ``num_frames`` becomes the nearest count the model takes at ``fps``."""
+    size: str | None = None
+    input_reference: Any = None
+    """Refused: these models make videos from text only."""
+    user: str | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    num_frames: int | None = Field(None, ge=1)
+    fps: int | None = Field(None, ge=1, le=240)
+    num_inference_steps: int | None = Field(None, ge=1)
+    negative_prompt: str | None = None
+
+
+def plan_job(body: VideoJobRequest, limits: ModelLimits) -> VideoRequest:
+    """The synchronous request a video job runs; :class:`RequestError` for what it cannot be."""
+    if body.input_reference is not None:
+        raise RequestError("input_reference: the models served here make videos from text only; "
+                           "leave it out.", "input_reference", code="unsupported_parameter")
+    num_frames = body.num_frames
+    if body.seconds is not None:
+        if num_frames is not None:
+            raise RequestError("give seconds or num_frames, not both.", "seconds")
+        step, fps = max(limits.frame_step, 1), body.fps or DEFAULT_FPS
+        num_frames = max(1, round(body.seconds * fps / step)) * step + 1
+    return VideoRequest(prompt=body.prompt, model=body.model, size=body.size, seed=body.seed,
+                        num_frames=num_frames, fps=body.fps, num_inference_steps=body.num_inference_steps,
+                        negative_prompt=body.negative_prompt, user=body.user)
 
 
 def plan_slots(body: _GenerationRequest, kind: str, limits: ModelLimits, options: ServeOptions,
@@ -215,7 +258,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 # -- the app ---------------------------------------------------------------------------------
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
+                413: "invalid_request_error",
                 429: "rate_limit_error",
                 503: "service_unavailable_error"}
 
@@ -228,7 +272,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
                         status_code=status, headers=headers)
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
+def _validation_error(exc: RequestValidationError | ValidationError) -> JSONResponse:
     """The first problem, as one message naming the field: 400 for a body that is not JSON."""
     errors = exc.errors()
     first = errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "missing"}
@@ -315,11 +359,11 @@ class _TooLarge(BaseException):
     turn any Exception while parsing a body into a 400) let it through to :class:`_BodyLimit`."""
 
 
-def build_app(service: Service) -> FastAPI:
-    """The FastAPI app: generation endpoints, health, models, metrics."""
+def build_app(service: Service, store: VideoStore | None = None) -> FastAPI:
+    """The FastAPI app: generation endpoints, video jobs, health, models, metrics."""
     app = FastAPI(title="omni_dist_offload", docs_url=None, redoc_url=None, openapi_url=None)
     metrics: ServeMetrics = service.metrics  # type: ignore[assignment]
-    endpoints = set(_PATHS.values())
+    endpoints = {*_PATHS.values(), _JOBS}
 
     # Plain ASGI middlewares (the decorator kind hides a client's disconnect from the handlers,
     # which watch for it). Added inner first: the body limit sits next to the router, so its
@@ -342,6 +386,9 @@ def build_app(service: Service) -> FastAPI:
     @app.post(_PATHS["video"])
     async def videos(body: VideoRequest, request: Request) -> Response:
         return await _generate(service, "video", body, request)
+
+    if store is not None:
+        _video_job_routes(app, service, store)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -383,7 +430,7 @@ def _authorised(headers: dict[bytes, bytes], key: str) -> bool:
 
 class _Front:
     """ASGI middleware: the API key (every path but ``/health``), then the answered-requests
-    metrics of the generation endpoints (not for requests whose client went away)."""
+    metrics of the generation endpoints' POSTs (not for requests whose client went away)."""
 
     def __init__(self, app: Any, metrics: ServeMetrics, key: str | None, endpoints: set[str]) -> None:
         self.app, self.metrics, self.key, self.endpoints = app, metrics, key, endpoints
@@ -405,7 +452,7 @@ class _Front:
                 await send(message)
 
             await self.app(scope, receive, sent)
-        if path in self.endpoints and status and status[0] != _ABANDONED:
+        if scope["method"] == "POST" and path in self.endpoints and status and status[0] != _ABANDONED:
             self.metrics.answered(path, status[0], time.perf_counter() - start)
 
 
@@ -436,7 +483,7 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
         slots = plan_slots(body, kind, service.limits, service.options, request_id)
         # Tokenising a long prompt takes a while: off the event loop.
         await asyncio.to_thread(_check_prompts, service, body)
-        futures = service.submit(slots)
+        futures = [job.future for job in service.submit(slots)]
     except RequestError as exc:
         return _error(exc.status, str(exc), exc.param, code=exc.code)
     except QueueFull as exc:
@@ -486,6 +533,133 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
                          "data": data})
 
 
+# -- video jobs ------------------------------------------------------------------------------
+_MEDIA_TYPES = {".mp4": "video/mp4", ".gif": "image/gif", ".png": "image/png"}
+#: Largest page of ``GET /v1/videos``.
+_MAX_PAGE = 100
+
+
+async def _job_fields(request: Request) -> dict[str, Any]:
+    """A job request's fields, from a multipart or URL-encoded form (OpenAI's client) or JSON."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        async with request.form(max_files=1, max_fields=64) as form:
+            fields: dict[str, Any] = {}
+            for key, value in form.multi_items():
+                if key in fields:
+                    raise RequestError(f"{key} is given twice.", key)
+                # A file (input_reference) is refused by plan_job; its bytes are not kept.
+                fields[key] = value if isinstance(value, str) else "<file>"
+            return fields
+    try:
+        fields = await request.json()
+    except ValueError as exc:
+        raise RequestError(f"the body is not valid JSON ({exc}).", None, code="invalid_json") from None
+    if not isinstance(fields, dict):
+        raise RequestError("the body must be a JSON object with at least 'prompt'.", None, code="invalid_body")
+    return fields
+
+
+def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None:
+    """``/v1/videos``: create, poll, list, download and delete video jobs (see ``jobs.py``)."""
+    metrics: ServeMetrics | None = service.metrics  # type: ignore[assignment]
+
+    def missing(video_id: str) -> JSONResponse:
+        return _error(404, f"no video job {video_id!r}: it never existed, expired (--video-ttl "
+                      f"{service.options.video_ttl_s:g} s) or was deleted.", "video_id", code="video_not_found")
+
+    @app.post(_JOBS)
+    async def create(request: Request) -> Response:
+        try:
+            try:
+                body = VideoJobRequest.model_validate(await _job_fields(request))
+            except ValidationError as exc:
+                return _validation_error(exc)
+            if service.limits.kind != "video":
+                raise RequestError(f"{service.limits.model} makes images: POST {_PATHS['image']}.",
+                                   None, code="wrong_endpoint")
+            request_id = f"req-{uuid.uuid4().hex[:12]}"
+            plain = plan_job(body, service.limits)
+            try:
+                (slot,) = plan_slots(plain, "video", service.limits, service.options, request_id)
+            except RequestError as exc:
+                if body.seconds is None or exc.param != "num_frames":
+                    raise
+                raise RequestError(f"seconds={body.seconds:g} is {plain.num_frames} frames at "
+                                   f"{plain.fps or DEFAULT_FPS} fps: {exc}", "seconds") from None
+            await asyncio.to_thread(_check_prompts, service, plain)
+            if not store.has_room():
+                raise StoreFull(f"{len(store)} video jobs are waiting or running (--max-video-jobs "
+                                f"{store.max_jobs}): retry later.")
+            (job,) = service.submit([slot])
+        except RequestError as exc:
+            return _error(exc.status, str(exc), exc.param, code=exc.code)
+        except (QueueFull, StoreFull) as exc:
+            code = "queue_full" if isinstance(exc, QueueFull) else "too_many_jobs"
+            return _error(429, str(exc), code=code, headers={"Retry-After": str(_RETRY_AFTER_S)})
+        except ServiceUnavailable as exc:
+            return _error(503, str(exc), code="shutting_down")
+        width, height = (slot.width, slot.height) if slot.width else service.limits.default_size or (0, 0)
+        frames = slot.num_frames or service.limits.default_frames
+        fps = slot.fps or DEFAULT_FPS
+        try:
+            video = store.add(job, model=service.omni.model, prompt=slot.prompt,
+                              size=f"{width}x{height}" if width else "default",
+                              seconds=f"{(frames - 1) / fps:g}" if frames else "default")
+        except StoreFull as exc:
+            job.future.cancel()  # not kept, so not run
+            return _error(429, str(exc), code="too_many_jobs", headers={"Retry-After": str(_RETRY_AFTER_S)})
+        return JSONResponse(video.card())
+
+    @app.get(_JOBS)
+    async def listing(after: str | None = None, limit: int = 20, order: str = "desc") -> JSONResponse:
+        if not 1 <= limit <= _MAX_PAGE:
+            return _error(400, f"limit={limit}: give 1 to {_MAX_PAGE}.", "limit", code="invalid_value")
+        if order not in ("asc", "desc"):
+            return _error(400, f"order={order!r}: give 'asc' or 'desc'.", "order", code="invalid_value")
+        try:
+            jobs, more = store.page(after, limit, order)
+        except KeyError:
+            return _error(400, f"after={after!r} is not a video job kept here.", "after", code="invalid_value")
+        data = [video.card() for video in jobs]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    @app.get(_JOBS + "/{video_id}")
+    async def retrieve(video_id: str) -> JSONResponse:
+        video = store.get(video_id)
+        return missing(video_id) if video is None else JSONResponse(video.card())
+
+    @app.get(_JOBS + "/{video_id}/content")
+    async def content(video_id: str, variant: str = "video") -> Response:
+        video = store.get(video_id)
+        if video is None:
+            return missing(video_id)
+        if variant not in ("video", "thumbnail"):
+            return _error(400, f"variant={variant!r} is not served here: give 'video' or 'thumbnail'.",
+                          "variant", code="invalid_value")
+        if video.status != "completed":
+            return _error(409, f"video job {video_id} has status {video.status!r}: content comes with "
+                          "'completed' (poll GET /v1/videos/{id}).", "video_id", code="video_not_ready")
+        path = video.media if variant == "video" else video.thumbnail
+        if path is None or not path.is_file():
+            return missing(video_id)
+        return FileResponse(path, media_type=_MEDIA_TYPES.get(path.suffix, "application/octet-stream"),
+                            filename=f"{video_id}{path.suffix}")
+
+    @app.delete(_JOBS + "/{video_id}")
+    async def delete(video_id: str) -> JSONResponse:
+        video = store.get(video_id)
+        if video is None:
+            return missing(video_id)
+        status = video.status
+        # A queued job's slot is dropped here; a running one finishes and is discarded, counted
+        # then by the store's on_discarded.
+        if store.delete(video_id) and metrics is not None and status == "queued":
+            metrics.abandoned_slots(_JOBS, 1, 0)
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+
 def _write(output_dir: Path, name: str, result: Any) -> Path:
     """The media and its sidecar, as ``omni-offload generate`` writes them; returns the media."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -501,7 +675,10 @@ class HttpServer:
 
     def __init__(self, service: Service) -> None:
         opts = service.options
-        config = uvicorn.Config(build_app(service), host=opts.host, port=opts.port, lifespan="off",
+        metrics = service.metrics
+        discarded = (lambda n: metrics.abandoned_slots(_JOBS, 0, n)) if metrics is not None else None  # type: ignore[attr-defined]
+        self.store = VideoStore(opts.max_video_jobs, opts.video_ttl_s, on_discarded=discarded)
+        config = uvicorn.Config(build_app(service, self.store), host=opts.host, port=opts.port, lifespan="off",
                                 log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=_GRACEFUL_S, timeout_keep_alive=_KEEP_ALIVE_S,
                                 limit_concurrency=opts.max_connections)
@@ -522,3 +699,4 @@ class HttpServer:
         """Close the listener and wait for answers in flight (all futures are resolved by now)."""
         self._server.should_exit = True
         self._thread.join(timeout=_GRACEFUL_S + 5)
+        self.store.close()

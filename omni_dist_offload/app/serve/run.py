@@ -49,15 +49,15 @@ def _serve_rank0(omni: Omni, ctx: DistContext, options: ServeOptions,
     server = HttpServer(service)
     signal.signal(signal.SIGTERM, service.request_stop)
     signal.signal(signal.SIGINT, service.request_stop)
-    if not server.start():
-        logger.error("could not listen on %s:%d (see the error above); stopping",
-                     options.host, options.port)
-        service.request_stop()
-        service.run()  # sends the stop wave
-        return 1
-    logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)", omni.model,
-                service.limits.kind, options.host, options.port, ctx.world_size)
     try:
+        if not server.start():
+            logger.error("could not listen on %s:%d (see the error above); stopping",
+                         options.host, options.port)
+            service.request_stop()
+            service.run()  # sends the stop wave
+            return 1
+        logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)", omni.model,
+                    service.limits.kind, options.host, options.port, ctx.world_size)
         service.run()
     finally:
         server.stop()

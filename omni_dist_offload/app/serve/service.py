@@ -31,19 +31,21 @@ import concurrent.futures
 import dataclasses
 import importlib.util
 import inspect
+import io
 import logging
 import os
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
+from PIL import Image
 
 from ...runtime.dist import DistContext
 from ...runtime.flags import port, positive_int
@@ -59,15 +61,15 @@ __all__ = [
     "ServiceUnavailable",
     "Slot",
     "SlotResult",
-    "WaveQueue",
     "WaveObserver",
+    "WaveQueue",
     "add_serve_flags",
     "serve_options",
 ]
 
 logger = logging.getLogger(__name__)
 
-_SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+_SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "python_multipart")
 # The wave group waits for the next wave for as long as the service is idle; the default
 # collective timeout (30 min) would end an idle service.
 _WAVE_GROUP_TIMEOUT = timedelta(days=365)
@@ -124,6 +126,10 @@ class ServeOptions:
     """Seconds a request's body may take to arrive; beyond it 408 (a stalled upload)."""
     max_connections: int = 1000
     """Open connections at most; beyond it new ones get 503 (the server's own limit)."""
+    max_video_jobs: int = 256
+    """Video jobs kept (``/v1/videos``): a new one evicts the oldest finished one."""
+    video_ttl_s: float = 3600.0
+    """Seconds a finished video job, and its file, is kept."""
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +168,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
     parser.add_argument("--max-connections", type=positive_int, default=d.max_connections, metavar="N",
                         help="open connections at most, then 503 (default: %(default)s)")
+    parser.add_argument("--max-video-jobs", type=positive_int, default=d.max_video_jobs, metavar="N",
+                        help="video jobs (/v1/videos) kept; a new one evicts the oldest finished one "
+                        "(default: %(default)s)")
+    parser.add_argument("--video-ttl", type=float, default=d.video_ttl_s, metavar="S",
+                        help="seconds a finished video job and its file are kept (default: %(default)s)")
 
 
 def serve_options(ns: argparse.Namespace) -> ServeOptions:
@@ -177,6 +188,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError(f"--max-aspect {ns.max_aspect}: give a ratio of 1 or more.")
     if not ns.read_timeout > 0:
         raise ValueError(f"--read-timeout {ns.read_timeout}: give a positive number of seconds.")
+    if not ns.video_ttl > 0:
+        raise ValueError(f"--video-ttl {ns.video_ttl}: give a positive number of seconds.")
     if ns.output_dir.exists() and not ns.output_dir.is_dir():
         raise ValueError(f"--output-dir {str(ns.output_dir)!r} is a file: give a folder.")
     try:
@@ -191,7 +204,8 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
                         max_pixels=ns.max_pixels, max_queue=ns.max_queue,
                         wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format,
                         api_key=api_key, max_body_bytes=ns.max_body, read_timeout_s=ns.read_timeout,
-                        max_connections=ns.max_connections)
+                        max_connections=ns.max_connections, max_video_jobs=ns.max_video_jobs,
+                        video_ttl_s=ns.video_ttl)
 
 
 # -- what the model accepts ------------------------------------------------------------------
@@ -209,6 +223,10 @@ class ModelLimits:
     max_prompt_tokens: int | None = None
     """The longest prompt, in tokens, the pipeline's text encoders read (the longest window of
     its tokenizers); None if it has no tokenizer."""
+    default_size: tuple[int, int] | None = None
+    """``(width, height)`` of a request that names no size, where the pipeline fixes it."""
+    default_frames: int | None = None
+    """Frames of a video request that names none, where the pipeline fixes it."""
 
     @classmethod
     def of(cls, omni: Omni) -> ModelLimits:
@@ -216,10 +234,15 @@ class ModelLimits:
         params = inspect.signature(pipe.__call__).parameters
         spatial = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
         found = prompt_tokenizer(pipe)
+        defaults = {name: p.default for name, p in params.items() if isinstance(p.default, int)}
+        defaults.update(omni.call_kwargs())  # the project's own defaults for built-in models
+        width, height = defaults.get("width"), defaults.get("height")
         return cls(model=omni.model, kind="video" if "num_frames" in params else "image",
                    size_multiple=int(spatial) * 2,
                    frame_step=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1),
-                   max_prompt_tokens=found[1] if found is not None else None)
+                   max_prompt_tokens=found[1] if found is not None else None,
+                   default_size=(width, height) if isinstance(width, int) and isinstance(height, int) else None,
+                   default_frames=defaults.get("num_frames") if isinstance(defaults.get("num_frames"), int) else None)
 
 
 def prompt_tokenizer(pipe: Any) -> tuple[Any, int] | None:
@@ -303,6 +326,8 @@ class SlotResult:
     sidecar: bytes = b""
     """The JSON sidecar ``GenerationResult.save`` wrote."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    thumbnail: bytes = b""
+    """Videos: the first frame as a PNG (``GET /v1/videos/{id}/content?variant=thumbnail``)."""
     error: str | None = None
 
 
@@ -312,6 +337,9 @@ class Job:
 
     slot: Slot
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    progress: float = 0.0
+    """Fraction of the denoising steps done, written by rank 0's generation loop while the
+    job's wave runs (every slot of a wave runs the same steps)."""
 
 
 class WaveQueue:
@@ -397,14 +425,14 @@ class Service:
     def draining(self) -> bool:
         return self._stop.is_set()
 
-    def submit(self, slots: Sequence[Slot]) -> list[concurrent.futures.Future]:
-        """Queue the slots of one request; each future resolves to a :class:`SlotResult` or
-        raises :class:`GenerationFailed` / :class:`ServiceUnavailable`."""
+    def submit(self, slots: Sequence[Slot]) -> list[Job]:
+        """Queue the slots of one request; each job's future resolves to a :class:`SlotResult`
+        or raises :class:`GenerationFailed` / :class:`ServiceUnavailable`."""
         if self.draining:
             raise ServiceUnavailable("the service is shutting down: no new work is taken.")
         jobs = [Job(slot) for slot in slots]
         self.queue.put(jobs)
-        return [job.future for job in jobs]
+        return jobs
 
     def request_stop(self, *_: object) -> None:
         """Stop after the running wave (a signal handler on rank 0)."""
@@ -435,8 +463,12 @@ class Service:
             return
         start = time.perf_counter()
         padding = [dataclasses.replace(wave[0].slot, padding=True)] * (self.ctx.world_size - len(wave))
+        def on_step(fraction: float) -> None:
+            for job in wave:
+                job.progress = fraction
+
         try:
-            results = self._exchange([job.slot for job in wave] + padding)
+            results = self._exchange([job.slot for job in wave] + padding, on_step)
         except BaseException as exc:  # a collective failed: answer, then end the loop
             for job in wave:
                 job.future.set_exception(GenerationFailed(f"the wave failed: {type(exc).__name__}: {exc}"))
@@ -456,12 +488,12 @@ class Service:
             else:
                 job.future.set_exception(GenerationFailed(result.error))
 
-    def _exchange(self, slots: list[Slot]) -> list[SlotResult]:
+    def _exchange(self, slots: list[Slot], on_step: Callable[[float], None]) -> list[SlotResult]:
         """Send the wave to the ranks, run rank 0's slot, gather every rank's result."""
         if self.ctx.world_size == 1:
-            return [run_slot(self.omni, slots[0], self.ctx, self.options.video_format)]
+            return [run_slot(self.omni, slots[0], self.ctx, self.options.video_format, on_step)]
         dist.broadcast_object_list([slots], src=0, group=self._group)
-        own = run_slot(self.omni, slots[0], self.ctx, self.options.video_format)
+        own = run_slot(self.omni, slots[0], self.ctx, self.options.video_format, on_step)
         results: list[Any] = [None] * self.ctx.world_size
         dist.gather_object(own, results, dst=0, group=self._group)
         return results
@@ -479,20 +511,45 @@ class Service:
             dist.gather_object(result, None, dst=0, group=self._group)
 
 
-def run_slot(omni: Omni, slot: Slot, ctx: DistContext, video_format: str) -> SlotResult:
+class _StepReport:
+    """A diffusers ``callback_on_step_end`` that reports progress and changes nothing: it hands
+    back no tensors, so the pipeline keeps its own latents (the output stays bitwise the same)."""
+
+    def __init__(self, on_step: Callable[[float], None]) -> None:
+        self.on_step = on_step
+
+    def __call__(self, pipe: Any, step: int, _timestep: Any, _tensors: dict[str, Any]) -> dict[str, Any]:
+        total = getattr(pipe, "_num_timesteps", None) or getattr(pipe, "num_timesteps", None)
+        if isinstance(total, int) and total > 0:
+            self.on_step(min(1.0, (step + 1) / total))
+        return {}
+
+
+def run_slot(omni: Omni, slot: Slot, ctx: DistContext, video_format: str,
+             on_step: Callable[[float], None] | None = None) -> SlotResult:
     """Generate one slot with ``Omni.generate`` (so it equals ``omni-offload generate`` for the
-    same prompt and seed) and encode it the way ``GenerationResult.save`` writes files."""
+    same prompt and seed) and encode it the way ``GenerationResult.save`` writes files.
+    ``on_step`` is told the fraction of denoising steps done, where the pipeline reports steps."""
     try:
+        extra = {}
+        if on_step is not None and "callback_on_step_end" in inspect.signature(omni.pipeline.__call__).parameters:
+            extra["callback_on_step_end"] = _StepReport(on_step)
         result = omni.generate(slot.prompt, seed=slot.seed, name=slot.name, fps=slot.fps,
-                               **slot.options())
+                               **slot.options(), **extra)
         if slot.padding:
             return SlotResult()
         result.metadata.update(rank=ctx.rank, world_size=ctx.world_size)
+        thumbnail = b""
         with tempfile.TemporaryDirectory(prefix="omni-serve-") as tmp:
             saved = result.save(tmp, video_format=video_format)  # type: ignore[arg-type]
+            if result.kind == "video":
+                buffer = io.BytesIO()
+                Image.fromarray(result.frames[0]).save(buffer, format="PNG")
+                thumbnail = buffer.getvalue()
             return SlotResult(media=saved.media.read_bytes(), suffix=saved.media.suffix,
-                              sidecar=saved.sidecar.read_bytes(), metadata=result.metadata)
-    except Exception as exc:  # noqa: BLE001 - reported to the client; the service goes on
+                              sidecar=saved.sidecar.read_bytes(), metadata=result.metadata,
+                              thumbnail=thumbnail)
+    except Exception as exc:
         logger.warning("slot %s (seed %d) failed: %s: %s", slot.name, slot.seed,
                        type(exc).__name__, exc, exc_info=True)
         return SlotResult(error=f"{type(exc).__name__}: {exc}")

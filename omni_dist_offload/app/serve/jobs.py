@@ -1,0 +1,204 @@
+"""Video jobs (``/v1/videos``, OpenAI's video API): a job per request, answered at once and
+polled; the finished video kept on disk for a while.
+
+A job wraps one queued :class:`~.service.Job` (one slot). Its status follows the slot's future:
+``queued`` until the generation loop takes it, ``in_progress`` while its wave runs (``progress``
+counts the denoising steps rank 0 has finished), then ``completed`` or ``failed``. The store is
+bounded twice: by count (``--max-video-jobs``; a new job evicts the oldest finished one, and the
+store refuses new jobs only when every kept job is still waiting or running) and by time (a
+finished job expires ``--video-ttl`` seconds after it finished; its file goes with it). Files
+live in a private temporary folder, removed when the service stops, so the server's memory stays
+flat however many videos it keeps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .service import GenerationFailed, Job, ServiceUnavailable, SlotResult
+
+__all__ = ["StoreFull", "VideoJob", "VideoStore"]
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["queued", "in_progress", "completed", "failed"]
+
+
+class StoreFull(RuntimeError):
+    """Every kept job is still queued or running, and the store holds ``--max-video-jobs``."""
+
+
+@dataclass(eq=False)
+class VideoJob:
+    """One ``POST /v1/videos``; read by the HTTP thread, finished by the generation thread."""
+
+    id: str
+    job: Job
+    model: str
+    prompt: str
+    size: str
+    seconds: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: dict[str, Any] | None = None
+    media: Path | None = None
+    thumbnail: Path | None = None
+
+    @property
+    def status(self) -> Status:
+        if self.completed_at is not None:
+            return "failed" if self.error is not None else "completed"
+        return "in_progress" if self.job.future.running() else "queued"
+
+    @property
+    def finished(self) -> bool:
+        return self.completed_at is not None
+
+    def card(self) -> dict[str, Any]:
+        """The job in OpenAI's ``video`` shape."""
+        status = self.status
+        progress = 100 if status == "completed" else int(99 * self.job.progress) if status == "in_progress" else 0
+        return {"id": self.id, "object": "video", "model": self.model, "status": status,
+                "progress": progress, "created_at": self.created_at, "completed_at": self.completed_at,
+                "expires_at": self.expires_at, "size": self.size, "seconds": self.seconds,
+                "prompt": self.prompt, "error": self.error, "remixed_from_video_id": None}
+
+
+class VideoStore:
+    """Video jobs by id, oldest first; thread-safe (HTTP thread and generation thread)."""
+
+    def __init__(self, max_jobs: int, ttl_s: float, on_discarded: Any = None) -> None:
+        self.max_jobs, self.ttl_s = max_jobs, ttl_s
+        self._jobs: OrderedDict[str, VideoJob] = OrderedDict()
+        self._lock = threading.Lock()
+        self._folder = Path(tempfile.mkdtemp(prefix="omni-serve-videos-"))
+        # Called with the number of outputs generated for jobs deleted while they ran.
+        self._on_discarded = on_discarded
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def has_room(self) -> bool:
+        """Whether :meth:`add` would keep a new job (room, or a finished job to evict)."""
+        with self._lock:
+            self._sweep()
+            return len(self._jobs) < self.max_jobs or any(j.finished for j in self._jobs.values())
+
+    def add(self, job: Job, *, model: str, prompt: str, size: str, seconds: str) -> VideoJob:
+        """Keep a new job; its future's outcome finishes it. Raises :class:`StoreFull`."""
+        with self._lock:
+            self._sweep()
+            if len(self._jobs) >= self.max_jobs:
+                oldest = next((j for j in self._jobs.values() if j.finished), None)
+                if oldest is None:
+                    raise StoreFull(f"{len(self._jobs)} video jobs are waiting or running (--max-video-jobs "
+                                    f"{self.max_jobs}): retry later.")
+                self._drop(oldest)
+            video = VideoJob(id=f"video_{uuid.uuid4().hex}", job=job, model=model, prompt=prompt,
+                             size=size, seconds=seconds)
+            self._jobs[video.id] = video
+        job.future.add_done_callback(lambda future: self._finish(video, future))
+        return video
+
+    def get(self, video_id: str) -> VideoJob | None:
+        with self._lock:
+            self._sweep()
+            return self._jobs.get(video_id)
+
+    def page(self, after: str | None, limit: int, order: str) -> tuple[list[VideoJob], bool]:
+        """Up to ``limit`` jobs after the one with id ``after``, newest first for ``desc``;
+        and whether more follow. ``KeyError`` if ``after`` is not kept."""
+        with self._lock:
+            self._sweep()
+            jobs = list(self._jobs.values())
+        if order == "desc":
+            jobs.reverse()
+        if after is not None:
+            index = next((i for i, j in enumerate(jobs) if j.id == after), None)
+            if index is None:
+                raise KeyError(after)
+            jobs = jobs[index + 1:]
+        return jobs[:limit], len(jobs) > limit
+
+    def delete(self, video_id: str) -> bool:
+        """Forget a job and its files. A queued job is taken out of the queue; a running one
+        finishes and its output is discarded."""
+        with self._lock:
+            video = self._jobs.get(video_id)
+            if video is None:
+                return False
+            self._drop(video)
+        return True
+
+    def close(self) -> None:
+        """Remove every kept file (the service is stopping)."""
+        with self._lock:
+            self._jobs.clear()
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    # -- internals (lock held) -------------------------------------------------------------
+    def _drop(self, video: VideoJob) -> None:
+        del self._jobs[video.id]
+        video.job.future.cancel()  # a queued slot never runs; a running one cannot be stopped
+        for path in (video.media, video.thumbnail):
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def _sweep(self) -> None:
+        now = time.time()
+        for video in [j for j in self._jobs.values() if j.expires_at is not None and j.expires_at <= now]:
+            self._drop(video)
+
+    def _finish(self, video: VideoJob, future: concurrent.futures.Future) -> None:
+        """The slot's outcome (in the generation thread, or at once if it was cancelled)."""
+        if future.cancelled():
+            return  # deleted (or evicted) while queued: nothing ran
+        media = thumbnail = None
+        error = None
+        exc = future.exception()
+        if exc is None:
+            result: SlotResult = future.result()
+            media = self._folder / f"{video.id}{result.suffix}"
+            _write(media, result.media)
+            if result.thumbnail:
+                thumbnail = self._folder / f"{video.id}.png"
+                _write(thumbnail, result.thumbnail)
+        elif isinstance(exc, ServiceUnavailable):
+            error = {"code": "shutting_down", "message": str(exc)}
+        else:
+            # The reason (an exception's text) stays in the server's log: it may hold internals.
+            if not isinstance(exc, GenerationFailed):
+                logger.warning("video job %s failed: %s: %s", video.id, type(exc).__name__, exc)
+            error = {"code": "generation_failed",
+                     "message": f"generation failed for {video.id}; the server's log has the reason."}
+        with self._lock:
+            kept = self._jobs.get(video.id) is video
+            if kept:
+                video.media, video.thumbnail, video.error = media, thumbnail, error
+                video.completed_at = int(time.time())
+                video.expires_at = int(video.completed_at + self.ttl_s)
+        if not kept:  # deleted while it ran: the output goes
+            for path in (media, thumbnail):
+                if path is not None:
+                    path.unlink(missing_ok=True)
+            if exc is None and self._on_discarded is not None:
+                self._on_discarded(1)
+
+
+def _write(path: Path, data: bytes) -> None:
+    # Written whole under a temporary name, then renamed: a download never sees half a file.
+    tmp = path.with_name(f".{path.name}.part")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
