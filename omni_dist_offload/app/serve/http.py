@@ -649,13 +649,12 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
 
     @app.delete(_JOBS + "/{video_id}")
     async def delete(video_id: str) -> JSONResponse:
-        video = store.get(video_id)
-        if video is None:
+        outcome = store.delete(video_id)
+        if outcome is None:
             return missing(video_id)
-        status = video.status
         # A queued job's slot is dropped here; a running one finishes and is discarded, counted
         # then by the store's on_discarded.
-        if store.delete(video_id) and metrics is not None and status == "queued":
+        if outcome == "dropped" and metrics is not None:
             metrics.abandoned_slots(_JOBS, 1, 0)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 

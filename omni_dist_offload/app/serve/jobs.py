@@ -132,15 +132,15 @@ class VideoStore:
             jobs = jobs[index + 1:]
         return jobs[:limit], len(jobs) > limit
 
-    def delete(self, video_id: str) -> bool:
-        """Forget a job and its files. A queued job is taken out of the queue; a running one
-        finishes and its output is discarded."""
+    def delete(self, video_id: str) -> str | None:
+        """Forget a job and its files; None if it is not kept. Returns ``"dropped"`` for a job
+        taken out of the queue before it ran, ``"discarded"`` for one that runs on and whose
+        output will be thrown away, ``"finished"`` otherwise."""
         with self._lock:
             video = self._jobs.get(video_id)
             if video is None:
-                return False
-            self._drop(video)
-        return True
+                return None
+            return self._drop(video)
 
     def close(self) -> None:
         """Remove every kept file (the service is stopping)."""
@@ -149,12 +149,15 @@ class VideoStore:
             shutil.rmtree(self._folder, ignore_errors=True)
 
     # -- internals (lock held) -------------------------------------------------------------
-    def _drop(self, video: VideoJob) -> None:
+    def _drop(self, video: VideoJob) -> str:
         del self._jobs[video.id]
-        video.job.future.cancel()  # a queued slot never runs; a running one cannot be stopped
         for path in (video.media, video.thumbnail):
             if path is not None:
                 path.unlink(missing_ok=True)
+        if video.finished:
+            return "finished"
+        # A queued slot never runs; a running one cannot be stopped.
+        return "dropped" if video.job.future.cancel() else "discarded"
 
     def _sweep(self) -> None:
         now = time.time()
