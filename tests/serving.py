@@ -77,7 +77,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 class Server:
     """``omni-offload serve`` as a subprocess (or two ranks under torchrun)."""
 
-    def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1) -> None:
+    def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1, max_files: int | None = None) -> None:
+        """``max_files``: the server's open-file limit, soft and hard."""
         self.port = free_port()
         self.out_dir = tmp / "out"
         cli = ["-m", "omni_dist_offload.app.cli", "serve", "--model", model, "--diffusion-offload-config",
@@ -87,7 +88,8 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOG_RANK": "0,1"}
         self.log = (tmp / "server.log").open("w+")
         self.proc = subprocess.Popen([sys.executable, *(launcher if ranks > 1 else []), *cli], cwd=tmp,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=None if max_files is None else lambda: _limit_files(max_files))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.output()
@@ -115,6 +117,12 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def _limit_files(count: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
 
 
 def reference(model: str, seeds: list[int], **options) -> list[np.ndarray]:

@@ -423,6 +423,67 @@ def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
         omni.close()
 
 
+def _held(port: int, count: int) -> list:
+    import socket
+
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", port))
+        socks.append(sock)
+    return socks
+
+
+def test_connections_past_the_cap_get_503_and_slow_headers_are_cut_off() -> None:
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    with in_process(omni, ServeOptions(port=free_port(), max_connections=4, read_timeout_s=1.5)) as service:
+        port = service.options.port
+        held = _held(port, 4)
+        try:
+            time.sleep(0.2)  # the server has taken them
+            (extra,) = _held(port, 1)
+            answer = extra.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer, answer
+            extra.close()
+            # A request whose headers trickle in is closed when its deadline passes, as are the idle.
+            start = time.monotonic()
+            for byte in b"POST /v1/images/gen":
+                held[0].sendall(bytes([byte]))
+                if time.monotonic() - start > 1.0:
+                    break
+                time.sleep(0.1)
+            for sock in held:
+                assert sock.recv(65536) == b""  # closed by the server
+            assert 1.2 < time.monotonic() - start < 8
+        finally:
+            for sock in held:
+                sock.close()
+        assert call(port, IMAGES, {"prompt": "a red fox", "seed": 1})[0] == 200
+
+
+def test_running_out_of_descriptors_is_logged_once_a_second_and_the_server_recovers(tmp_path) -> None:
+    # 300 descriptors, and a cap above what they allow: connections run them out.
+    server = Server(tmp_path, "tiny-flux", "--max-connections", "5000", "--read-timeout", "2", max_files=300)
+    held = []
+    try:
+        assert "--max-connections 5000 is more than the" in server.output()
+        start = time.monotonic()
+        held = _held(server.port, 400)  # accepted by the kernel; the server runs out taking them
+        time.sleep(3)
+        status, body = call(server.port, IMAGES, {"prompt": "a red fox", "seed": 1}, timeout=60)
+        assert status == 200, body
+        elapsed = time.monotonic() - start
+        log = server.output()
+        assert 1 <= log.count("out of file descriptors") <= elapsed + 2, log[-3000:]
+        assert "Traceback" not in log and len(log) < 20_000, log[-3000:]
+    finally:
+        for sock in held:
+            sock.close()
+        assert server.terminate() == 0
+        server.kill()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai marks its video API deprecated
 def test_video_jobs_through_the_official_openai_client(tmp_path) -> None:
     openai = pytest.importorskip("openai")

@@ -18,7 +18,9 @@ import asyncio
 import base64
 import hmac
 import ipaddress
+import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -34,6 +36,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..api import DEFAULT_FPS
 from .jobs import StoreFull, VideoStore
@@ -668,6 +671,141 @@ def _write(output_dir: Path, name: str, result: Any) -> Path:
     return media.resolve()
 
 
+# -- connections -----------------------------------------------------------------------------
+# Descriptors kept for everything but connections (the pipeline's files, NCCL, logs, the store).
+_FD_RESERVE = 256
+# Once a second at most: how often a log record of one kind (out of descriptors, a malformed
+# request) is written while a flood of them lasts.
+_LOG_EVERY_S = 1.0
+
+
+def connection_cap(requested: int | None) -> int:
+    """The connection cap: ``requested``, else what the open-file limit leaves. Raises the soft
+    open-file limit to the hard one first (a server holds a descriptor per connection) and warns
+    when ``requested`` is more than the descriptors left, which would then run out first."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX host: no limit to read
+        return requested or 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    left = max(16, soft - in_use - _FD_RESERVE)
+    if requested is None:
+        return left
+    if requested > left:
+        logger.warning("--max-connections %d is more than the %d descriptors the open-file limit (%d) "
+                       "leaves: past %d, connections fail instead of getting 503. Raise the limit "
+                       "(ulimit -n) or lower --max-connections.", requested, left, soft, left)
+    return requested
+
+
+def _protocol(cap: int, header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with two guards its settings lack: a connection past ``cap`` is
+    answered 503 and closed as it opens (so a flood of idle connections cannot take every
+    descriptor), and a request's headers must arrive within ``header_timeout_s`` of the
+    connection opening or of the previous answer (a slow trickle of header bytes holds nothing).
+    The body has its own deadline (:class:`_BodyLimit`); idle keep-alive has uvicorn's."""
+    refusal = json.dumps({"error": {"message": f"this service has {cap} connections open (--max-connections): "
+                                    "retry later.", "type": "service_unavailable_error", "param": None,
+                                    "code": "too_many_connections"}}).encode()
+    answer = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+              b"retry-after: 1\r\nconnection: close\r\ncontent-length: " + str(len(refusal)).encode()
+              + b"\r\n\r\n" + refusal)
+
+    class Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > cap:
+                transport.write(answer)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._disarm_once_headers_came()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request's headers (uvicorn's keep-alive covers idle time)
+            self._disarm_once_headers_came()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _disarm_once_headers_came(self) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+class _OncePerSecond(logging.Filter):
+    """Writes a record of one kind (its message template) once a second at most, with the
+    count of those left out since; drops the traceback of running out of descriptors (the same
+    one each time). Keeps a flood of failed accepts or malformed requests from filling the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key, now = str(record.msg), time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -_LOG_EVERY_S) < _LOG_EVERY_S:
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            skipped = self._skipped.pop(key, 0)
+        if "out of system resource" in key:
+            record.msg = ("out of file descriptors: a connection could not be accepted; it waits until "
+                          "connections close (--max-connections, ulimit -n)")
+            record.args, record.exc_info, record.exc_text = (), None, None
+        if skipped:
+            record.msg = f"{record.getMessage()} [and {skipped} more like it since the last one written]"
+            record.args = ()
+        return True
+
+
+def throttle_server_logs() -> None:
+    """Install :class:`_OncePerSecond` on the loggers a flood of connections writes to."""
+    for name in ("asyncio", "uvicorn.error"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _OncePerSecond) for f in log.filters):
+            log.addFilter(_OncePerSecond())
+
+
 class HttpServer:
     """uvicorn in a thread of its own, so rank 0's main thread keeps generating and handling
     signals (uvicorn installs no signal handlers off the main thread)."""
@@ -677,10 +815,14 @@ class HttpServer:
         metrics = service.metrics
         discarded = (lambda n: metrics.abandoned_slots(_JOBS, 0, n)) if metrics is not None else None  # type: ignore[attr-defined]
         self.store = VideoStore(opts.max_video_jobs, opts.video_ttl_s, on_discarded=discarded)
+        self.max_connections = cap = connection_cap(opts.max_connections)
+        throttle_server_logs()
+        # uvicorn's own cap stays one above ours, so it only bounds tasks: ours closes a
+        # connection past the cap as it opens, before it can hold a descriptor.
         config = uvicorn.Config(build_app(service, self.store), host=opts.host, port=opts.port, lifespan="off",
-                                log_level="warning", access_log=False,
+                                log_level="warning", access_log=False, http=_protocol(cap, opts.read_timeout_s),
                                 timeout_graceful_shutdown=_GRACEFUL_S, timeout_keep_alive=_KEEP_ALIVE_S,
-                                limit_concurrency=opts.max_connections)
+                                limit_concurrency=cap + 1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="omni-serve-http", daemon=True)
         if opts.api_key is None and not _is_loopback(opts.host):

@@ -124,8 +124,9 @@ class ServeOptions:
     """Largest request body; beyond it 413."""
     read_timeout_s: float = 30.0
     """Seconds a request's body may take to arrive; beyond it 408 (a stalled upload)."""
-    max_connections: int = 1000
-    """Open connections at most; beyond it new ones get 503 (the server's own limit)."""
+    max_connections: int | None = None
+    """Open connections at most; a connection past it gets 503 and is closed at once, so it
+    holds no descriptor. None: what the open-file limit leaves (see ``http.connection_cap``)."""
     max_video_jobs: int = 256
     """Video jobs kept (``/v1/videos``): a new one evicts the oldest finished one."""
     video_ttl_s: float = 3600.0
@@ -167,7 +168,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-timeout", type=float, default=d.read_timeout_s, metavar="S",
                         help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
     parser.add_argument("--max-connections", type=positive_int, default=d.max_connections, metavar="N",
-                        help="open connections at most, then 503 (default: %(default)s)")
+                        help="open connections at most; more are answered 503 and closed (default: "
+                        "what the open-file limit leaves, once raised to its hard limit)")
     parser.add_argument("--max-video-jobs", type=positive_int, default=d.max_video_jobs, metavar="N",
                         help="video jobs (/v1/videos) kept; a new one evicts the oldest finished one "
                         "(default: %(default)s)")
