@@ -611,7 +611,17 @@ def test_a_request_costing_more_pixels_than_allowed_is_refused_before_queueing()
     assert len(plan_slots(body, "video", limits, ServeOptions(max_pixels=2 * 64 * 32 * 9), "r")) == 2
     with pytest.raises(RequestError, match=r"36864 pixels.*--max-pixels 36863") as err:
         plan_slots(body, "video", limits, ServeOptions(max_pixels=2 * 64 * 32 * 9 - 1), "r")
-    assert err.value.param == "size" and err.value.status == 400
+    assert err.value.param == "n" and err.value.status == 400
+    # One output's cost bounds a wave (the time it holds every rank), whatever n is.
+    with pytest.raises(RequestError, match=r"18432 pixels for one output.*--max-wave-pixels 18431") as err:
+        plan_slots(VideoRequest(prompt="x", size="64x32", num_frames=9), "video", limits,
+                   ServeOptions(max_wave_pixels=64 * 32 * 9 - 1), "r")
+    assert err.value.param == "size"
+    # A size left to the model counts as its default.
+    sized = ModelLimits(model="m", kind="video", size_multiple=16, frame_step=4, default_size=(64, 32),
+                        default_frames=9)
+    with pytest.raises(RequestError, match="--max-wave-pixels 18431"):
+        plan_slots(VideoRequest(prompt="x"), "video", sized, ServeOptions(max_wave_pixels=64 * 32 * 9 - 1), "r")
 
 
 def test_model_limits() -> None:

@@ -228,20 +228,30 @@ def _parse_size(size: str | None, limits: ModelLimits,
 
 #: ``--max-pixels`` when not given: 4 images of 2048x2048; one 1280x720 video of 121 frames.
 DEFAULT_MAX_PIXELS = {"image": 4 * 2048 * 2048, "video": 1280 * 720 * 121}
+#: ``--max-wave-pixels`` when not given: one image of 2048x2048; one 1280x720 video of 121 frames.
+DEFAULT_MAX_WAVE_PIXELS = {"image": 2048 * 2048, "video": 1280 * 720 * 121}
 
 
 def _check_cost(n: int, width: int | None, height: int | None, num_frames: int | None,
                 limits: ModelLimits, options: ServeOptions) -> None:
-    """``n x width x height x frames`` within ``--max-pixels`` (a size or frame count left to
-    the model's default is not counted: the model's own defaults are sane)."""
+    """One output's ``width x height x frames`` within ``--max-wave-pixels`` (the work of one
+    wave on each rank), all ``n`` of them within ``--max-pixels``. A size or frame count left to
+    the model's default counts as that default (where the pipeline fixes one)."""
+    if width is None or height is None:
+        width, height = limits.default_size or (None, None)
     if width is None or height is None:
         return
+    frames = num_frames or (limits.default_frames if limits.kind == "video" else None) or 1
+    shown = " x num_frames" if limits.kind == "video" else ""
+    wave = width * height * frames
+    wave_budget = options.max_wave_pixels or DEFAULT_MAX_WAVE_PIXELS[limits.kind]
+    if wave > wave_budget:
+        raise RequestError(f"size{shown} is {wave} pixels for one output, more than this service allows "
+                           f"(--max-wave-pixels {wave_budget}): ask for less.", "size")
     budget = options.max_pixels or DEFAULT_MAX_PIXELS[limits.kind]
-    cost = n * width * height * (num_frames or 1)
-    if cost > budget:
-        raise RequestError(f"n x size{' x num_frames' if num_frames else ''} is {cost} pixels, more than "
-                           f"this service allows per request (--max-pixels {budget}): ask for less.",
-                           "size")
+    if n * wave > budget:
+        raise RequestError(f"n x size{shown} is {n * wave} pixels, more than this service allows per "
+                           f"request (--max-pixels {budget}): ask for less.", "n" if n > 1 else "size")
 
 
 def _check_frames(num_frames: int, limits: ModelLimits, options: ServeOptions) -> None:

@@ -109,6 +109,10 @@ class ServeOptions:
     max_pixels: int | None = None
     """Largest ``n x width x height x frames`` of one request (its cost); None: 4 images of
     2048x2048 for an image model, one 1280x720 video of 121 frames for a video model."""
+    max_wave_pixels: int | None = None
+    """Largest ``width x height x frames`` of one output: the work each rank does in one wave,
+    so how long the generation thread is held. None: 2048x2048 for an image model, 1280x720 x
+    121 frames for a video model."""
     max_queue: int = 256
     """Slots waiting at most; beyond it requests get 503."""
     wave_wait_s: float = 0.1
@@ -151,6 +155,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pixels", type=positive_int, default=None, metavar="N",
                         help="largest n x width x height x frames of one request (default: 4 x 2048x2048 "
                         "for images, 1280x720 x 121 frames for videos)")
+    parser.add_argument("--max-wave-pixels", type=positive_int, default=None, metavar="N",
+                        help="largest width x height x frames of one output, the work of one wave on each "
+                        "rank (default: 2048x2048 for images, 1280x720 x 121 frames for videos)")
     parser.add_argument("--max-queue", type=positive_int, default=d.max_queue, metavar="N",
                         help="queued images or videos at most, then 503 (default: %(default)s)")
     parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
@@ -203,7 +210,7 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError("--api-key is empty: give a key, or leave the flag out.")
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
                         max_size=ns.max_size, max_steps=ns.max_steps, max_aspect=ns.max_aspect,
-                        max_pixels=ns.max_pixels, max_queue=ns.max_queue,
+                        max_pixels=ns.max_pixels, max_wave_pixels=ns.max_wave_pixels, max_queue=ns.max_queue,
                         wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format,
                         api_key=api_key, max_body_bytes=ns.max_body, read_timeout_s=ns.read_timeout,
                         max_connections=ns.max_connections, max_video_jobs=ns.max_video_jobs,
