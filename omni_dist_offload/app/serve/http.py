@@ -38,6 +38,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:
+    import resource
+except ImportError:  # Windows: no open-file limit to raise
+    resource = None  # type: ignore[assignment]
+
 from ..api import DEFAULT_FPS
 from .jobs import StoreFull, VideoStore
 from .metrics import ServeMetrics
@@ -693,9 +698,7 @@ def connection_cap(requested: int | None) -> int:
     """The connection cap: ``requested``, else what the open-file limit leaves. Raises the soft
     open-file limit to the hard one first (a server holds a descriptor per connection) and warns
     when ``requested`` is more than the descriptors left, which would then run out first."""
-    try:
-        import resource
-    except ImportError:  # not a POSIX host: no limit to read
+    if resource is None:  # not a POSIX host: no limit to read
         return requested or 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY:
