@@ -5,5 +5,6 @@
 * :mod:`.soak`: many forwards at two shapes: memory drift and parity;
 * :mod:`.startup`: start-up time and peak host memory (cold start, load whole, the peer);
 * :mod:`.trace_blocks`: per-rank, per-block compute under each weight transfer;
-* :mod:`.timeline`: the benchmark's charts.
+* :mod:`.timeline`: the benchmark's charts;
+* :mod:`.serve_stress`: ``omni-offload serve`` under load and abuse (stalled uploads), over HTTP.
 """

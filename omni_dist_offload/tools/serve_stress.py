@@ -385,9 +385,11 @@ def run_load(target: _Target, opts: StressOptions) -> LoadFigures:
     fig.requests_per_s = opts.requests / fig.seconds if fig.seconds else 0.0
     latencies = [a.seconds for a in done]
     fig.p50_ms, fig.p95_ms, fig.p99_ms = (_percentile_ms(latencies, q) for q in (0.50, 0.95, 0.99))
-    for attr, name, labels in (("requests_200_delta", "omni_serve_requests_total", {"endpoint": IMAGES, "code": "200"}),
-                               ("image_outputs_delta", "omni_serve_outputs_total", {"kind": "image"})):
-        setattr(fig, attr, _metric(after, name, **labels) - _metric(before, name, **labels))
+    ok = {"endpoint": IMAGES, "code": "200"}
+    fig.requests_200_delta = _metric(after, "omni_serve_requests_total", **ok) - _metric(
+        before, "omni_serve_requests_total", **ok)
+    fig.image_outputs_delta = _metric(after, "omni_serve_outputs_total", kind="image") - _metric(
+        before, "omni_serve_outputs_total", kind="image")
     return fig
 
 

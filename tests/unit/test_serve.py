@@ -140,6 +140,8 @@ def test_the_official_openai_client_generates_and_gets_its_own_errors(flux) -> N
 
 
 def test_health_models_and_metrics(flux) -> None:
+    # The serve process restarted itself on the C allocator (see cli.entry).
+    assert b"PYTHONMALLOC=malloc" in Path(f"/proc/{flux.proc.pid}/environ").read_bytes().split(b"\0")
     assert call(flux.port, "/health") == (200, {"status": "ok", "model": "tiny-flux", "kind": "image",
                                                  "world_size": 1, "queue_depth": 0})
     status, models = call(flux.port, "/v1/models")
