@@ -461,7 +461,16 @@ def test_connections_past_the_cap_get_503_and_slow_headers_are_cut_off() -> None
         finally:
             for sock in held:
                 sock.close()
+        # An upload whose client leaves halfway is no answered request (it was counted as a 400).
+        (leaving,) = _held(port, 1)
+        leaving.sendall(b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n" + b'{"prompt": "')
+        time.sleep(0.2)
+        leaving.close()
         assert call(port, IMAGES, {"prompt": "a red fox", "seed": 1})[0] == 200
+        text = call(port, "/metrics")[1]
+        assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="200") == 1
+        assert metric(text, "omni_serve_request_errors_total", endpoint=IMAGES, code="400") == 0
 
 
 def test_running_out_of_descriptors_is_logged_once_a_second_and_the_server_recovers(tmp_path) -> None:
