@@ -81,7 +81,7 @@ class Server:
         """``max_files``: the server's open-file limit, soft and hard."""
         self.port = free_port()
         self.out_dir = tmp / "out"
-        cli = ["-m", "omni_dist_offload.app.cli", "serve", "--model", model, "--diffusion-offload-config",
+        cli = ["-m", "omni_dist_offload", "serve", "--model", model, "--diffusion-offload-config",
                CONFIG, "--port", str(self.port), "--output-dir", str(self.out_dir), "--video-format",
                "gif", *flags]
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]

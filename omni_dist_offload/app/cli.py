@@ -21,7 +21,6 @@ import functools
 import importlib.metadata
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -168,27 +167,6 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
     parser.add_argument("--fps", type=positive_int, default=None, help="video frame rate (default: 16)")
     parser.add_argument("--no-progress", action="store_true", help="hide denoising progress bars")
-
-
-def entry() -> int:
-    """The ``omni-offload`` script and ``python -m omni_dist_offload``: :func:`main`, with a
-    ``serve`` process restarted on the C allocator first.
-
-    A long-running server must give back the memory of a flood of connections once it has
-    passed. Python's small-object allocator cannot: a few objects left in each of its 1 MiB
-    arenas keep them all (measured: 10,000 stalled uploads left ~55 MiB behind for good). On the
-    C allocator, ``malloc_trim`` after the flood returns it (to within 1%). Generation itself is
-    on the accelerator, so the slower small allocations cost nothing measurable. The restart
-    happens before anything is loaded; ``PYTHONMALLOC`` set to anything keeps the process as it
-    is (``PYTHONMALLOC=pymalloc`` for Python's own)."""
-    args = sys.argv[1:]
-    if args[:1] == ["serve"] and "PYTHONMALLOC" not in os.environ and os.name == "posix":
-        os.environ["PYTHONMALLOC"] = "malloc"
-        try:
-            os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-        except OSError as exc:  # the process goes on as it is
-            logger.warning("could not restart on the C allocator (%s); serving on Python's", exc)
-    return main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -472,4 +450,4 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())

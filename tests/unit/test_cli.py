@@ -193,3 +193,11 @@ def test_compile_flag(flags, expected):
 def test_a_bad_compile_mode_exits_2(capsys):
     assert main(["generate", "--prompt", "a fox", "--compile", "fast"]) == 2
     assert "--compile: invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def test_the_entry_point_imports_no_torch_before_it_decides_how_to_start() -> None:
+    # serve restarts on the C allocator (omni_dist_offload/__main__.py); that must come before
+    # the seconds of importing torch and diffusers, or every start pays them twice.
+    code = "import sys, omni_dist_offload.__main__; print(sorted({'torch', 'diffusers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
