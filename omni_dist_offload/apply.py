@@ -40,10 +40,12 @@ from .plan import (
     is_bare_module,
     pipeline_modules,
 )
-from .ring import BlockRing, check_not_cuda_graphs
+from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs
 from .tenants import BlockWatch
 from .trace import trace_enabled
+from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
+from .transfer.casting import CastingTransfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
 from .transfer.sharding import (
     ShardPlan,
@@ -77,7 +79,8 @@ class RingSummary:
     """What rebuilds allgather blocks: ``copy-engine``, ``nccl`` or ``gloo``; None for rank-local."""
     fallback_reason: str | None
     block_bytes: int
-    """Bytes of the blocks' tensors (without alignment padding)."""
+    """Bytes of the streamed blocks' tensors as stored on the host (without alignment padding;
+    8-bit where ``storage_dtype`` stores them so)."""
     host_bytes: int
     """Host bytes this rank holds for the ring (whole blocks, or its shards)."""
     device_slot_bytes: int
@@ -101,6 +104,9 @@ class RingSummary:
     """How the block lists were found: ``declared`` (the class's
     ``_layerwise_offload_blocks_attrs`` or the pipeline's ``OffloadPlan``), ``built-in table``
     or ``scan``."""
+    storage_dtype: str | None = None
+    """``layer_options.<c>.storage_dtype``: the 8-bit format block weights are stored and moved
+    in, upcast on the device; None: as the model holds them."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +128,9 @@ class OffloadHandle:
         # failure can be undone without asking the other ranks for their shards.
         self._originals: dict[int, list[list[torch.Tensor]]] = {}
         self._undo_moves: list[Callable[[], None]] = []
+        # What remove() and an undo put back besides the blocks (layers outside the blocks that
+        # storage_dtype stores in 8 bits).
+        self._stored: list[StoredLayers] = []
         self._removed = False
         self._watch: BlockWatch | None = None
 
@@ -135,9 +144,9 @@ class OffloadHandle:
             weight_transfer=ring.transfer.name,
             gather=ring.transfer.gather,
             fallback_reason=ring.transfer.fallback_reason,
-            block_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.streamed) - ring.kept_tensor_bytes(),
+            block_bytes=sum(ring.layouts[i].stored_tensor_bytes for i in ring.streamed) - ring.kept_tensor_bytes(),
             host_bytes=ring.transfer.host_bytes(),
-            device_slot_bytes=sum(s.numel() for s in ring.slots),
+            device_slot_bytes=sum(s.numel() for s in ring.slots) + getattr(ring.transfer, "staging_bytes", 0),
             setup_s=ring.setup_s,
             resident_blocks=sorted(ring.resident),
             resident_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.resident) + ring.kept_tensor_bytes(),
@@ -145,6 +154,7 @@ class OffloadHandle:
             device_budget=ring.budget,
             kept_blocks=ring.kept_blocks(),
             found_by=ring.component.source if ring.component.source in ("built-in table", "scan") else "declared",
+            storage_dtype=getattr(ring.transfer, "storage_dtype", None),
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:
@@ -179,6 +189,9 @@ class OffloadHandle:
             ring.remove_hooks()
             ring.restore(self.device)
             ring.release()
+        for stored in self._stored:
+            stored.unstore()
+        self._stored = []
         self.rings = []
         self._undo_moves = []
         self._groups.close()
@@ -210,12 +223,17 @@ class OffloadHandle:
     def _commit(self) -> None:
         """Setup succeeded everywhere: drop the original storage of allgather blocks."""
         self._originals = {}
+        for stored in self._stored:
+            stored.commit()
         self._groups.close_exchange()
 
     def _rollback(self) -> None:
         """Undo a partial setup: blocks and resident tensors go back where they were."""
         self._synchronize()
         self._close_watch()
+        for stored in self._stored:
+            stored.undo()
+        self._stored = []
         for undo in reversed(self._undo_moves):
             undo()
         self._undo_moves = []
@@ -299,13 +317,20 @@ def apply_offload(
     dev = _checked_device(device)
     modules = _fresh_modules(target)
     components = discover(target, cfg, plan)
-    layouts = {c.name: [layout_block(i, n, b) for i, (n, b) in enumerate(c.blocks)] for c in components}
+    casts = _stored_casts(components, cfg)
+    layouts = {c.name: [layout_block(i, n, b, cast=casts.get(c.name)) for i, (n, b) in enumerate(c.blocks)]
+               for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
     for c in components:
         check_not_cuda_graphs(c.name, c.module)
         for name, block in c.blocks:
             check_not_cuda_graphs(f"{c.name} block {name}", block)
     sources = _checked_sources(block_sources, components)
+    for c in components:
+        if c.name in sources and cfg.options_for(c.category).storage_dtype is not None:
+            raise OffloadConfigError(
+                f"{c.name}: storage_dtype with a cold-start checkpoint source is not supported yet: load "
+                "the model (from_pretrained), then apply_offload, or drop storage_dtype.")
     _check_process_group(process_group)
     groups = GroupSession(cfg.collective_timeout_s)
     try:
@@ -322,7 +347,11 @@ def apply_offload(
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
             handle._add_ring(ring, originals)
-        handle._move_resident({id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries})
+        in_blocks = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
+        handle._move_resident(in_blocks)
+        for c in components:
+            if c.name in casts:
+                handle._stored.append(store_outside_blocks(c.module, casts[c.name], in_blocks))
         handle._install(trace_enabled(trace), specs)
     except BaseException as exc:
         handle._rollback()
@@ -353,17 +382,37 @@ class _RingSpec:
     chunk_bytes: int = 0
     fallback_reason: str | None = None
     """Why an allgather ring streams rank-local."""
+    storage_dtype: str | None = None
+    """``layer_options.<c>.storage_dtype``."""
     residency: Residency = Residency()
     """Which blocks start resident, the slots, and whether a measured forward re-plans."""
 
     def slot_bytes(self) -> list[int]:
-        """Per block, the slot bytes it needs when it streams."""
+        """Per block, the slot bytes it needs when it streams. A ring of stored images also holds
+        one staging buffer of the largest image; it is counted here spread over the slots."""
+        if self.stored:
+            return [l.nbytes + -(-l.image_nbytes // NUM_SLOTS) for l in self.layouts]
         if self.group is None:
             return [l.nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]
 
     def shard_plans(self) -> list[ShardPlan]:
-        return [plan_shards(l.nbytes, self.group.size, self.group.rank, self.chunk_bytes) for l in self.layouts]
+        return [plan_shards(l.image_nbytes, self.group.size, self.group.rank, self.chunk_bytes) for l in self.layouts]
+
+    @property
+    def stored(self) -> bool:
+        """Whether some block is stored in another dtype on the host (``storage_dtype``)."""
+        return any(l.image is not None for l in self.layouts)
+
+
+def _stored_casts(components: Sequence[StreamedComponent], cfg: OffloadConfig) -> dict[str, dict[int, torch.dtype]]:
+    """Per component with a ``storage_dtype``, the tensors stored in it (``storage.py``)."""
+    out = {}
+    for c in components:
+        stored = cfg.options_for(c.category).storage_dtype
+        if stored is not None:
+            out[c.name] = cast_tensors(c.module, getattr(torch, stored))
+    return out
 
 
 def _checked_device(device: torch.device | str | None) -> torch.device:
@@ -445,7 +494,8 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
         _check_gather(facts, group, dev)
     specs = []
     for c in components:
-        base = _RingSpec(c, layouts[c.name], sources.get(c.name))
+        base = _RingSpec(c, layouts[c.name], sources.get(c.name),
+                         storage_dtype=cfg.options_for(c.category).storage_dtype)
         if c.name not in facts:
             specs.append(base)
         elif group is None:
@@ -538,8 +588,9 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
         if spec.group is not None:
             transfer, parked, resident, originals = _fill_shards(spec, setup, step)
         else:
-            transfer, parked, resident = _fill_buffers(spec, setup, step)
-            originals = None
+            transfer, parked, resident, originals = _fill_buffers(spec, setup, step)
+        if spec.stored:
+            transfer = CastingTransfer(transfer, spec.layouts, spec.storage_dtype, setup.streams, setup.device)
     try:
         ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
                          spec.residency.num_slots)
@@ -563,10 +614,16 @@ def _device_copy(spec: _RingSpec, layout: BlockLayout, setup: _Setup, image: tor
     """A resident block's device buffer, filled from ``image`` (its bytes on the host), or from
     the source, or from the block's own tensors."""
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=setup.device)
+    if image is None and layout.image is not None:  # stored in another dtype: through its image
+        image = torch.zeros(layout.image_nbytes, dtype=torch.uint8)
+        for entry, view in zip(layout.entries, layout.image_views(image), strict=True):
+            view.copy_(entry.tensor.detach())
     if image is None and spec.source is not None:
         image = torch.empty(layout.nbytes, dtype=torch.uint8)
         spec.source.fill(layout, [(0, layout.nbytes, 0)], image)
-    if image is not None:
+    if image is not None and layout.image is not None:  # stored in another dtype: upcast once
+        upcast(layout.image, image[: layout.image_nbytes].to(setup.device), buf)
+    elif image is not None:
         buf.copy_(image)
     else:
         for entry in layout.entries:
@@ -599,36 +656,54 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     buffers: list[HostBuffer | None] = []
     current: list[tuple[torch.Tensor, ...]] = []   # what each done block's tensors point at now
     resident: dict[int, torch.Tensor] = {}
+    # A block stored in another dtype has no host views its tensors could point at between uses
+    # (its host copy is in the stored dtype): they hold placeholders, as under allgather, and its
+    # original storage is kept until every ring is set up, for an undo that changes nothing.
+    placeholders: dict[torch.dtype, torch.Tensor] = {}
+    originals: list[list[torch.Tensor]] | None = [] if spec.stored else None
     try:
         for layout in layouts:
             i = layout.index
             buf = None
+            if originals is not None:
+                originals.append([e.tensor.data for e in layout.entries])
             if i in keep and settled:  # resident for good: no host copy
                 resident[i] = _device_copy(spec, layout, setup, None)
             else:
-                buf = HostBuffer(layout.nbytes)
+                buf = HostBuffer(layout.image_nbytes)
                 if spec.source is not None:
                     spec.source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
                 else:
-                    for entry in layout.entries:
-                        entry.view_in(buf.tensor).copy_(entry.tensor.detach())
+                    for entry, view in zip(layout.entries, layout.image_views(buf.tensor), strict=True):
+                        view.copy_(entry.tensor.detach())
                 if i in keep:  # resident until a measured forward is planned for: both copies
                     resident[i] = _device_copy(spec, layout, setup, buf.tensor)
                 pin.pin_later(buf, spec.component.name, layout.name)
-            views = tuple(e.view_in(buf.tensor if buf is not None else resident[i]) for e in layout.entries)
+            if i in resident or layout.image is None:
+                views = tuple(e.view_in(buf.tensor if i not in resident else resident[i]) if buf is not None
+                              and layout.image is None else e.view_in(resident[i]) for e in layout.entries)
+            else:
+                views = tuple(_placeholder(e, placeholders) for e in layout.entries)
             bind(layout.entries, views)
             buffers.append(buf)
             current.append(views)
             step(1)
         pin.wait()
         parked = [v if b is not None else None for v, b in zip(current, buffers)]
-        transfer = RankLocalTransfer(buffers, [l.nbytes for l in layouts], setup.streams, setup.device,
+        if spec.stored:
+            parked = [tuple(_placeholder(e, placeholders) for e in l.entries) if b is not None else None
+                      for l, b in zip(layouts, buffers)]
+        transfer = RankLocalTransfer(buffers, [l.image_nbytes for l in layouts], setup.streams, setup.device,
                                      spec.fallback_reason)
-        return transfer, parked, resident
+        return transfer, parked, resident, originals
     except BaseException:
         with contextlib.suppress(BaseException):
             pin.wait()  # no registration may still be running on a buffer released below
-        restore_blocks(layouts[: len(current)], current, None)
+        if originals is not None:
+            for layout, data in zip(layouts, originals):
+                bind(layout.entries, data)
+        else:
+            restore_blocks(layouts[: len(current)], current, None)
         for buf in buffers:
             if buf is not None:
                 buf.release()
@@ -644,7 +719,7 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     keep, settled = set(spec.residency.resident), spec.residency.settled
     plans = spec.shard_plans()
     # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
-    image = torch.empty(max(l.nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)
+    image = torch.empty(max(l.image_nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     shards: list[HostBuffer | None] = []
     originals: list[list[torch.Tensor]] = []
@@ -655,9 +730,11 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
             i = layout.index
             block_image = None
             if spec.source is None:
-                block_image = image[: layout.nbytes]
-                for entry in layout.entries:
-                    entry.view_in(block_image).copy_(entry.tensor.detach())
+                block_image = image[: layout.image_nbytes]
+                if layout.image is not None:
+                    block_image.zero_()  # padding between stored tensors upcasts to zeros
+                for entry, view in zip(layout.entries, layout.image_views(block_image), strict=True):
+                    view.copy_(entry.tensor.detach())
             shard = None
             if not (i in keep and settled):
                 shard = HostBuffer(shard_plan.shard_nbytes)

@@ -12,12 +12,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+import torch
+
 from .residency import parse_bytes
 
 __all__ = [
     "COMPONENTS",
     "GATHERS",
     "PIN_FAILURES",
+    "STORAGE_DTYPES",
     "WEIGHT_TRANSFERS",
     "LayerOptions",
     "OffloadConfig",
@@ -32,6 +35,8 @@ WEIGHT_TRANSFERS: tuple[str, ...] = ("rank-local", "allgather")
 GATHERS: tuple[str, ...] = ("auto", "copy-engine", "nccl")
 #: What setup does when host memory cannot be page-locked.
 PIN_FAILURES: tuple[str, ...] = ("error", "pageable")
+#: 8-bit float formats the block weights may be stored in on the host (``storage_dtype``).
+STORAGE_DTYPES: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
 _MODES: tuple[str, ...] = ("layer",)
 
 WeightTransfer = Literal["rank-local", "allgather"]
@@ -72,7 +77,21 @@ class LayerOptions:
     streamed blocks' copies hide under their compute; a list: exactly these block indices (ring
     order, from 0). ``None``: every block streams."""
 
+    storage_dtype: str | None = None
+    """How the block weights are stored in host memory and move to the device. ``None``: as the
+    model holds them. ``"float8_e4m3fn"`` or ``"float8_e5m2"``: the weights diffusers' layerwise
+    casting would store in 8 bits (Linear and Conv layers outside norms and embeddings, see
+    ``docs/integration.md``) are stored so, halving the bytes that move; each block is upcast to
+    the model's dtype on the device, on the copy side of the ring. Outputs equal the resident
+    model's under ``enable_layerwise_casting`` at the same dtypes, bit for bit."""
+
     def __post_init__(self) -> None:
+        _check_choice("storage_dtype", self.storage_dtype, STORAGE_DTYPES, "layer_options.<component>",
+                      optional=True)
+        if self.storage_dtype is not None and not hasattr(torch, self.storage_dtype):
+            raise OffloadConfigError(
+                f"layer_options.<component> key 'storage_dtype' is {self.storage_dtype!r}, which this "
+                f"torch ({torch.__version__}) does not have: upgrade torch, or drop the key.")
         object.__setattr__(self, "resident_blocks", _checked_resident(self.resident_blocks))
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
         _check_choice("gather", self.gather, GATHERS, "layer_options.<component>")
@@ -244,7 +263,8 @@ class OffloadConfig:
                 name: {"weight_transfer": opts.weight_transfer, "chunk_mib": opts.chunk_mib,
                        "gather": opts.gather,
                        "resident_blocks": list(opts.resident_blocks)
-                       if isinstance(opts.resident_blocks, tuple) else opts.resident_blocks}
+                       if isinstance(opts.resident_blocks, tuple) else opts.resident_blocks,
+                       "storage_dtype": opts.storage_dtype}
                 for name, opts in self.layer_options.items()
             },
             "pin_memory": self.pin_memory,
@@ -318,10 +338,14 @@ def _size(key: str, value: Any, also: str = "") -> int:
         raise OffloadConfigError(str(exc).replace("which is not a size:", f"which is not a size{hint}:")) from None
 
 
-def _check_choice(key: str, value: Any, allowed: tuple[str, ...], where: str = "config") -> None:
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], where: str = "config",
+                  optional: bool = False) -> None:
+    if optional and value is None:
+        return
     if not isinstance(value, str) or value not in allowed:
+        shown = [*allowed, None] if optional else list(allowed)
         raise OffloadConfigError(
-            f"{where} key {key!r} has value {value!r}: allowed values are {list(allowed)}."
+            f"{where} key {key!r} has value {value!r}: allowed values are {shown}."
         )
 
 

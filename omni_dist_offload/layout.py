@@ -9,12 +9,13 @@ have the strides of the original and kernels see exactly what they saw before of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from .config import OffloadConfigError
+from .storage import BlockImage, Run
 
 __all__ = [
     "ALIGNMENT", "BlockLayout", "BlockSource", "TensorEntry", "align", "bind", "check_ownership", "layout_block", "restore_blocks",
@@ -62,10 +63,32 @@ class BlockLayout:
     entries: tuple[TensorEntry, ...]
     nbytes: int
     """Buffer size, alignment padding included."""
+    image: BlockImage | None = None
+    """How the block is stored on the host when some tensors are stored in another dtype
+    (``storage_dtype``); None: the host copy is the buffer above, byte for byte."""
 
     @property
     def tensor_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+    @property
+    def stored_tensor_bytes(self) -> int:
+        """Bytes of the block's tensors as its host copy stores them."""
+        if self.image is None:
+            return self.tensor_bytes
+        return sum(e.nbytes // e.dtype.itemsize * d.itemsize for e, d in zip(self.entries, self.image.dtypes))
+
+    @property
+    def image_nbytes(self) -> int:
+        """Bytes of the host copy of the whole block."""
+        return self.image.nbytes if self.image is not None else self.nbytes
+
+    def image_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every entry as a view into the block's host image (in its stored dtype)."""
+        if self.image is None:
+            return [e.view_in(buffer) for e in self.entries]
+        return [_stored_view(e, buffer, offset, dtype)
+                for e, offset, dtype in zip(self.entries, self.image.offsets, self.image.dtypes, strict=True)]
 
 
 class BlockSource(Protocol):
@@ -82,8 +105,10 @@ class BlockSource(Protocol):
         every ``(offset, n, at)`` in ``pieces``; bytes past the block's end are zero."""
 
 
-def layout_block(index: int, name: str, block: nn.Module) -> BlockLayout:
-    """Plan the buffer of one block. Reads the block, changes nothing."""
+def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, torch.dtype] | None = None) -> BlockLayout:
+    """Plan the buffer of one block. Reads the block, changes nothing. ``cast``: tensors (by
+    ``id``) stored in another dtype on the host (``storage.cast_tensors``); they come first,
+    see [Note: 8-bit storage] in ``storage.py``."""
     entries = []
     offset = 0
     seen: set[int] = set()
@@ -105,7 +130,62 @@ def layout_block(index: int, name: str, block: nn.Module) -> BlockLayout:
                 entries.append(TensorEntry(qual, t, offset, nbytes, t.dtype, storage_shape,
                                            inverse_perm, t.device))
                 offset = align(offset + nbytes)
+    if cast and any(id(e.tensor) in cast for e in entries):
+        return _stored_layout(index, name, block, entries, cast)
     return BlockLayout(index, name, block, tuple(entries), offset)
+
+
+def _stored_layout(index: int, name: str, block: nn.Module, entries: list[TensorEntry],
+                   cast: Mapping[int, torch.dtype]) -> BlockLayout:
+    """The layout of a block some of whose tensors are stored in another dtype: those first,
+    grouped by (stored, compute) dtype, each group one run whose slot offsets are its image
+    offsets times the size ratio; then the rest, one run of identical relative offsets."""
+    groups: dict[tuple[torch.dtype, torch.dtype], list[TensorEntry]] = {}
+    plain = []
+    for e in entries:
+        stored = cast.get(id(e.tensor))
+        if stored is None or stored == e.dtype:
+            plain.append(e)
+        else:
+            groups.setdefault((stored, e.dtype), []).append(e)
+    placed: list[TensorEntry] = []
+    offsets: list[int] = []
+    dtypes: list[torch.dtype] = []
+    runs = []
+    image = slot = 0
+    for (stored, compute), members in groups.items():
+        ratio = compute.itemsize // stored.itemsize
+        if ratio * stored.itemsize != compute.itemsize or ratio < 1:
+            raise OffloadConfigError(f"{name}: {compute} cannot be stored as {stored} (its size is not "
+                                     "a multiple): drop storage_dtype for this component.")
+        image0, slot0 = image, slot
+        for e in members:
+            at = slot0 + (image - image0) * ratio
+            placed.append(TensorEntry(e.name, e.tensor, at, e.nbytes, e.dtype, e.storage_shape,
+                                      e.inverse_perm, e.origin))
+            offsets.append(image)
+            dtypes.append(stored)
+            image = align(image + e.nbytes // ratio)
+        runs.append(Run(image0, image - image0, slot0, (image - image0) * ratio, stored, compute))
+        slot = align(slot0 + (image - image0) * ratio)
+    image0, slot0 = image, slot
+    for e in plain:
+        placed.append(TensorEntry(e.name, e.tensor, slot0 + image - image0, e.nbytes, e.dtype,
+                                  e.storage_shape, e.inverse_perm, e.origin))
+        offsets.append(image)
+        dtypes.append(e.dtype)
+        image = align(image + e.nbytes)
+    if image > image0:
+        runs.append(Run(image0, image - image0, slot0, image - image0, torch.uint8, torch.uint8))
+    slot = slot0 + image - image0
+    return BlockLayout(index, name, block, tuple(placed), slot,
+                       BlockImage(image, tuple(offsets), tuple(dtypes), tuple(runs)))
+
+
+def _stored_view(entry: TensorEntry, buffer: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = entry.nbytes // entry.dtype.itemsize * dtype.itemsize
+    view = buffer[offset : offset + nbytes].view(dtype).view(entry.storage_shape)
+    return view.permute(entry.inverse_perm) if entry.inverse_perm is not None else view
 
 
 def align(n: int) -> int:

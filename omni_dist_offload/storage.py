@@ -1,0 +1,197 @@
+"""8-bit host storage (``layer_options.<component>.storage_dtype``): which block tensors are
+stored in 8 bits, and how a stored block becomes its device slot.
+
+[Note: 8-bit storage]
+The tensors stored in 8 bits are exactly those diffusers' layerwise casting stores so
+(``ModelMixin.enable_layerwise_casting``, or ``apply_layerwise_casting`` for other modules): the
+parameters of Linear, Conv and Embedding layers whose qualified name matches none of its skip
+patterns (``pos_embed``, ``patch_embed``, ``norm``, ``^proj_in$``, ``^proj_out$``, the model's
+``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``; peft's adapter layers).
+Both cast the model's weights with the same ``Tensor.to``, and both upcast them with it before
+use, so outputs match bit for bit.
+
+A block streamed with a storage dtype has two layouts: its *image* (the host copy, this rank's
+shards, what crosses the link) and its *slot* (the compute dtype views the block runs on). The
+8-bit tensors come first in both, in the same order, each image offset k times smaller than its
+slot offset (k: compute bytes per stored byte), so one elementwise copy of the 8-bit run upcasts
+every 8-bit tensor of the block at once; the other tensors follow with identical relative
+offsets, one byte copy. Two kernels per block, on the copy stream, into the slot; the compute
+stream sees ready weights (``transfer/casting.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["BlockImage", "Run", "cast_tensors", "downcast", "StoredLayers", "store_outside_blocks", "upcast"]
+
+# diffusers' layerwise casting rule and hook (hooks/layerwise_casting.py, hooks/_common.py),
+# read from diffusers so the two never disagree.
+from diffusers.hooks import HookRegistry
+from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS as _LAYERS
+from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK, apply_layerwise_casting_hook
+from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN as _DEFAULT_SKIP
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One contiguous stretch of a block: image bytes ``[image, image + image_nbytes)`` become
+    slot bytes ``[slot, slot + slot_nbytes)``, converted from ``stored`` to ``compute``."""
+
+    image: int
+    image_nbytes: int
+    slot: int
+    slot_nbytes: int
+    stored: torch.dtype
+    compute: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class BlockImage:
+    """How a block is stored when some of its tensors are stored in another dtype."""
+
+    nbytes: int
+    """Bytes of the image (the host copy of the whole block)."""
+    offsets: tuple[int, ...]
+    """Per entry of the block's layout, its offset in the image."""
+    dtypes: tuple[torch.dtype, ...]
+    """Per entry, the dtype it is stored in."""
+    runs: tuple[Run, ...]
+
+
+def skip_patterns(root: nn.Module) -> tuple[str, ...]:
+    """The skip patterns diffusers' layerwise casting uses for ``root``: a diffusers model's
+    ``enable_layerwise_casting`` adds the model's own to the defaults; any other module gets the
+    defaults (``apply_layerwise_casting(..., skip_modules_pattern="auto")``)."""
+    patterns = tuple(_DEFAULT_SKIP)
+    if hasattr(root, "_skip_layerwise_casting_patterns"):
+        patterns += tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
+        patterns += tuple(getattr(root, "_skip_layerwise_casting_patterns", None) or ())
+        try:
+            from peft.tuners.loha.layer import LoHaLayer  # optional: peft adapters, as diffusers skips them
+            from peft.tuners.lokr.layer import LoKrLayer  # optional: as above
+            from peft.tuners.lora.layer import LoraLayer  # optional: as above
+        except ImportError:
+            pass
+        else:
+            for layer in (LoHaLayer, LoKrLayer, LoraLayer):
+                patterns += tuple(layer.adapter_layer_names)
+    return tuple(set(patterns))
+
+
+def cast_tensors(root: nn.Module, stored: torch.dtype) -> dict[int, torch.dtype]:
+    """``id(tensor) -> stored dtype`` for every tensor of ``root`` that diffusers' layerwise
+    casting would store in ``stored`` (its floating-point parameters and buffers of the layers it
+    casts). Reads ``root``, changes nothing."""
+    patterns = skip_patterns(root)
+    found: dict[int, torch.dtype] = {}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if any(re.search(p, prefix) for p in patterns):
+            return
+        if isinstance(module, _LAYERS):
+            for t in (*module.parameters(), *module.buffers()):
+                if t.is_floating_point():
+                    found[id(t)] = stored
+            return
+        for name, child in module.named_children():
+            walk(child, f"{prefix}.{name}" if prefix else name)
+
+    walk(root, "")
+    return found
+
+
+class StoredLayers:
+    """Layers of a diffusers model outside its streamed blocks, stored in 8 bits by diffusers'
+    own layerwise casting hook (see :func:`store_outside_blocks`)."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[nn.Module, torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def commit(self) -> None:
+        """Setup succeeded: the original tensors are no longer needed."""
+        self.layers = [(m, compute, []) for m, compute, _ in self.layers]
+
+    def undo(self) -> None:
+        """A failed setup: hooks off, the original tensors back."""
+        for module, _compute, originals in self.layers:
+            _unhook(module)
+            for t, data in originals:
+                t.data = data
+        self.layers = []
+
+    def unstore(self) -> None:
+        """``remove()``: hooks off, the layers upcast to their compute dtype, as the blocks are
+        (every 8-bit-stored weight comes back with its 8-bit value, so the model computes what
+        it computed while offloaded)."""
+        for module, compute, _originals in self.layers:
+            _unhook(module)
+            module.to(dtype=compute)
+        self.layers = []
+
+
+def _unhook(module: nn.Module) -> None:
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    hook = registry.get_hook(_LAYERWISE_CASTING_HOOK)
+    if hook is not None:
+        # diffusers' hook refuses to undo its cast (it would lose precision); the caller puts
+        # the tensors back itself.
+        hook.deinitalize_hook = lambda m: m
+        registry.remove_hook(_LAYERWISE_CASTING_HOOK, recurse=False)
+
+
+def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_blocks: set[int]) -> StoredLayers:
+    """diffusers' own layerwise casting hook on the layers of a diffusers model outside its
+    streamed blocks that the rule stores in 8 bits, so the whole model is stored as
+    ``enable_layerwise_casting`` stores it (and its ``dtype`` still reads the compute dtype,
+    which pipelines cast their latents to). Other modules (text encoders from transformers)
+    keep their non-block layers as they are."""
+    stored = StoredLayers()
+    if not hasattr(root, "enable_layerwise_casting"):
+        return stored
+    patterns = skip_patterns(root)
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if any(re.search(p, prefix) for p in patterns):
+            return
+        if isinstance(module, _LAYERS):
+            tensors = [t for t in (*module.parameters(), *module.buffers()) if id(t) in cast]
+            if tensors and not any(id(t) in in_blocks for t in tensors):
+                compute = tensors[0].dtype
+                stored.layers.append((module, compute, [(t, t.data) for t in tensors]))
+                apply_layerwise_casting_hook(module, cast[id(tensors[0])], compute, non_blocking=False)
+            return
+        for name, child in module.named_children():
+            walk(child, f"{prefix}.{name}" if prefix else name)
+
+    walk(root, "")
+    return stored
+
+
+def upcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """The block's slot bytes into ``dst`` from its image bytes in ``src`` (both on one device),
+    on the current stream: one elementwise copy per 8-bit run, one byte copy for the rest."""
+    for run in image.runs:
+        a = src[run.image : run.image + run.image_nbytes]
+        b = dst[run.slot : run.slot + run.slot_nbytes]
+        if run.stored == run.compute:
+            b.copy_(a)
+        else:
+            b.view(run.compute).copy_(a.view(run.stored))
+
+
+def downcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """The block's image bytes into ``dst`` from its slot bytes in ``src``: :func:`upcast`
+    backwards (an edited block stored again; 8-bit tensors round as ``Tensor.to`` rounds)."""
+    for run in image.runs:
+        a = src[run.slot : run.slot + run.slot_nbytes]
+        b = dst[run.image : run.image + run.image_nbytes]
+        if run.stored == run.compute:
+            b.copy_(a)
+        else:
+            b.view(run.stored).copy_(a.view(run.compute))

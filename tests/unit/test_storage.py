@@ -1,0 +1,118 @@
+"""8-bit host storage (``storage_dtype``): bitwise equal to the resident model under diffusers'
+layerwise casting at the same dtypes, half the host bytes, and the layout that makes the upcast
+two copies. Two ranks (allgather): dist/test_storage_ranks.py; GPU: gpu/test_gpu_storage.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiny_models as tiny
+from omni_dist_offload import OffloadConfig, OffloadConfigError, apply_offload
+from omni_dist_offload.layout import layout_block
+from omni_dist_offload.storage import cast_tensors, downcast, upcast
+
+DITS = {
+    "wan": (tiny.tiny_wan_transformer, tiny.wan_transformer_inputs),
+    "flux": (tiny.tiny_flux_transformer, tiny.flux_transformer_inputs),
+    "qwenimage": (tiny.tiny_qwenimage_transformer, tiny.qwenimage_transformer_inputs),
+}
+
+
+def stored(dtype: str = "float8_e4m3fn", **options) -> dict:
+    return {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": dtype, **options}}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(DITS))
+@torch.no_grad()
+def test_outputs_equal_diffusers_layerwise_casting_bit_for_bit(family, dtype):
+    build, inputs = DITS[family]
+    model = build(dtype=dtype)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=dtype)
+    batches = [inputs(model, seed=0), inputs(model, batch=2, seed=1)]
+    refs = [reference(**b)[0] for b in batches]
+    plain = model(**batches[0])[0]
+    handle = apply_offload(model, stored(), device="cpu")
+    assert model.dtype == dtype  # what pipelines cast their latents to
+    for _ in range(2):  # the second pass starts from the block the last one prefetched
+        for b, ref in zip(batches, refs):
+            assert torch.equal(model(**b)[0], ref)
+    assert not torch.equal(refs[0], plain)  # 8 bits changed the weights: the test can fail
+    (row,) = handle.summary()
+    assert row["storage_dtype"] == "float8_e4m3fn"
+    handle.remove()
+    # Back to ordinary tensors holding the 8-bit values: what the offloaded model computed.
+    assert torch.equal(model(**batches[0])[0], refs[0])
+    assert not any(t.dtype.itemsize == 1 for t in model.parameters())
+
+
+@torch.no_grad()
+def test_e5m2_resident_blocks_and_a_second_forward_shape():
+    model = tiny.tiny_flux_transformer(num_layers=2, num_single_layers=4)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e5m2, compute_dtype=torch.float32)
+    x = tiny.flux_transformer_inputs(model, height=8, width=8)
+    y = tiny.flux_transformer_inputs(model, height=4, width=8, seed=3)
+    refs = [reference(**x)[0], reference(**y)[0]]
+    # Resident blocks hold the compute dtype on the device, upcast once at setup.
+    handle = apply_offload(model, stored("float8_e5m2", resident_blocks=[0, 3]), device="cpu")
+    assert handle.rings[0].resident == {0, 3}
+    for _ in range(2):
+        assert torch.equal(model(**x)[0], refs[0]) and torch.equal(model(**y)[0], refs[1])
+    handle.remove()
+
+
+@torch.no_grad()
+def test_host_bytes_halve_and_the_summary_says_what_is_stored():
+    model = tiny.wide_ffn_wan_transformer(num_layers=3).to(torch.bfloat16)
+    handle = apply_offload(copy.deepcopy(model), {"mode": "layer", "components": ["dit"]}, device="cpu")
+    (plain,) = handle.summary()
+    handle.remove()
+    handle = apply_offload(model, stored(), device="cpu")
+    (row,) = handle.summary()
+    assert plain["storage_dtype"] is None and row["storage_dtype"] == "float8_e4m3fn"
+    # Norms and biases stay in bf16: a little more than half.
+    assert 0.5 < row["host_bytes"] / plain["host_bytes"] < 0.56, (row["host_bytes"], plain["host_bytes"])
+    assert 0.5 < row["block_bytes"] / plain["block_bytes"] < 0.56
+    # Slots hold the compute dtype; one staging buffer holds the largest stored block.
+    staging = handle.rings[0].transfer.staging_bytes
+    assert 0.5 < staging / (plain["device_slot_bytes"] / 2) < 0.56
+    assert abs(row["device_slot_bytes"] - staging - plain["device_slot_bytes"]) < 0.01 * plain["device_slot_bytes"]
+    handle.remove()
+
+
+def test_the_layout_puts_8_bit_tensors_first_so_the_upcast_is_two_copies():
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=1)
+    block = model.transformer_blocks[0]
+    cast = cast_tensors(model, torch.float8_e4m3fn)
+    layout = layout_block(0, "transformer_blocks.0", block, cast=cast)
+    image = layout.image
+    assert [r.stored for r in image.runs] == [torch.float8_e4m3fn, torch.uint8]
+    assert image.nbytes < layout.nbytes
+    # diffusers' rule: Linear layers outside norms (Flux's AdaLayerNorm keeps its Linear in 32 bits).
+    names = [e.name for e, d in zip(layout.entries, image.dtypes) if d == torch.float8_e4m3fn]
+    assert "transformer_blocks.0.attn.to_q.weight" in names and "transformer_blocks.0.attn.to_q.bias" in names
+    assert not any(".norm" in n for n in names)
+    host = torch.zeros(image.nbytes, dtype=torch.uint8)
+    for entry, view in zip(layout.entries, layout.image_views(host), strict=True):
+        view.copy_(entry.tensor.detach())
+    slot = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    upcast(image, host, slot)
+    for entry, d in zip(layout.entries, image.dtypes):
+        want = entry.tensor.detach().to(d).to(entry.dtype)
+        assert torch.equal(entry.view_in(slot), want), entry.name
+    again = torch.zeros_like(host)
+    downcast(image, slot, again)
+    assert torch.equal(again, host)  # storing an upcast block again gives back its bytes
+
+
+def test_bad_storage_dtypes_are_refused_naming_the_key():
+    with pytest.raises(OffloadConfigError, match=r"layer_options.dit key 'storage_dtype' has value 'int8'"):
+        OffloadConfig.parse(stored("int8"))
+    with pytest.raises(OffloadConfigError, match="storage_dtype"):
+        OffloadConfig.parse(stored(8))
+    assert OffloadConfig.parse(stored()).to_dict()["layer_options"]["dit"]["storage_dtype"] == "float8_e4m3fn"
