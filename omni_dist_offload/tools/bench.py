@@ -16,7 +16,12 @@ one preset at one block count and one input shape; per case, in one process, the
   regional ``torch.compile`` (``loading.compiling``), resident and streamed rank-local (compiled
   after offloading, as ``Omni(compile=True)`` does); both are compared bitwise with the compiled
   resident model, and ``compiled-streamed`` also as a ratio to ``compiled``. With ``--budget``,
-  ``compiled-streamed`` runs once per budget.
+  ``compiled-streamed`` runs once per budget;
+* ``fp8-resident``, ``fp8-streamed`` and ``fp8-allgather`` (only when asked for): weights stored in
+  float8_e4m3fn and computed in the model's dtype. ``fp8-resident`` is the baseline, diffusers'
+  ``enable_layerwise_casting`` on the resident model (undone after each pass); ``fp8-streamed``
+  streams rank-local with ``storage_dtype`` (once per budget with ``--budget``), ``fp8-allgather``
+  with allgather. Both are compared bitwise with ``fp8-resident`` and reported as a ratio to it.
 
 **Denoising loops.** ``--steps N`` times N steps of a plain Euler loop (the latents move by
 the model's output, the timestep falls) instead of one forward; ``--cache SPEC`` (as
@@ -101,12 +106,17 @@ from .timeline import draw_budget_sweep, draw_overhead, draw_timeline
 __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
 
 #: Streamed variants, in the order of the first half of the schedule.
-VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed")
+VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
+            "fp8-resident", "fp8-streamed", "fp8-allgather")
 #: Variants with the DiT's blocks compiled (regional ``torch.compile``): resident, and streamed
 #: rank-local; compared bitwise with the compiled resident model.
 _COMPILED = ("compiled", "compiled-streamed")
+#: Variants storing the weights in 8 bits; compared bitwise with ``fp8-resident``.
+_FP8 = ("fp8-resident", "fp8-streamed", "fp8-allgather")
+#: The 8-bit format of the fp8 variants.
+FP8_STORAGE = "float8_e4m3fn"
 #: Variants that exist only under torchrun with several ranks.
-_MULTI_RANK = ("allgather", "allgather-nccl")
+_MULTI_RANK = ("allgather", "allgather-nccl", "fp8-allgather")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
 RESIDENT = "resident"
 
@@ -152,6 +162,8 @@ class CaseResult:
     """Compiled variants: torch's compile time in the variant's first pass (warm-up)."""
     vs_compiled: float | None = None
     """Compiled-streamed variants: forward_ms / the ``compiled`` (resident) variant's."""
+    vs_fp8: float | None = None
+    """fp8-streamed and fp8-allgather: forward_ms / the ``fp8-resident`` variant's."""
     computed_steps: int | None = None
     """``--steps`` loops: how many steps of the resident reference loop ran the last block (all
     of them without ``--cache``); every variant's output is compared bitwise with that loop's."""
@@ -390,7 +402,7 @@ def schedule(variants: Sequence[str], world: int = 1, budgets: Sequence[Budget] 
     With budgets, each of our variants runs once per budget: ``rank-local@60%``."""
     streamed = [v for v in VARIANTS if v in variants and (v not in _MULTI_RANK or world > 1)]
     if budgets:
-        fixed = ("peer", "compiled")  # these hold no budget
+        fixed = ("peer", "compiled", "fp8-resident")  # these hold no budget
         streamed = [f"{v}@{b.label}" if v not in fixed else v for v in streamed
                     for b in (budgets if v not in fixed else budgets[:1])]
     return [RESIDENT, *streamed, *reversed(streamed), RESIDENT]
@@ -403,6 +415,10 @@ def _offload_config(variant: str, device_budget: int | str | None = None) -> dic
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather"}}
     elif transfer == "allgather-nccl":
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "gather": "nccl"}}
+    elif transfer == "fp8-streamed":
+        dit["layer_options"] = {"dit": {"storage_dtype": FP8_STORAGE}}
+    elif transfer == "fp8-allgather":
+        dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "storage_dtype": FP8_STORAGE}}
     if device_budget is not None:
         dit["device_budget"] = device_budget
     return dit
@@ -412,6 +428,26 @@ def _apply_ours(model: nn.Module, variant: str, device: torch.device, trace: boo
                 device_budget: int | str | None = None):
     # trace=False beats OMNI_OFFLOAD_TRACE: timed passes never carry trace marks.
     return apply_offload(model, _offload_config(variant, device_budget), device=device, trace=trace)
+
+
+def layerwise_casting(model: nn.Module) -> Callable[[], None]:
+    """diffusers' ``enable_layerwise_casting`` at :data:`FP8_STORAGE`, computing in the model's
+    dtype; returns the undo (diffusers has none: its hooks come off and the original tensors go
+    back, so the next pass starts from the same model)."""
+    originals = [(t, t.data) for t in (*model.parameters(), *model.buffers())]
+    model.enable_layerwise_casting(storage_dtype=getattr(torch, FP8_STORAGE), compute_dtype=model.dtype)
+
+    def undo() -> None:
+        for module in model.modules():
+            registry = getattr(module, "_diffusers_hook", None)
+            hook = registry.get_hook("layerwise_casting") if registry is not None else None
+            if hook is not None:
+                hook.deinitalize_hook = lambda m: m  # it refuses to undo its cast; the data goes back below
+                registry.remove_hook("layerwise_casting", recurse=False)
+        for t, data in originals:
+            t.data = data
+
+    return undo
 
 
 class PeerOffload:
@@ -547,8 +583,21 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device,
     if variant == "compiled":
         compile_dits(model, "regional")
         return (lambda: uncompile(model)), {"transfer": RESIDENT, "note": "regional torch.compile"}, None
+    if variant == "fp8-resident":
+        return layerwise_casting(model), {"transfer": RESIDENT, "note": f"diffusers layerwise casting ({FP8_STORAGE})"}, None
+    saved = None
+    if variant.startswith(("fp8-streamed", "fp8-allgather")):
+        # remove() leaves 8-bit-stored weights at their 8-bit values (the offloaded model's
+        # state): a host copy of the originals lets the next pass start from the same model.
+        saved = [(t, t.detach().to("cpu", copy=True)) for t in (*model.parameters(), *model.buffers())]
     handle = _apply_ours(model, variant, device, device_budget=device_budget)
-    if variant.startswith("compiled-streamed"):
+    if saved is not None:
+        def undo() -> None:
+            handle.remove()
+            with torch.no_grad():
+                for t, data in saved:
+                    t.data.copy_(data)
+    elif variant.startswith("compiled-streamed"):
         compile_dits(model, "regional")  # after offloading, as Omni(compile=True) does
 
         def undo() -> None:
@@ -611,7 +660,13 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             counting.remove()
         if opts.steps > 1:
             opts.computed_steps = len(ran)
-        references = {False: reference}
+        references: dict[Any, torch.Tensor] = {False: reference}
+        if any(v in _FP8 for v in opts.variants):  # 8-bit weights compute otherwise: own reference
+            undo = layerwise_casting(model)
+            try:
+                references["fp8"] = forward()
+            finally:
+                undo()
         first_compile = 0.0
         if any(v in _COMPILED for v in opts.variants):  # compiled kernels round otherwise: own reference
             before = compile_seconds()
@@ -621,9 +676,10 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             after = compile_seconds()
             first_compile = after - before if before is not None and after is not None else 0.0
         for variant in schedule(opts.variants, opts.world, opts.budgets):
-            compiled = variant.split("@")[0] in _COMPILED
+            base = variant.split("@")[0]
+            key = "fp8" if base in _FP8 else base in _COMPILED
             passes.setdefault(variant, []).append(
-                _run_pass(variant, model, forward, references[compiled], opts, budgets))
+                _run_pass(variant, model, forward, references[key], opts, budgets))
         # A loop's floor is the resident loop (see _summarise): no per-block times needed.
         compute = (_block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
                    if opts.steps == 1 else [0.0] * len(block_modules))
@@ -658,15 +714,18 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
     medians = _slowest_rank({v: statistics.median(ts) for v, ts in pooled.items()}, opts.world)
     res_ms = medians[RESIDENT]
     compiled_ms = medians.get("compiled")
+    fp8_ms = medians.get("fp8-resident")
     out = []
     for variant, ps in passes.items():
         transfer = ps[0].transfer
         share = opts.world if transfer == "allgather" else 1
         floor = res_ms if variant == RESIDENT else floor_ms(res_ms, compute, block_bytes, opts.bandwidth, share)
         base = compiled_ms if variant.startswith("compiled") and compiled_ms else res_ms
-        if variant.startswith("compiled"):
+        if variant.startswith("fp8") and fp8_ms:
+            base = fp8_ms
+        if variant.startswith("compiled") or variant.startswith("fp8"):
             floor = base
-        if ("@" in variant or variant.startswith("compiled-streamed")) and opts.bandwidth:
+        if ("@" in variant or variant.startswith(("compiled-streamed", "fp8-streamed", "fp8-allgather"))) and opts.bandwidth:
             # The forward's floor: the compute, or copying the streamed bytes once a forward.
             floor = max(base, ps[0].streamed_bytes / share / opts.bandwidth * 1e3)
         if opts.steps > 1:  # a cache decides per step what to copy: the resident loop is the floor
@@ -683,6 +742,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
             compile_s=max(p.compile_s for p in ps),
             vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
+            vs_fp8=ms / fp8_ms if variant.startswith(("fp8-streamed", "fp8-allgather")) and fp8_ms else None,
             computed_steps=opts.computed_steps))
     return out
 
@@ -791,6 +851,8 @@ def format_table(results: Sequence[CaseResult]) -> str:
     notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
     notes += [f"{r.variant}: {r.vs_compiled:.3f}x the compiled resident forward (compile {r.compile_s:.1f} s)"
               for r in results if r.vs_compiled is not None]
+    notes += [f"{r.variant}: {r.vs_fp8:.3f}x the fp8-resident forward (diffusers layerwise casting), "
+              f"host {r.host_mib:.0f} MiB" for r in results if r.vs_fp8 is not None]
     notes += sorted({f"{r.preset} {r.blocks}b {r.shape}: the loop ran the last block in {r.computed_steps} "
                      "step(s)" for r in results if r.computed_steps is not None})
     return "\n".join(lines + [f"note: {n}" for n in notes])
