@@ -389,9 +389,10 @@ class _RingSpec:
 
     def slot_bytes(self) -> list[int]:
         """Per block, the slot bytes it needs when it streams. A ring of stored images also holds
-        one staging buffer of the largest image; it is counted here spread over the slots."""
+        two staging buffers of the largest image (``transfer/casting.py``); they are counted here
+        spread over the (at least two) slots."""
         if self.stored:
-            return [l.nbytes + -(-l.image_nbytes // NUM_SLOTS) for l in self.layouts]
+            return [l.nbytes + -(-l.image_nbytes * 2 // NUM_SLOTS) for l in self.layouts]
         if self.group is None:
             return [l.nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]
@@ -675,7 +676,9 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                     spec.source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
                 else:
                     for entry, view in zip(layout.entries, layout.image_views(buf.tensor), strict=True):
-                        view.copy_(entry.tensor.detach())
+                        # Cast where the tensor is (a GPU casts in microseconds), then move the
+                        # stored bytes: the same values as a cast on the host.
+                        view.copy_(entry.tensor.detach().to(view.dtype))
                 if i in keep:  # resident until a measured forward is planned for: both copies
                     resident[i] = _device_copy(spec, layout, setup, buf.tensor)
                 pin.pin_later(buf, spec.component.name, layout.name)
@@ -734,7 +737,7 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 if layout.image is not None:
                     block_image.zero_()  # padding between stored tensors upcasts to zeros
                 for entry, view in zip(layout.entries, layout.image_views(block_image), strict=True):
-                    view.copy_(entry.tensor.detach())
+                    view.copy_(entry.tensor.detach().to(view.dtype))  # cast where it is (as above)
             shard = None
             if not (i in keep and settled):
                 shard = HostBuffer(shard_plan.shard_nbytes)

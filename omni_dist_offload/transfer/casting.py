@@ -1,12 +1,15 @@
 """A transfer for blocks stored in another dtype on the host (``storage_dtype``): the inner
 transfer (rank-local or a gather) moves the stored image into a staging buffer on the device;
-the upcast into the ring's slot runs right after, on the copy stream, so it overlaps the running
-block's compute like the copy does. See [Note: 8-bit storage] in ``storage.py``.
+the upcast into the ring's slot runs on a stream of its own, so it overlaps both the running
+block's compute and the next image's copy. See [Note: 8-bit storage] in ``storage.py``.
 
-Per block: [wait: slot free] inner fill of the staging buffer (H2D, and the gather under
-allgather) -> [wait: staged] upcast, two kernels, into the slot -> record ready. One staging
-buffer serves every block: the next fill's writes into it queue behind this upcast on the copy
-stream (a gather's comm stream waits on events the copy stream records after it).
+Per block, staging buffer j (two, alternating):
+  copy stream:  [wait: staging j free] inner fill of staging j (H2D, and the gather under
+                allgather) -> record staged[j]
+  cast stream:  [wait: staged[j], slot free] upcast, two kernels, into the slot -> record ready,
+                staging_free[j]
+The copy stream never waits for an upcast: the next image goes into the other staging buffer,
+so the link stays busy as it does without 8-bit storage.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from .protocol import TransferStreams, WeightTransfer, plain_slots
 
 __all__ = ["CastingTransfer"]
 
+# Staging buffers on a GPU: the copy stream fills one while the cast stream upcasts the other.
+_STAGING = 2
+
 
 class CastingTransfer:
     """Wraps a transfer whose host copy holds block images in their stored dtypes."""
@@ -33,10 +39,17 @@ class CastingTransfer:
         self.name, self.gather, self.fallback_reason = inner.name, inner.gather, inner.fallback_reason
         self._copy = streams.copy
         self._device = device
-        # Recorded where the inner fill ends (its copy or comm stream); the copy stream waits on
-        # it before upcasting. Reused by every fill, as the inner transfers reuse theirs.
-        self._staged = torch.cuda.Event() if streams.copy is not None else None
-        self._staging: torch.Tensor | None = None
+        cuda = streams.copy is not None
+        # The upcasts run here, beside the copy stream (which moves the next image meanwhile)
+        # and the compute stream (which runs the previous block); same priority as the copy.
+        self._cast = torch.cuda.Stream(device) if cuda else None
+        # staged[j]: recorded where the inner fill of staging j ends (its copy or comm stream);
+        # the cast stream waits on it. staging_free[j]: recorded on the cast stream once the
+        # upcast has read staging j; the next fill into it waits on it. Reused by every fill.
+        self._staged = [torch.cuda.Event() for _ in range(_STAGING)] if cuda else []
+        self._staging_free = [torch.cuda.Event() for _ in range(_STAGING)] if cuda else []
+        self._staging: list[torch.Tensor] = []
+        self._next = 0
         self.slots: list[torch.Tensor] = []
 
     def host_bytes(self) -> int:
@@ -50,22 +63,23 @@ class CastingTransfer:
 
     @property
     def staging_bytes(self) -> int:
-        """Device bytes of the staging buffer now allocated (0 before the slots are)."""
-        return self._staging.numel() if self._staging is not None else 0
+        """Device bytes of the staging buffers now allocated (0 before the slots are)."""
+        return sum(b.numel() for b in self._staging)
 
     def staging_nbytes(self) -> int:
-        """Device bytes of the staging buffer (the largest stored block, as the inner moves it)."""
+        """Device bytes of one staging buffer (the largest stored block, as the inner moves it)."""
         return max(self.inner.device_nbytes(i) for i in range(len(self.layouts)))
 
     def allocate_slots(self, nbytes: int, count: int) -> None:
         # Allocated here, once per plan, never per block (as every transfer's slots).
         self.slots = []
+        self._staging = []
         if count == 0:
             self.inner.allocate_slots(0, 0)
-            self._staging = None
             return
-        self.inner.allocate_slots(self.staging_nbytes(), 1)
-        self._staging = self.inner.slots[0]
+        staging = _STAGING if self._copy is not None else 1
+        self.inner.allocate_slots(self.staging_nbytes(), staging)
+        self._staging = list(self.inner.slots)
         self.slots = plain_slots(nbytes, count, self._device)
 
     def drop(self, block: int) -> None:
@@ -74,12 +88,10 @@ class CastingTransfer:
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
         if start:
             raise ValueError("a block stored in another dtype moves whole (start must be 0)")
-        layout = self.layouts[block]
-        image = layout.image
-        staging = self._staging if self._staging is not None else self._scratch()
-        staged = staging[: self.inner.device_nbytes(block)]
-        copy = self._copy
-        if copy is None:  # CPU: every step completes before the call returns
+        image = self.layouts[block].image
+        need = self.inner.device_nbytes(block)
+        if self._cast is None:  # CPU: every step completes before the call returns
+            staged = (self._staging[0] if self._staging else self._scratch())[:need]
             if marks is not None:
                 marks[0].record()
             self.inner.fill(block, staged, None, None)
@@ -87,17 +99,30 @@ class CastingTransfer:
             if marks is not None:
                 marks[1].record()
             return
-        if after is not None:  # the slot's previous block has run (the upcast overwrites it)
-            copy.wait_event(after)
+        j = self._next
+        self._next = (j + 1) % _STAGING
+        copy, cast = self._copy, self._cast
+        if self._staging:
+            staged = self._staging[j][:need]
+        else:
+            staged = self._scratch()[:need]
+            # Freed when this returns, while the copy and cast streams still use it: the
+            # allocator must not hand it out before they are done.
+            staged.record_stream(copy)
+            staged.record_stream(cast)
+        copy.wait_event(self._staging_free[j])
         if marks is not None:
             marks[0].record(copy)
-        self.inner.fill(block, staged, None, self._staged)
-        copy.wait_event(self._staged)
-        with torch.cuda.stream(copy):
+        self.inner.fill(block, staged, None, self._staged[j])
+        cast.wait_event(self._staged[j])
+        if after is not None:  # the slot's previous block has run (the upcast overwrites it)
+            cast.wait_event(after)
+        with torch.cuda.stream(cast):
             upcast(image, staged, dst)
-        ready.record(copy)
+        self._staging_free[j].record(cast)
+        ready.record(cast)
         if marks is not None:
-            marks[1].record(copy)
+            marks[1].record(cast)
 
     def _scratch(self) -> torch.Tensor:
         # No slots yet (a plan change bringing a block in before any are allocated): a buffer of
@@ -114,7 +139,7 @@ class CastingTransfer:
 
     def close(self) -> None:
         self.slots = []
-        self._staging = None
+        self._staging = []
         self.inner.close()
 
     def release(self) -> None:
