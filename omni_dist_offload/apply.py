@@ -140,16 +140,18 @@ class OffloadHandle:
             component=ring.component.name,
             category=ring.component.category,
             module_class=type(ring.component.module).__name__,
-            num_blocks=len(ring.streamed),
+            num_blocks=len(ring.streamed) - len(ring.held),
             weight_transfer=ring.transfer.name,
             gather=ring.transfer.gather,
             fallback_reason=ring.transfer.fallback_reason,
-            block_bytes=sum(ring.layouts[i].stored_tensor_bytes for i in ring.streamed) - ring.kept_tensor_bytes(),
+            block_bytes=sum(ring.layouts[i].stored_tensor_bytes for i in ring.streamed if i not in ring.held)
+            - ring.kept_tensor_bytes(),
             host_bytes=ring.transfer.host_bytes(),
             device_slot_bytes=sum(s.numel() for s in ring.slots) + getattr(ring.transfer, "staging_bytes", 0),
             setup_s=ring.setup_s,
-            resident_blocks=sorted(ring.resident),
-            resident_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.resident) + ring.kept_tensor_bytes(),
+            resident_blocks=sorted(ring.on_device()),
+            resident_bytes=sum(ring.layouts[i].tensor_bytes for i in ring.resident) + ring.kept_tensor_bytes()
+            + sum(ring.layouts[i].stored_tensor_bytes for i in ring.held),
             predicted_ratio=ring.plan.predicted_ratio if ring.plan is not None else None,
             device_budget=ring.budget,
             kept_blocks=ring.kept_blocks(),
@@ -548,7 +550,9 @@ def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.d
     sizes = []
     for s in specs:
         asked = cfg.options_for(s.component.category).resident_blocks
-        sizes.append(RingSizes(s.component.name, s.component.category, tuple(l.nbytes for l in s.layouts),
+        # A ring of 8-bit images keeps a resident block as its image (see BlockRing.held).
+        sizes.append(RingSizes(s.component.name, s.component.category,
+                               tuple(l.image_nbytes if s.stored else l.nbytes for l in s.layouts),
                                tuple(s.slot_bytes()),
                                _resident_indices(s.component, asked) if asked is not None else None))
     group = next((s.group for s in specs if s.group is not None), None)
@@ -595,6 +599,8 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
     try:
         ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
                          spec.residency.num_slots)
+        if spec.stored and spec.residency.resident:
+            ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
     except BaseException:
         if originals is None:  # give the blocks their storage back, as _fill_buffers does on failure
             restore_blocks(spec.layouts, [parked[i] if parked[i] is not None else
@@ -653,7 +659,8 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     so host memory is never doubled. With a source, placeholder tensors are read from the
     checkpoint straight into the buffer. A failure copies the done blocks back."""
     layouts, pin = spec.layouts, setup.pin
-    keep, settled = set(spec.residency.resident), spec.residency.settled
+    # A ring of 8-bit images holds its resident blocks as images, once the ring is built.
+    keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
     buffers: list[HostBuffer | None] = []
     current: list[tuple[torch.Tensor, ...]] = []   # what each done block's tensors point at now
     resident: dict[int, torch.Tensor] = {}
@@ -719,7 +726,8 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     placeholders; their original storage is returned for the caller to keep until every rank
     has succeeded. A block resident for good has no shard, and its whole bytes on the device."""
     layouts, pin, group = spec.layouts, setup.pin, spec.group
-    keep, settled = set(spec.residency.resident), spec.residency.settled
+    # As in _fill_buffers: a ring of 8-bit images holds its resident blocks once it is built.
+    keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
     plans = spec.shard_plans()
     # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
     image = torch.empty(max(l.image_nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)

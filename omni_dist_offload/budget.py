@@ -237,7 +237,7 @@ class Replanner:
         if costs is None and self.forwards < LAST_MEASURED_FORWARD:
             return False  # a cache skipped blocks (on some rank): measure the next forward
         if costs is None:  # every forward skipped blocks: keep the current plan, and settle it
-            ring.apply_plan(ring.resident, ring.num_slots or NUM_SLOTS, settle=True)
+            ring.apply_plan(ring.on_device(), ring.num_slots or NUM_SLOTS, settle=True)
             logger.warning("%s: none of forwards %d to %d ran every block; keeping the unmeasured "
                            "residency plan", ring.component.name, MEASURED_FORWARD, LAST_MEASURED_FORWARD)
         else:
@@ -273,7 +273,7 @@ def _log_plan(ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> None:
         "(%d of them keeping %s of their first tensors on the device) through %d slots (%s); "
         "predicted forward %.1f ms, %.3fx resident (%.1f ms); budget %s",
         ring.component.name, len(plan.resident), len(ring.layouts),
-        format_bytes(sum(ring.layouts[i].nbytes for i in plan.resident)), streamed, len(plan.kept),
+        format_bytes(sum(ring.resident_nbytes(i) for i in plan.resident)), streamed, len(plan.kept),
         format_bytes(sum(b for _, b in plan.kept)), ring.num_slots,
         format_bytes(sum(s.numel() for s in ring.slots)), plan.predicted_ms, plan.predicted_ratio or 0.0,
         costs.resident_ms, format_bytes(ring.budget or 0))

@@ -519,6 +519,22 @@ class BlockRing:
                     bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
 
+    @property
+    def held(self) -> frozenset[int]:
+        """Blocks a ring of 8-bit images keeps on the device as images, upcast into a slot when
+        they run (its plan's resident blocks); empty for other rings."""
+        return frozenset(getattr(self.transfer, "held", ()))
+
+    def on_device(self) -> frozenset[int]:
+        """The blocks the residency plan keeps on the device: resident, or held as images."""
+        return self.resident | self.held
+
+    def resident_nbytes(self, i: int) -> int:
+        """Device bytes block ``i`` takes when the plan keeps it: its 8-bit image on a ring of
+        images, else the block."""
+        layout = self.layouts[i]
+        return layout.image_nbytes if hasattr(self.transfer, "hold") else layout.nbytes
+
     def kept_bytes(self, i: int) -> int:
         """Bytes of block ``i``'s leading part kept on the device (0: none)."""
         k = self._kept.get(i, 0)
@@ -555,14 +571,16 @@ class BlockRing:
             return None
         sizes = [self.transfer.device_nbytes(i) for i in range(len(self.layouts))]
         moved = [sizes[i] - self._base[i] for i in range(len(self.layouts))]  # a kept part does not move
-        timed = [(moved[i], r["transfer_ms"]) for i, r in rows.items() if r["transfer_ms"]]
+        # A held block's fill is an upcast on the device, not a copy: it says nothing of the link.
+        held = self.held
+        timed = [(moved[i], r["transfer_ms"]) for i, r in rows.items() if r["transfer_ms"] and i not in held]
         if not timed:
             return None
         ms_per_byte = sum(ms for _, ms in timed) / sum(b for b, _ in timed)
-        copy = tuple(rows[i]["transfer_ms"] * sizes[i] / moved[i] if rows[i]["transfer_ms"] else sizes[i] * ms_per_byte
-                     for i in range(len(self.layouts)))
+        copy = tuple(rows[i]["transfer_ms"] * sizes[i] / moved[i] if rows[i]["transfer_ms"] and i not in held
+                     else sizes[i] * ms_per_byte for i in range(len(self.layouts)))
         issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
-        return RingCosts(tuple(l.nbytes for l in self.layouts), tuple(sizes),
+        return RingCosts(tuple(self.resident_nbytes(i) for i in range(len(self.layouts))), tuple(sizes),
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
                          issued_ms=issued if None not in issued else None, cuts=self.cuts())
@@ -580,6 +598,8 @@ class BlockRing:
         it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
         outside it, so ``remove()`` can write them later). A failure part way leaves a ring
         that is consistent for the blocks it had moved by then."""
+        if hasattr(self.transfer, "hold"):
+            return self._apply_held_plan(frozenset(resident), num_slots, settle, kept)
         kept = dict(kept or {})
         cuts = self.cuts()
         for i, nbytes in kept.items():  # bad input changes nothing
@@ -598,6 +618,29 @@ class BlockRing:
                 if self.transfer.has_host_copy(i):
                     self.transfer.drop(i)
                 self._parked[i] = None
+        self._warm = False
+
+    def _apply_held_plan(self, resident: frozenset[int], num_slots: int, settle: bool,
+                         kept: Mapping[int, int] | None) -> None:
+        """:meth:`apply_plan` on a ring of 8-bit images: every block goes through the slots; the
+        plan's resident blocks keep their images on the device (no link to cross), the others
+        stream theirs. ``settle``: held blocks give up their host copies."""
+        if kept:
+            raise ValueError(f"{self.component.name}: a ring of 8-bit images moves whole blocks; no block "
+                             "can keep a part on the device")
+        bad = sorted(i for i in resident if not 0 <= i < len(self.layouts))
+        if bad:
+            raise ValueError(f"{self.component.name}: no block {bad[0]} to keep on the device")
+        with torch.inference_mode(self._inference), torch.no_grad():
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
+            self._configure(num_slots)
+            self.transfer.hold(resident)
+        if settle:
+            for i in resident:
+                if self.transfer.has_host_copy(i):
+                    self.transfer.drop(i)
         self._warm = False
 
     def _apply_plan(self, new: frozenset[int], kept: dict[int, int]) -> None:

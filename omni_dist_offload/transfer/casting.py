@@ -51,6 +51,9 @@ class CastingTransfer:
         self._staging: list[torch.Tensor] = []
         self._next = 0
         self.slots: list[torch.Tensor] = []
+        self.held: dict[int, torch.Tensor] = {}
+        """Blocks whose image stays on the device (the residency plan's resident blocks, kept
+        in 8 bits as diffusers keeps a layerwise-cast model): their fill is the upcast alone."""
 
     def host_bytes(self) -> int:
         return self.inner.host_bytes()
@@ -85,23 +88,58 @@ class CastingTransfer:
     def drop(self, block: int) -> None:
         self.inner.drop(block)
 
+    def hold(self, blocks) -> None:
+        """Keep exactly ``blocks``' images on the device. Between forwards, after the slots are
+        allocated; synchronises; collective under allgather (every rank holds the same blocks,
+        in the same order)."""
+        wanted = sorted(set(blocks))
+        for i in [i for i in self.held if i not in wanted]:
+            del self.held[i]
+        for i in wanted:
+            if i in self.held:
+                continue
+            need = self.inner.device_nbytes(i)
+            # Through a staging buffer: a gather fills only its own (shared) slots.
+            staged = (self._staging[0] if self._staging else self._scratch())[:need]
+            ready = torch.cuda.Event() if self._copy is not None else None
+            self.inner.fill(i, staged, None, ready)
+            if ready is not None:
+                ready.synchronize()
+            self.held[i] = staged.clone()
+        if self._copy is not None:
+            torch.cuda.synchronize(self._device)
+
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
         if start:
             raise ValueError("a block stored in another dtype moves whole (start must be 0)")
         image = self.layouts[block].image
         need = self.inner.device_nbytes(block)
         if self._cast is None:  # CPU: every step completes before the call returns
-            staged = (self._staging[0] if self._staging else self._scratch())[:need]
+            staged = self.held.get(block)
+            staged = staged if staged is not None else (self._staging[0] if self._staging else self._scratch())[:need]
             if marks is not None:
                 marks[0].record()
-            self.inner.fill(block, staged, None, None)
+            if block not in self.held:
+                self.inner.fill(block, staged, None, None)
             upcast(image, staged, dst)
             if marks is not None:
                 marks[1].record()
             return
+        copy, cast = self._copy, self._cast
+        held = self.held.get(block)
+        if held is not None:  # the image is on the device already: the upcast alone
+            if after is not None:
+                cast.wait_event(after)
+            if marks is not None:
+                marks[0].record(cast)
+            with torch.cuda.stream(cast):
+                upcast(image, held, dst)
+            ready.record(cast)
+            if marks is not None:
+                marks[1].record(cast)
+            return
         j = self._next
         self._next = (j + 1) % _STAGING
-        copy, cast = self._copy, self._cast
         if self._staging:
             staged = self._staging[j][:need]
         else:
@@ -135,11 +173,15 @@ class CastingTransfer:
         layout = self.layouts[block]
         staged = torch.zeros(self.inner.device_nbytes(block), dtype=torch.uint8, device=src.device)
         downcast(layout.image, src, staged)
-        self.inner.write_back(block, staged)
+        if block in self.held:
+            self.held[block].copy_(staged)
+        if self.inner.has_host_copy(block):
+            self.inner.write_back(block, staged)
 
     def close(self) -> None:
         self.slots = []
         self._staging = []
+        self.held = {}
         self.inner.close()
 
     def release(self) -> None:

@@ -58,12 +58,44 @@ def test_e5m2_resident_blocks_and_a_second_forward_shape():
     x = tiny.flux_transformer_inputs(model, height=8, width=8)
     y = tiny.flux_transformer_inputs(model, height=4, width=8, seed=3)
     refs = [reference(**x)[0], reference(**y)[0]]
-    # Resident blocks hold the compute dtype on the device, upcast once at setup.
+    # Resident blocks stay on the device as 8-bit images (as diffusers keeps a layerwise-cast
+    # model), upcast into a slot when they run; they keep no host copy.
     handle = apply_offload(model, stored("float8_e5m2", resident_blocks=[0, 3]), device="cpu")
-    assert handle.rings[0].resident == {0, 3}
+    ring = handle.rings[0]
+    assert ring.held == {0, 3} and not ring.resident
+    assert not ring.transfer.has_host_copy(0) and ring.transfer.has_host_copy(1)
+    (row,) = handle.summary()
+    assert row["resident_blocks"] == [0, 3] and row["num_blocks"] == len(ring.layouts) - 2
     for _ in range(2):
         assert torch.equal(model(**x)[0], refs[0]) and torch.equal(model(**y)[0], refs[1])
     handle.remove()
+    assert torch.equal(model(**x)[0], refs[0])
+
+
+@torch.no_grad()
+def test_a_budget_holds_8_bit_images_and_replans_from_a_measured_forward():
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=14, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    x = tiny.flux_transformer_inputs(model)
+    ref = reference(**x)[0]
+    images = [layout_block(i, n, b, cast=cast_tensors(model, torch.float8_e4m3fn)) for i, (n, b) in
+              enumerate([*(("transformer_blocks.%d" % i, b) for i, b in enumerate(model.transformer_blocks)),
+                         *(("single_transformer_blocks.%d" % i, b) for i, b in enumerate(model.single_transformer_blocks))])]
+    # Two slots (and the staging spread over them), then room for three of the fifteen images.
+    slot = max(l.nbytes for l in images) + max(l.image_nbytes for l in images)
+    budget = 2 * slot + 3 * min(l.image_nbytes for l in images)
+    assert budget < sum(l.image_nbytes for l in images)
+    handle = apply_offload(model, {**stored(), "device_budget": budget}, device="cpu")
+    for _ in range(4):
+        assert torch.equal(model(**x)[0], ref)
+    ring = handle.rings[0]
+    (row,) = handle.summary()
+    assert ring.plan is not None and ring.plan.measured and ring.held and not ring.resident
+    assert row["resident_blocks"] == sorted(ring.held)
+    assert all(not ring.transfer.has_host_copy(i) for i in ring.held)  # settled: no host copies
+    handle.remove()
+    assert torch.equal(model(**x)[0], ref)
 
 
 @torch.no_grad()
