@@ -689,9 +689,8 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 if i in keep:  # resident until a measured forward is planned for: both copies
                     resident[i] = _device_copy(spec, layout, setup, buf.tensor)
                 pin.pin_later(buf, spec.component.name, layout.name)
-            if i in resident or layout.image is None:
-                views = tuple(e.view_in(buf.tensor if i not in resident else resident[i]) if buf is not None
-                              and layout.image is None else e.view_in(resident[i]) for e in layout.entries)
+            if layout.image is None:  # between uses: views into the host copy (or the device copy)
+                views = tuple(e.view_in(buf.tensor if buf is not None else resident[i]) for e in layout.entries)
             else:
                 views = tuple(_placeholder(e, placeholders) for e in layout.entries)
             bind(layout.entries, views)
