@@ -328,11 +328,6 @@ def apply_offload(
         for name, block in c.blocks:
             check_not_cuda_graphs(f"{c.name} block {name}", block)
     sources = _checked_sources(block_sources, components)
-    for c in components:
-        if c.name in sources and cfg.options_for(c.category).storage_dtype is not None:
-            raise OffloadConfigError(
-                f"{c.name}: storage_dtype with a cold-start checkpoint source is not supported yet: load "
-                "the model (from_pretrained), then apply_offload, or drop storage_dtype.")
     _check_process_group(process_group)
     groups = GroupSession(cfg.collective_timeout_s)
     try:
@@ -680,7 +675,7 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
             else:
                 buf = HostBuffer(layout.image_nbytes)
                 if spec.source is not None:
-                    spec.source.fill(layout, [(0, layout.nbytes, 0)], buf.tensor)
+                    spec.source.fill(layout, [(0, layout.image_nbytes, 0)], buf.tensor)
                 else:
                     for entry, view in zip(layout.entries, layout.image_views(buf.tensor), strict=True):
                         # Cast where the tensor is (a GPU casts in microseconds), then move the

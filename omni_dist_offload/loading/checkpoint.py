@@ -16,6 +16,8 @@ a checkpoint, for blocks whose tensors were built as placeholders and never mate
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import struct
@@ -282,25 +284,36 @@ class CheckpointSource:
         ``(offset, n, at)`` in ``pieces``; bytes past the block's end are zero. Reads run on
         ``threads`` threads; only the byte ranges asked for are read."""
         tasks = []
+        image = layout.image
+        end = layout.image_nbytes
         for lo, n, at in pieces:
             hi = lo + n
-            for e in layout.entries:
-                a, b = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+            for k, e in enumerate(layout.entries):
+                # Where the entry sits in the block's image, and in what dtype (8-bit storage
+                # stores some entries in another dtype: see storage.py).
+                offset, dtype = (image.offsets[k], image.dtypes[k]) if image is not None else (e.offset, e.dtype)
+                nbytes = e.nbytes // e.dtype.itemsize * dtype.itemsize
+                a, b = max(lo, offset), min(hi, offset + nbytes)
                 if a >= b:
                     continue
                 out = dst[at + a - lo : at + b - lo]
                 key = self.keys.get(id(e.tensor))
                 if key is None:
-                    tasks.append((_copy_storage_bytes, (e, a - e.offset, out)))
+                    tasks.append((_copy_storage_bytes, (e, a - offset, out, dtype)))
                     continue
-                size = e.dtype.itemsize
-                first = (a - e.offset) // size
+                size = dtype.itemsize
+                first = (a - offset) // size
                 step = max(size, _TASK_BYTES // size * size)
+                read = self.checkpoint.read_into
+                if dtype != e.dtype and self.checkpoint.info(key).dtype not in (dtype, e.dtype):
+                    # Stored in 8 bits from a file in a third dtype: through the model's dtype,
+                    # as loading the model and then casting it rounds twice.
+                    read = functools.partial(_read_through, self.checkpoint, e.dtype)
                 for s in range(0, b - a, step):
                     part = out[s : s + step]
-                    tasks.append((self.checkpoint.read_into, (key, part.view(e.dtype), first + s // size)))
-            if hi > layout.nbytes:
-                dst[at + max(0, layout.nbytes - lo) : at + n].zero_()
+                    tasks.append((read, (key, part.view(dtype), first + s // size)))
+            if hi > end:
+                dst[at + max(0, end - lo) : at + n].zero_()
         if self.threads == 1 or len(tasks) == 1:
             for fn, args in tasks:
                 fn(*args)
@@ -316,10 +329,21 @@ class CheckpointSource:
             self._pool = None
 
 
-def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor) -> None:
-    """Bytes ``[start, start + len(out))`` of a real tensor as the block buffer stores it."""
-    image = torch.empty(entry.nbytes, dtype=torch.uint8)
-    shifted = TensorEntry(entry.name, entry.tensor, 0, entry.nbytes, entry.dtype, entry.storage_shape,
+def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Bytes ``[start, start + len(out))`` of a real tensor as the block buffer stores it (in
+    ``dtype`` where it is stored in another one)."""
+    dtype = dtype or entry.dtype
+    nbytes = entry.nbytes // entry.dtype.itemsize * dtype.itemsize
+    image = torch.empty(nbytes, dtype=torch.uint8)
+    shifted = TensorEntry(entry.name, entry.tensor, 0, nbytes, dtype, entry.storage_shape,
                           entry.inverse_perm, entry.origin)
-    shifted.view_in(image).copy_(entry.tensor.detach())
+    shifted.view_in(image).copy_(entry.tensor.detach().to(dtype))
     out.copy_(image[start : start + out.numel()])
+
+
+def _read_through(checkpoint: SafetensorsCheckpoint, via: torch.dtype, name: str, dst: torch.Tensor,
+                  start: int = 0) -> None:
+    """``read_into`` converting to ``via`` first, then to ``dst``'s dtype."""
+    staged = torch.empty(dst.numel(), dtype=via)
+    checkpoint.read_into(name, staged, start)
+    dst.view(-1).copy_(staged)

@@ -218,3 +218,50 @@ def test_resident_blocks_are_read_from_the_checkpoint(wan_folder, residency):
     handle.remove()
     for name in ("transformer", "text_encoder"):
         _assert_same_module(getattr(pipe, name), getattr(ref, name))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8_bit_storage_reads_the_checkpoint_into_8_bit_images(wan_folder, dtype):
+    """fp32 files, run in fp32 or bf16, stored in 8 bits while reading (through the run dtype,
+    as loading then casting rounds): the DiT equals the ordinary load under diffusers' layerwise
+    casting, bit for bit, and its host copy is the 8-bit size."""
+    stored = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+    ref = WanTransformer3DModel.from_pretrained(wan_folder, subfolder="transformer", torch_dtype=dtype)
+    ref.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=dtype)
+    with mock.patch.object(WanTransformer3DModel, "from_pretrained", side_effect=AssertionError("loaded whole")):
+        pipe, handle = load_offloaded(wan_folder, stored, device="cpu", dtype=dtype)
+    (row,) = handle.summary()
+    assert row["storage_dtype"] == "float8_e4m3fn" and row["setup_s"] > 0
+    x = tiny.wan_transformer_inputs(ref, batch=2)
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(**x)[0], ref(**x)[0])
+    handle.remove()
+
+
+def test_a_checkpoint_saved_in_8_bits_is_read_without_a_round_trip(wan_folder, tmp_path):
+    """A DiT saved after layerwise casting (8-bit weights in the files): its 8-bit tensors are
+    read straight into the images, and the outputs equal loading it and casting it again."""
+    stored = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+    saved = WanTransformer3DModel.from_pretrained(wan_folder, subfolder="transformer", torch_dtype=torch.bfloat16)
+    saved.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    saved.save_pretrained(tmp_path / "transformer")
+    assert any(t.dtype == torch.float8_e4m3fn for t in load_file(next((tmp_path / "transformer").glob("*.safetensors"))).values())
+    folder = tmp_path / "pipe"
+    pipe = DiffusionPipeline.from_pretrained(wan_folder)
+    pipe.save_pretrained(folder)
+    for f in (folder / "transformer").glob("*"):
+        f.unlink()
+    for f in (tmp_path / "transformer").glob("*"):
+        (folder / "transformer" / f.name).write_bytes(f.read_bytes())
+    ref = WanTransformer3DModel.from_pretrained(folder, subfolder="transformer", torch_dtype=torch.bfloat16)
+    ref.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with mock.patch.object(SafetensorsCheckpoint, "read_into", autospec=True,
+                           side_effect=SafetensorsCheckpoint.read_into) as reads:
+        pipe, handle = load_offloaded(folder, stored, device="cpu", dtype=torch.bfloat16)
+    x = tiny.wan_transformer_inputs(ref, batch=2)
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(**x)[0], ref(**x)[0])
+    # The 8-bit tensors went from the file into the image as they are: no conversion.
+    fp8 = [c for c in reads.call_args_list if c.args[2].dtype == torch.float8_e4m3fn]
+    assert fp8 and all(c.args[0].info(c.args[1]).dtype == torch.float8_e4m3fn for c in fp8)
+    handle.remove()
