@@ -116,6 +116,16 @@ def with_budget(config: OffloadConfig | Mapping[str, Any] | str | None,
     return OffloadConfig.parse({**base.to_dict(), "device_budget": device_budget})
 
 
+def with_storage(config: OffloadConfig | None, storage_dtype: str | None) -> OffloadConfig | None:
+    """``config`` with ``storage_dtype`` set on every streamed component (no config: the DiT
+    streams, stored so). Raises :class:`OffloadConfigError` for a value it does not know."""
+    if storage_dtype is None:
+        return config
+    base = (config or OffloadConfig.parse({"mode": "layer", "components": ["dit"]})).to_dict()
+    options = {c: {**base["layer_options"].get(c, {}), "storage_dtype": storage_dtype} for c in base["components"]}
+    return OffloadConfig.parse({**base, "layer_options": options})
+
+
 class Omni:
     """A pipeline on a device, its offload handle, and ``generate``."""
 
@@ -133,6 +143,7 @@ class Omni:
         compile: bool | str | None = None,
         lora: Sequence[str | Mapping[str, Any] | LoraSpec] = (),
         cache: str | Mapping[str, Any] | CacheSpec | None = None,
+        storage_dtype: str | None = None,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
         denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
@@ -148,14 +159,16 @@ class Omni:
         ``cache``: a step cache on the DiTs, ``"first-block:0.1"`` or ``{"type": "first-block",
         "threshold": 0.1}`` (:data:`~omni_dist_offload.loading.adapters.CACHES`); its state is
         reset before every generation. Both are checked before anything loads (raising
-        :class:`AdapterError`) and recorded in the output metadata."""
+        :class:`AdapterError`) and recorded in the output metadata. ``storage_dtype``
+        (``"float8_e4m3fn"``, ``"float8_e5m2"``) stores every streamed component's block weights
+        in 8 bits on the host, upcast on the device (sets ``layer_options.<c>.storage_dtype``)."""
         self.compile = resolve_compile(compile)
         self.loras = [LoraSpec.parse(x) for x in ([lora] if isinstance(lora, (str, Mapping)) else lora)]
         for spec in self.loras:
             spec.check()
         self.cache = CacheSpec.parse(cache) if cache is not None else None
         self.model = model
-        self.config = with_budget(diffusion_offload_config, device_budget)
+        self.config = with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..config import OffloadConfig, OffloadConfigError
+from ..config import STORAGE_DTYPES, OffloadConfig, OffloadConfigError
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.compiling import COMPILE_MODES
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
@@ -39,7 +39,7 @@ from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank, rank_prefix, setup_logging
 from ..tools import bench
 from ..trace import summary_line
-from .api import GenerationOptionError, Omni, SamplingOptions, with_budget
+from .api import GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage
 from .dp import plan_jobs, run_jobs
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
@@ -128,6 +128,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="device memory for the streamed block weights, resident blocks plus "
                         "slots (e.g. 24GiB, 40GB, auto); the planner keeps what fits resident "
                         "(sets device_budget in the offload config)")
+    parser.add_argument("--storage-dtype", default=None, choices=list(STORAGE_DTYPES),
+                        help="store the streamed block weights in 8 bits on the host and upcast them "
+                        "on the device, as diffusers' layerwise casting stores them (sets storage_dtype "
+                        "for every streamed component in the offload config)")
     parser.add_argument("--device", default=None,
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -196,6 +200,8 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
     config = None
     if ns.no_offload and ns.device_budget is not None:
         raise UsageError("--device-budget plans what streams; with --no-offload nothing does: drop one of them.")
+    if ns.no_offload and ns.storage_dtype is not None:
+        raise UsageError("--storage-dtype stores what streams; with --no-offload nothing does: drop one of them.")
     if not ns.no_offload:
         try:
             config = OffloadConfig.parse(ns.diffusion_offload_config)
@@ -205,6 +211,7 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
             config = with_budget(config, ns.device_budget)
         except OffloadConfigError as exc:
             raise UsageError(f"--device-budget: {exc}") from None
+        config = with_storage(config, ns.storage_dtype)
     _check_model(ns.model)
     _check_device(ns.device)
     try:
@@ -364,6 +371,7 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             # The share of the module's bytes that stream, and how its blocks were found.
             "streamed_share": block_bytes / max(1, module_bytes(module)),
             "found_by": ring.found_by if ring else None,
+            "storage_dtype": ring.storage_dtype if ring else None,
         })
     return rows
 
@@ -378,12 +386,13 @@ def _fmt_transfer(row: dict[str, Any]) -> str:
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
     header = ["component", "category", "class", "blocks", "kept", "streamed", "share", "host", "slots",
-              "resident", "budget", "transfer", "found", "setup", "fallback"]
+              "resident", "budget", "transfer", "stored", "found", "setup", "fallback"]
     table = [header] + [[
         r["component"], r["category"], r["module_class"], str(r["num_blocks"]), _fmt_kept(r),
         _fmt_bytes(r["block_bytes"]), f"{100 * r['streamed_share']:.0f}%" if r["weight_transfer"] else "-",
         _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
         _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r),
+        (r.get("storage_dtype") or "-").removeprefix("float8_") if r["weight_transfer"] else "-",
         {"built-in table": "table"}.get(r["found_by"], r["found_by"] or "-"), _fmt_setup(r),
         r["fallback_reason"] or "-",
     ] for r in rows]

@@ -148,3 +148,21 @@ def test_bad_storage_dtypes_are_refused_naming_the_key():
     with pytest.raises(OffloadConfigError, match="storage_dtype"):
         OffloadConfig.parse(stored(8))
     assert OffloadConfig.parse(stored()).to_dict()["layer_options"]["dit"]["storage_dtype"] == "float8_e4m3fn"
+
+
+def test_omni_and_the_cli_store_in_8_bits(capsys):
+    from omni_dist_offload import Omni
+    from omni_dist_offload.app.cli import main
+
+    with Omni("tiny-flux", None, progress=False) as resident:
+        resident.pipeline.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
+                                                               compute_dtype=torch.float32)
+        want = resident.generate("a red fox", seed=3).frames
+    with Omni("tiny-flux", storage_dtype="float8_e4m3fn", progress=False) as omni:
+        assert omni.config.options_for("dit").storage_dtype == "float8_e4m3fn"
+        assert (omni.generate("a red fox", seed=3).frames == want).all()
+    assert main(["inspect", "--model", "tiny-flux", "--storage-dtype", "float8_e5m2"]) == 0
+    out = capsys.readouterr().out
+    assert "stored" in out and "e5m2" in out
+    assert main(["inspect", "--model", "tiny-flux", "--storage-dtype", "float8_e5m2", "--no-offload"]) == 2
+    assert "--storage-dtype stores what streams" in capsys.readouterr().err
