@@ -320,6 +320,8 @@ def apply_offload(
     modules = _fresh_modules(target)
     components = discover(target, cfg, plan)
     casts = _stored_casts(components, cfg)
+    for stored in {d for cast in casts.values() for d in cast.values()}:
+        _check_cast(stored, dev)
     layouts = {c.name: [layout_block(i, n, b, cast=casts.get(c.name)) for i, (n, b) in enumerate(c.blocks)]
                for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
@@ -411,6 +413,16 @@ def _stored_casts(components: Sequence[StreamedComponent], cfg: OffloadConfig) -
         if stored is not None:
             out[c.name] = cast_tensors(c.module, getattr(torch, stored))
     return out
+
+
+def _check_cast(stored: torch.dtype, dev: torch.device) -> None:
+    """The device can cast to and from ``stored`` (the upcast runs there)."""
+    try:
+        torch.ones(2, device=dev).to(stored).to(torch.float32)
+    except (RuntimeError, TypeError) as exc:
+        raise OffloadConfigError(
+            f"storage_dtype {str(stored).removeprefix('torch.')}: {dev} cannot cast to and from it "
+            f"({type(exc).__name__}: {exc}); drop storage_dtype or use another device.") from None
 
 
 def _checked_device(device: torch.device | str | None) -> torch.device:

@@ -166,3 +166,20 @@ def test_omni_and_the_cli_store_in_8_bits(capsys):
     assert "stored" in out and "e5m2" in out
     assert main(["inspect", "--model", "tiny-flux", "--storage-dtype", "float8_e5m2", "--no-offload"]) == 2
     assert "--storage-dtype stores what streams" in capsys.readouterr().err
+
+
+def test_a_device_that_cannot_cast_is_named_and_nothing_changes(monkeypatch):
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=1)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    real = torch.Tensor.to
+
+    def refuse(self, *args, **kwargs):
+        if torch.float8_e5m2 in args or kwargs.get("dtype") == torch.float8_e5m2:
+            raise RuntimeError("no float8 here (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", refuse)
+    with pytest.raises(OffloadConfigError, match=r"storage_dtype float8_e5m2: cpu cannot cast .*simulated"):
+        apply_offload(model, stored("float8_e5m2"), device="cpu")
+    monkeypatch.undo()
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
