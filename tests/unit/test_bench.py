@@ -27,13 +27,12 @@ def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
         "resident", "peer", "rank-local", "rank-local", "peer", "resident"]
     assert schedule(bench.DEFAULT_VARIANTS, world=2) == [
         "resident", "peer", "rank-local", "allgather", "allgather", "rank-local", "peer", "resident"]
-    assert schedule(bench.VARIANTS, world=2) == [
-        "resident", "peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
-        "compiled-streamed", "compiled", "allgather-nccl", "allgather", "rank-local", "peer", "resident"]
+    first = ["peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
+             "fp8-resident", "fp8-streamed", "fp8-allgather"]
+    assert schedule(bench.VARIANTS, world=2) == ["resident", *first, *reversed(first), "resident"]
     # Multi-rank variants drop out on one rank.
-    assert schedule(bench.VARIANTS, world=1) == [
-        "resident", "peer", "rank-local", "compiled", "compiled-streamed",
-        "compiled-streamed", "compiled", "rank-local", "peer", "resident"]
+    one = ["peer", "rank-local", "compiled", "compiled-streamed", "fp8-resident", "fp8-streamed"]
+    assert schedule(bench.VARIANTS, world=1) == ["resident", *one, *reversed(one), "resident"]
     # The order is fixed whatever order the flags name them in.
     assert schedule(["allgather", "rank-local"], world=2) == [
         "resident", "rank-local", "allgather", "allgather", "rank-local", "resident"]
