@@ -481,7 +481,7 @@ def test_running_out_of_descriptors_is_logged_once_a_second_and_the_server_recov
         assert "--max-connections 5000 is more than the" in server.output()
         start = time.monotonic()
         held = _held(server.port, 400)  # accepted by the kernel; the server runs out taking them
-        time.sleep(3)
+        time.sleep(1.5)
         status, body = call(server.port, IMAGES, {"prompt": "a red fox", "seed": 1}, timeout=60)
         assert status == 200, body
         elapsed = time.monotonic() - start
