@@ -176,22 +176,22 @@ def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_bl
 def upcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
     """The block's slot bytes into ``dst`` from its image bytes in ``src`` (both on one device),
     on the current stream: one elementwise copy per 8-bit run, one byte copy for the rest."""
-    for run in image.runs:
-        a = src[run.image : run.image + run.image_nbytes]
-        b = dst[run.slot : run.slot + run.slot_nbytes]
-        if run.stored == run.compute:
-            b.copy_(a)
-        else:
-            b.view(run.compute).copy_(a.view(run.stored))
+    _convert(image, src, dst, up=True)
 
 
 def downcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
     """The block's image bytes into ``dst`` from its slot bytes in ``src``: :func:`upcast`
     backwards (an edited block stored again; 8-bit tensors round as ``Tensor.to`` rounds)."""
+    _convert(image, src, dst, up=False)
+
+
+def _convert(image: BlockImage, src: torch.Tensor, dst: torch.Tensor, up: bool) -> None:
     for run in image.runs:
-        a = src[run.slot : run.slot + run.slot_nbytes]
-        b = dst[run.image : run.image + run.image_nbytes]
+        stored = (run.image, run.image_nbytes, run.stored)
+        slot = (run.slot, run.slot_nbytes, run.compute)
+        (a0, an, ad), (b0, bn, bd) = (stored, slot) if up else (slot, stored)
+        a, b = src[a0 : a0 + an], dst[b0 : b0 + bn]
         if run.stored == run.compute:
             b.copy_(a)
         else:
-            b.view(run.stored).copy_(a.view(run.compute))
+            b.view(bd).copy_(a.view(ad))

@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from ..runtime.proc import rss_mib
 from ..runtime.flags import non_negative_int, positive_int
 
 __all__ = ["AbuseFigures", "LoadFigures", "StressOptions", "StressResult", "main", "run_stress"]
@@ -318,16 +319,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def _rss_mib(pid: int | None) -> float | None:
     """The server's resident set size (Linux); None without a pid or once it is gone."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / _MIB
-    except OSError:
-        pass
-    return None
+    return rss_mib(pid) if pid is not None else None
 
 
 def _log_bytes(path: Path | None) -> int | None:

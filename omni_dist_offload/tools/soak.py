@@ -34,6 +34,7 @@ from ..apply import apply_offload
 from ..config import GATHERS, Gather
 from ..models import PRESETS, build_model, case_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.proc import rss_mib
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import rank_prefix
 from ..transfer.groups import ALLOW_GLOO_ENV
@@ -148,11 +149,11 @@ def _loop(model: nn.Module, inputs: Sequence[dict], refs: Sequence[torch.Tensor]
         out = model(**inputs[which])[0]
         result.equal += bool(torch.equal(out, refs[which]))
         del out  # sample memory with no activations alive
-        allocated, rss = _allocated_mib(device), _rss_mib()
+        allocated, rss = _allocated_mib(device), rss_mib()
         result.forwards_done = i
         if i == opts.warmup:
             gc.collect()
-            rss_warm, allocated_warm = _rss_mib(), allocated
+            rss_warm, allocated_warm = rss_mib(), allocated
             result.rss_warm_mib, result.allocated_mib = rss_warm, allocated
             result.live_tensors = (_live_tensors(), 0)
             _reset_peak(device)
@@ -165,7 +166,7 @@ def _loop(model: nn.Module, inputs: Sequence[dict], refs: Sequence[torch.Tensor]
             log(_progress_line(i, opts, result, allocated, rss, rss_warm, time.perf_counter() - start))
     result.seconds = time.perf_counter() - start
     gc.collect()
-    result.rss_end_mib = _rss_mib()
+    result.rss_end_mib = rss_mib()
     result.live_tensors = (result.live_tensors[0], _live_tensors())
     result.peak_mib = _peak_mib(device)
 
@@ -228,18 +229,6 @@ def _peak_mib(device: torch.device) -> float | None:
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def _rss_mib() -> float | None:
-    """Resident set size now (Linux); None where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / _MIB
-    except OSError:
-        pass
-    return None
 
 
 def _live_tensors() -> int:

@@ -109,7 +109,7 @@ def test_soak_command_line_pass_and_fail(one_thread, capsys, monkeypatch):
     assert "outputs bitwise equal 12/12" in lines[-1]
 
     rss = iter(range(100, 10_000))  # a leak: RSS grows 1 MiB a sample
-    monkeypatch.setattr(soak, "_rss_mib", lambda: float(next(rss)))
+    monkeypatch.setattr(soak, "rss_mib", lambda: float(next(rss)))
     assert soak.main(argv + ["--rss-tolerance-mib", "4"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("soak FAIL: tiny-flux") and "rank 0: host RSS grew" in last and "(limit 4 MiB)" in last

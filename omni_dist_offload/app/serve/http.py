@@ -45,6 +45,7 @@ try:
 except ImportError:  # Windows: no open-file limit to raise
     resource = None  # type: ignore[assignment]
 
+from ...runtime.proc import rss_mib
 from ..api import DEFAULT_FPS
 from .jobs import StoreFull, VideoStore
 from .metrics import ServeMetrics
@@ -814,22 +815,13 @@ class _Flood:
         if (len(connections) + len(tasks)) * 10 >= self.peak:  # requests still unwinding: later
             self._timer = loop.call_later(1.0, self._release, loop)
             return
-        peak, before = self.peak, _rss_mib()
+        peak, before = self.peak, rss_mib() or 0.0
         self._timer, self.peak = None, 0
         gc.collect()
         if _LIBC is not None:
             _LIBC.malloc_trim(0)
         logger.info("a flood of %d connections has passed; memory given back: RSS %.0f -> %.0f MiB",
-                    peak, before, _rss_mib())
-
-
-def _rss_mib() -> float:
-    """This process's resident set size (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
+                    peak, before, rss_mib() or 0.0)
 
 
 def _glibc() -> Any:
