@@ -43,7 +43,7 @@ from .plan import (
 from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs
 from .tenants import BlockWatch
 from .trace import trace_enabled
-from .storage import StoredLayers, cast_tensors, landing, store_outside_blocks, upcast
+from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .transfer.casting import CastingTransfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
@@ -387,17 +387,11 @@ class _RingSpec:
     """Which blocks start resident, the slots, and whether a measured forward re-plans."""
 
     def slot_bytes(self) -> list[int]:
-        """Per block, the slot bytes it needs when it streams. A ring of stored images lands
-        each image in its own slot where it can (``transfer/casting.py``); otherwise it also holds
-        two staging buffers of the largest image, counted here spread over the (at least two)
-        slots."""
+        """Per block, the slot bytes it needs when it streams. A ring of stored images also holds
+        two staging buffers of the largest image (``transfer/casting.py``); they are counted here
+        spread over the (at least two) slots."""
         if self.stored:
-            moved = ([l.image_nbytes for l in self.layouts] if self.group is None
-                     else [s.padded_nbytes for s in self.shard_plans()])
-            landings = [landing(l.image) for l in self.layouts]
-            if (self.group is None or self.gather != "copy-engine") and None not in landings:
-                return [max(l.nbytes, at + n) for l, at, n in zip(self.layouts, landings, moved)]
-            return [l.nbytes + -(-max(moved) * 2 // NUM_SLOTS) for l in self.layouts]
+            return [l.nbytes + -(-l.image_nbytes * 2 // NUM_SLOTS) for l in self.layouts]
         if self.group is None:
             return [l.nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]

@@ -185,11 +185,7 @@ def downcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
     _convert(image, src, dst, up=False)
 
 
-def _convert(image: BlockImage | None, src: torch.Tensor, dst: torch.Tensor, up: bool) -> None:
-    if image is None:  # a block with nothing stored in 8 bits: its image is its slot
-        n = min(src.numel(), dst.numel())
-        dst[:n].copy_(src[:n])
-        return
+def _convert(image: BlockImage, src: torch.Tensor, dst: torch.Tensor, up: bool) -> None:
     for run in image.runs:
         stored = (run.image, run.image_nbytes, run.stored)
         slot = (run.slot, run.slot_nbytes, run.compute)
@@ -199,49 +195,3 @@ def _convert(image: BlockImage | None, src: torch.Tensor, dst: torch.Tensor, up:
             b.copy_(a)
         else:
             b.view(bd).copy_(a.view(ad))
-
-
-def landing(image: BlockImage | None) -> int | None:
-    """Where in its own slot a block's image can land so that the upcast runs in place, or None.
-
-    The slot is ``k * C`` bytes of upcast tensors then ``P`` bytes of the rest; the image is
-    ``C`` bytes of 8-bit tensors then the same ``P`` bytes. Landed at ``(k - 1) * C`` the image
-    ends where the slot ends, its last ``P`` bytes already where they belong, and the 8-bit run
-    can be upcast front to back without overwriting bytes not yet read (:func:`upcast_in_place`).
-    Possible when the block has one 8-bit run, first; a block with none lands at 0."""
-    if image is None:
-        return 0
-    runs = image.runs
-    first = runs[0]
-    if first.stored == first.compute:  # nothing stored in 8 bits: the image is the slot
-        return 0 if len(runs) == 1 and first.image == first.slot == 0 else None
-    if first.image or first.slot or first.stored.itemsize != 1 or len(runs) > 2:
-        return None
-    k, c = first.compute.itemsize, first.image_nbytes
-    if len(runs) == 2:
-        rest = runs[1]
-        if rest.stored != rest.compute or rest.image != c or rest.slot != k * c:
-            return None
-    return (k - 1) * c
-
-
-def upcast_in_place(image: BlockImage | None, slot: torch.Tensor, tail: torch.Tensor) -> None:
-    """Upcast a block whose image landed at :func:`landing` in ``slot``, on the current stream.
-
-    Element ``e`` of the 8-bit run is read at ``L + e`` and written at ``k * e``; a chunk
-    ``[e0, e1)`` may run as one copy when its writes end before its first read (``k * e1 <=
-    L + e0``), so chunks shrink by ``k`` each time: a handful of copies per block. The last
-    piece (at most ``tail``'s size) goes through ``tail``."""
-    if image is None or image.runs[0].stored == image.runs[0].compute:
-        return
-    run = image.runs[0]
-    k, c = run.compute.itemsize, run.image_nbytes
-    base = (k - 1) * c
-    e0 = 0
-    while c - e0 > tail.numel():
-        e1 = (base + e0) // k
-        slot[k * e0 : k * e1].view(run.compute).copy_(slot[base + e0 : base + e1].view(run.stored))
-        e0 = e1
-    rest = tail[: c - e0]
-    rest.copy_(slot[base + e0 : base + c])
-    slot[k * e0 : k * c].view(run.compute).copy_(rest.view(run.stored))

@@ -1,16 +1,9 @@
 """A transfer for blocks stored in another dtype on the host (``storage_dtype``): the inner
-transfer (rank-local or a gather) moves the stored image onto the device; the upcast into the
-ring's slot runs on a stream of its own, so it overlaps the running block's compute. See
-[Note: 8-bit storage] in ``storage.py``.
+transfer (rank-local or a gather) moves the stored image into a staging buffer on the device;
+the upcast into the ring's slot runs on a stream of its own, so it overlaps both the running
+block's compute and the next image's copy. See [Note: 8-bit storage] in ``storage.py``.
 
-Where it can (rank-local, and NCCL's or gloo's gather: they write anywhere), the image lands in
-the tail of the block's own slot and is upcast in place (``storage.upcast_in_place``): no
-staging memory, so a device budget holds more blocks. Per block:
-  copy stream:  [wait: slot free] inner fill of the slot's tail -> record landed
-  cast stream:  [wait: landed] in-place upcast -> record ready
-
-The copy-engine gather fills only its own (shared) slots; there, two staging buffers alternate.
-Per block, staging buffer j:
+Per block, staging buffer j (two, alternating):
   copy stream:  [wait: staging j free] inner fill of staging j (H2D, and the gather under
                 allgather) -> record staged[j]
   cast stream:  [wait: staged[j], slot free] upcast, two kernels, into the slot -> record ready,
@@ -26,15 +19,13 @@ from typing import Sequence
 import torch
 
 from ..layout import BlockLayout
-from ..storage import downcast, landing, upcast, upcast_in_place
+from ..storage import downcast, upcast
 from .protocol import TransferStreams, WeightTransfer, plain_slots
 
 __all__ = ["CastingTransfer"]
 
 # Staging buffers on a GPU: the copy stream fills one while the cast stream upcasts the other.
 _STAGING = 2
-# Bytes of the last piece of an in-place upcast, which goes through a buffer of its own.
-_TAIL = 1 << 20
 
 
 class CastingTransfer:
@@ -59,14 +50,6 @@ class CastingTransfer:
         self._staging_free = [torch.cuda.Event() for _ in range(_STAGING)] if cuda else []
         self._staging: list[torch.Tensor] = []
         self._next = 0
-        # Where each block's image lands in its own slot; in-place unless a gather needs its
-        # own slots (the copy engine's are shared memory).
-        self._landing = [landing(l.image) for l in self.layouts]
-        self.in_slot = inner.gather != "copy-engine" and None not in self._landing
-        self._tail: torch.Tensor | None = None
-        # landed: recorded where the inner fill of a slot's tail ends; the cast stream waits on
-        # it before the in-place upcast. Reused by every fill.
-        self._landed = torch.cuda.Event() if cuda else None
         self.slots: list[torch.Tensor] = []
         self.held: dict[int, torch.Tensor] = {}
         """Blocks whose image stays on the device (the residency plan's resident blocks, kept
@@ -79,14 +62,12 @@ class CastingTransfer:
         return self.inner.has_host_copy(block)
 
     def device_nbytes(self, block: int) -> int:
-        if self.in_slot:  # the landed image (a gather's padding included) must fit in the slot
-            return max(self.layouts[block].nbytes, self._landing[block] + self.inner.device_nbytes(block))
         return self.layouts[block].nbytes
 
     @property
     def staging_bytes(self) -> int:
         """Device bytes of the staging buffers now allocated (0 before the slots are)."""
-        return sum(b.numel() for b in self._staging) + (self._tail.numel() if self._tail is not None else 0)
+        return sum(b.numel() for b in self._staging)
 
     def staging_nbytes(self) -> int:
         """Device bytes of one staging buffer (the largest stored block, as the inner moves it)."""
@@ -99,12 +80,9 @@ class CastingTransfer:
         if count == 0:
             self.inner.allocate_slots(0, 0)
             return
-        if self.in_slot:
-            self.inner.allocate_slots(0, 0)
-            self._tail = torch.empty(_TAIL, dtype=torch.uint8, device=self._device)
-        else:
-            self.inner.allocate_slots(self.staging_nbytes(), _STAGING if self._copy is not None else 1)
-            self._staging = list(self.inner.slots)
+        staging = _STAGING if self._copy is not None else 1
+        self.inner.allocate_slots(self.staging_nbytes(), staging)
+        self._staging = list(self.inner.slots)
         self.slots = plain_slots(nbytes, count, self._device)
 
     def drop(self, block: int) -> None:
@@ -136,8 +114,6 @@ class CastingTransfer:
             raise ValueError("a block stored in another dtype moves whole (start must be 0)")
         image = self.layouts[block].image
         need = self.inner.device_nbytes(block)
-        if self.in_slot and block not in self.held:
-            return self._fill_in_slot(block, image, dst, after, ready, marks)
         if self._cast is None:  # CPU: every step completes before the call returns
             staged = self.held.get(block)
             staged = staged if staged is not None else (self._staging[0] if self._staging else self._scratch())[:need]
@@ -186,33 +162,6 @@ class CastingTransfer:
         if marks is not None:
             marks[1].record(cast)
 
-    def _fill_in_slot(self, block, image, dst, after, ready, marks) -> None:
-        at = self._landing[block]
-        landed = dst[at : at + self.inner.device_nbytes(block)]
-        tail = self._tail if self._tail is not None else torch.empty(_TAIL, dtype=torch.uint8, device=self._device)
-        if self._cast is None:  # CPU: every step completes before the call returns
-            if marks is not None:
-                marks[0].record()
-            self.inner.fill(block, landed, None, None)
-            upcast_in_place(image, dst, tail)
-            if marks is not None:
-                marks[1].record()
-            return
-        copy, cast = self._copy, self._cast
-        if self._tail is None:  # no slots yet (outside the per-block path): freed on return
-            tail.record_stream(cast)
-        if after is not None:  # the slot's previous block has run: its tail is overwritten now
-            copy.wait_event(after)
-        if marks is not None:
-            marks[0].record(copy)
-        self.inner.fill(block, landed, None, self._landed)
-        cast.wait_event(self._landed)
-        with torch.cuda.stream(cast):
-            upcast_in_place(image, dst, tail)
-        ready.record(cast)
-        if marks is not None:
-            marks[1].record(cast)
-
     def _scratch(self) -> torch.Tensor:
         # No slots yet (a plan change bringing a block in before any are allocated): a buffer of
         # its own, outside the per-block path.
@@ -232,7 +181,6 @@ class CastingTransfer:
     def close(self) -> None:
         self.slots = []
         self._staging = []
-        self._tail = None
         self.held = {}
         self.inner.close()
 

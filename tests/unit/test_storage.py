@@ -110,11 +110,10 @@ def test_host_bytes_halve_and_the_summary_says_what_is_stored():
     # Norms and biases stay in bf16: a little more than half.
     assert 0.5 < row["host_bytes"] / plain["host_bytes"] < 0.56, (row["host_bytes"], plain["host_bytes"])
     assert 0.5 < row["block_bytes"] / plain["block_bytes"] < 0.56
-    # Slots hold the compute dtype; each image lands in its own slot (no staging buffers, only
-    # the 1 MiB tail of the in-place upcast).
-    transfer = handle.rings[0].transfer
-    assert transfer.in_slot and transfer.staging_bytes == 1 << 20
-    assert abs(row["device_slot_bytes"] - transfer.staging_bytes - plain["device_slot_bytes"]) < 0.01 * plain["device_slot_bytes"]
+    # Slots hold the compute dtype; one staging buffer holds the largest stored block.
+    staging = handle.rings[0].transfer.staging_bytes
+    assert 0.5 < staging / (plain["device_slot_bytes"] / 2) < 0.56
+    assert abs(row["device_slot_bytes"] - staging - plain["device_slot_bytes"]) < 0.01 * plain["device_slot_bytes"]
     handle.remove()
 
 
@@ -184,24 +183,3 @@ def test_a_device_that_cannot_cast_is_named_and_nothing_changes(monkeypatch):
         apply_offload(model, stored("float8_e5m2"), device="cpu")
     monkeypatch.undo()
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
-
-
-@torch.no_grad()
-def test_where_the_image_cannot_land_in_its_slot_it_goes_through_staging(monkeypatch):
-    # The copy-engine gather fills only its own slots; staging is also the path for a block
-    # whose image cannot land in place. Forced here: outputs still match.
-    import omni_dist_offload.transfer.casting as casting
-
-    monkeypatch.setattr(casting, "landing", lambda image: None)
-    model = tiny.tiny_wan_transformer(dtype=torch.bfloat16)
-    reference = copy.deepcopy(model)
-    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    x = tiny.wan_transformer_inputs(model, batch=2)
-    ref = reference(**x)[0]
-    handle = apply_offload(model, stored(resident_blocks=[1]), device="cpu")
-    transfer = handle.rings[0].transfer
-    assert not transfer.in_slot and transfer.staging_bytes > 0
-    for _ in range(2):
-        assert torch.equal(model(**x)[0], ref)
-    handle.remove()
-    assert torch.equal(model(**x)[0], ref)
