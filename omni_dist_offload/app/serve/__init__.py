@@ -2,10 +2,13 @@
 
 * :mod:`.service`: requests as slots, the wave queue, the loop that feeds the ranks; its flags;
 * :mod:`.http`: the FastAPI app and its server (rank 0);
+* :mod:`.guards`: auth, body limits, connection cap and deadlines, log and memory floods;
+* :mod:`.errors`: errors in OpenAI's shape;
+* :mod:`.jobs`: video jobs and their bounded store;
 * :mod:`.metrics`: Prometheus metrics;
 * :mod:`.run`: start-up and shutdown across the ranks.
 
-``http``, ``metrics`` and ``run`` need the ``serve`` extra (fastapi, uvicorn, prometheus-client);
+``http``, ``guards``, ``errors``, ``metrics`` and ``run`` need the ``serve`` extra (fastapi, uvicorn, prometheus-client);
 this package and ``service`` import without it, so the CLI can say what to install.
 """
 

@@ -2,7 +2,8 @@
 
 Needs the ``serve`` extra (``pip install -e ".[serve]"``); the CLI imports it (through
 ``run.py``) only once the service starts. Handlers check a request, queue its slots and await
-their futures; rank 0's main thread generates (see [Note: waves] in ``service.py``).
+their futures; rank 0's main thread generates (see [Note: waves] in ``service.py``). What guards
+the server against misbehaving clients is in ``guards.py``; the error shape in ``errors.py``.
 
 Errors are JSON, in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``;
 ``param`` names the offending field and ``code`` is a string (or null). 400: the body is not
@@ -16,13 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ctypes
-import gc
-import hmac
-import ipaddress
-import json
 import logging
-import os
 import re
 import secrets
 import threading
@@ -38,15 +33,18 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-try:
-    import resource
-except ImportError:  # Windows: no open-file limit to raise
-    resource = None  # type: ignore[assignment]
-
-from ...runtime.proc import rss_mib
 from ..api import DEFAULT_FPS
+from .errors import RequestError, error_response
+from .guards import (
+    ABANDONED,
+    Buffered,
+    Front,
+    connection_cap,
+    http_protocol,
+    is_loopback,
+    throttle_server_logs,
+)
 from .jobs import StoreFull, VideoStore
 from .metrics import ServeMetrics
 from .service import (
@@ -76,25 +74,12 @@ _KEEP_ALIVE_S = 5
 _RETRY_AFTER_S = 1
 # How often a waiting request checks whether its client is still there, in seconds.
 _DISCONNECT_POLL_S = 0.25
-# The status of a request whose client went away (nginx's "client closed request"): never sent,
-# it keeps such requests out of the answered counts.
-_ABANDONED = 499
 #: Largest seed: output i of a request uses seed + i, which must stay below 2**63.
 SEED_LIMIT = 2**63
 #: Formats a response may take; OpenAI's "url" is not served.
 RESPONSE_FORMATS = ("b64_json", "path")
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(Exception):
-    """A request the model cannot take; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = "invalid_value") -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.code = code
 
 
 # -- request bodies --------------------------------------------------------------------------
@@ -278,104 +263,26 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 # -- the app ---------------------------------------------------------------------------------
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
-                413: "invalid_request_error",
-                429: "rate_limit_error",
-                503: "service_unavailable_error"}
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error in OpenAI's shape; ``code`` is a string or null, as OpenAI's clients expect."""
-    kind = _ERROR_TYPES.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
-
-
-def _validation_error(exc: RequestValidationError | ValidationError) -> JSONResponse:
+def _validationerror_response(exc: RequestValidationError | ValidationError) -> JSONResponse:
     """The first problem, as one message naming the field: 400 for a body that is not JSON."""
     errors = exc.errors()
     first = errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "missing"}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     if first["type"] == "json_invalid":
-        return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}).",
+        return error_response(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}).",
                       code="invalid_json")
     if param is None:
-        return _error(400, "the body must be a JSON object with at least 'prompt', sent with "
+        return error_response(400, "the body must be a JSON object with at least 'prompt', sent with "
                       "Content-Type: application/json.", code="invalid_body")
     if first["type"] == "extra_forbidden":
-        return _error(400, f"unknown field {param!r}: drop it; see docs/serving.md for the fields.",
+        return error_response(400, f"unknown field {param!r}: drop it; see docs/serving.md for the fields.",
                       param, code="unknown_parameter")
     if first["type"] == "missing":
-        return _error(400, f"{param} is required.", param, code="missing_required_parameter")
+        return error_response(400, f"{param} is required.", param, code="missing_required_parameter")
     shown = first.get("input")
     shown = f"{shown[:40]!r}..." if isinstance(shown, str) and len(shown) > 40 else repr(shown)
-    return _error(400, f"{param}: {first['msg']} (got {shown}).", param, code="invalid_value")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _Buffered:
-    """ASGI wrapper outside the framework: reads a request's whole body before the app sees the
-    request, as a reverse proxy's request buffering does. A body over ``limit`` bytes gets 413,
-    whether it declares its length or streams in chunks (nothing past the limit is read); a body
-    that has not fully arrived ``deadline_s`` after the request started gets 408. Either answer
-    closes the connection (the rest of the body may still come).
-
-    A stalled upload so holds only this small coroutine, not the framework's stack of
-    middlewares and handlers (some 16 KiB a request): 10,000 of them cost a third as much."""
-
-    def __init__(self, app: Any, limit: int, deadline_s: float) -> None:
-        self.app, self.limit, self.deadline_s = app, limit, deadline_s
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, receive, send)
-        chunks, seen = [], 0
-        deadline = time.monotonic() + self.deadline_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                response = _error(408, f"the request body did not arrive within {self.deadline_s:g} s "
-                                  "(--read-timeout).", code="request_timeout", headers={"Connection": "close"})
-                return await response(scope, receive, send)
-            if message["type"] != "http.request":
-                return  # the client left before its body arrived: no one to answer
-            body = message.get("body", b"")
-            seen += len(body)
-            if seen > self.limit:
-                return await self._refuse(scope, receive, send)
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        whole: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        async def replay() -> dict:
-            nonlocal whole
-            if whole is not None:
-                message, whole = whole, None
-                return message
-            return await receive()  # after the body: the disconnect, whenever it comes
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
-        response = _error(413, f"the request body is larger than this service takes (--max-body "
-                          f"{self.limit} bytes).", code="request_too_large", headers={"Connection": "close"})
-        await response(scope, receive, send)
+    return error_response(400, f"{param}: {first['msg']} (got {shown}).", param, code="invalid_value")
 
 
 def build_app(service: Service, store: VideoStore | None = None) -> Any:
@@ -390,11 +297,11 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc)
+        return _validationerror_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.post(_PATHS["image"])
     async def images(body: ImageRequest, request: Request) -> Response:
@@ -428,7 +335,7 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         if model_id != service.omni.model:
-            return _error(404, f"model {model_id!r} is not served here; this service serves "
+            return error_response(404, f"model {model_id!r} is not served here; this service serves "
                           f"{service.omni.model!r}.", "model", code="model_not_found")
         return JSONResponse(model_card())
 
@@ -436,42 +343,8 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    buffered = _Buffered(app, limit=service.options.max_body_bytes, deadline_s=service.options.read_timeout_s)
-    return _Front(buffered, metrics=metrics, key=service.options.api_key, endpoints=endpoints)
-
-
-def _authorised(headers: dict[bytes, bytes], key: str) -> bool:
-    """``Authorization: Bearer <key>``, compared in constant time."""
-    scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
-
-
-class _Front:
-    """ASGI middleware: the API key (every path but ``/health``), then the answered-requests
-    metrics of the generation endpoints' POSTs (not for requests whose client went away)."""
-
-    def __init__(self, app: Any, metrics: ServeMetrics, key: str | None, endpoints: set[str]) -> None:
-        self.app, self.metrics, self.key, self.endpoints = app, metrics, key, endpoints
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, path = time.perf_counter(), scope["path"]
-        status: list[int] = []
-        if self.key is not None and path != "/health" and not _authorised(dict(scope.get("headers") or []), self.key):
-            response = _error(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
-            await response(scope, receive, send)
-            status.append(401)
-        else:
-            async def sent(message: dict) -> None:
-                if message["type"] == "http.response.start":
-                    status.append(message["status"])
-                await send(message)
-
-            await self.app(scope, receive, sent)
-        if scope["method"] == "POST" and path in self.endpoints and status and status[0] != _ABANDONED:
-            self.metrics.answered(path, status[0], time.perf_counter() - start)
+    buffered = Buffered(app, limit=service.options.max_body_bytes, deadline_s=service.options.read_timeout_s)
+    return Front(buffered, metrics=metrics, key=service.options.api_key, endpoints=endpoints)
 
 
 def _check_prompts(service: Service, body: _GenerationRequest) -> None:
@@ -503,11 +376,11 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
         await asyncio.to_thread(_check_prompts, service, body)
         futures = [job.future for job in service.submit(slots)]
     except RequestError as exc:
-        return _error(exc.status, str(exc), exc.param, code=exc.code)
+        return error_response(exc.status, str(exc), exc.param, code=exc.code)
     except QueueFull as exc:
-        return _error(429, str(exc), code="queue_full", headers={"Retry-After": str(_RETRY_AFTER_S)})
+        return error_response(429, str(exc), code="queue_full", headers={"Retry-After": str(_RETRY_AFTER_S)})
     except ServiceUnavailable as exc:
-        return _error(503, str(exc), code="shutting_down")
+        return error_response(503, str(exc), code="shutting_down")
     # Wait for the outputs or for the client to leave, whichever comes first. A client that left
     # cancels its queued slots (the generation loop skips cancelled ones, so they never run; with
     # several ranks rank 0 leaves them out of the wave it sends, so the ranks agree); slots
@@ -521,7 +394,7 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
             service.metrics.abandoned_slots(_PATHS[kind], queued, len(futures) - queued)  # type: ignore[attr-defined]
         logger.info("request %s: the client went away; %d queued output(s) dropped, %d running "
                     "discarded", request_id, queued, len(futures) - queued)
-        return Response(status_code=_ABANDONED)  # no one to deliver it to
+        return Response(status_code=ABANDONED)  # no one to deliver it to
     gone.cancel()
     outcomes = gathered.result()
     try:
@@ -531,10 +404,10 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
         results = outcomes
     except GenerationFailed:
         # The reason (an exception's text) stays in the server's log: it may hold internals.
-        return _error(500, f"generation failed for request {request_id}; the server's log has the reason.",
+        return error_response(500, f"generation failed for request {request_id}; the server's log has the reason.",
                       code="generation_failed")
     except ServiceUnavailable as exc:
-        return _error(503, str(exc), code="shutting_down")
+        return error_response(503, str(exc), code="shutting_down")
     data = []
     for slot, result in zip(slots, results, strict=True):
         meta = result.metadata
@@ -583,7 +456,7 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
     metrics: ServeMetrics | None = service.metrics  # type: ignore[assignment]
 
     def missing(video_id: str) -> JSONResponse:
-        return _error(404, f"no video job {video_id!r}: it never existed, expired (--video-ttl "
+        return error_response(404, f"no video job {video_id!r}: it never existed, expired (--video-ttl "
                       f"{service.options.video_ttl_s:g} s) or was deleted.", "video_id", code="video_not_found")
 
     @app.post(_JOBS)
@@ -592,7 +465,7 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
             try:
                 body = VideoJobRequest.model_validate(await _job_fields(request))
             except ValidationError as exc:
-                return _validation_error(exc)
+                return _validationerror_response(exc)
             if service.limits.kind != "video":
                 raise RequestError(f"{service.limits.model} makes images: POST {_PATHS['image']}.",
                                    None, code="wrong_endpoint")
@@ -611,12 +484,12 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
                                 f"{store.max_jobs}): retry later.")
             (job,) = service.submit([slot])
         except RequestError as exc:
-            return _error(exc.status, str(exc), exc.param, code=exc.code)
+            return error_response(exc.status, str(exc), exc.param, code=exc.code)
         except (QueueFull, StoreFull) as exc:
             code = "queue_full" if isinstance(exc, QueueFull) else "too_many_jobs"
-            return _error(429, str(exc), code=code, headers={"Retry-After": str(_RETRY_AFTER_S)})
+            return error_response(429, str(exc), code=code, headers={"Retry-After": str(_RETRY_AFTER_S)})
         except ServiceUnavailable as exc:
-            return _error(503, str(exc), code="shutting_down")
+            return error_response(503, str(exc), code="shutting_down")
         width, height = (slot.width, slot.height) if slot.width else service.limits.default_size or (0, 0)
         frames = slot.num_frames or service.limits.default_frames
         fps = slot.fps or DEFAULT_FPS
@@ -626,19 +499,19 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
                               seconds=f"{(frames - 1) / fps:g}" if frames else "default")
         except StoreFull as exc:
             job.future.cancel()  # not kept, so not run
-            return _error(429, str(exc), code="too_many_jobs", headers={"Retry-After": str(_RETRY_AFTER_S)})
+            return error_response(429, str(exc), code="too_many_jobs", headers={"Retry-After": str(_RETRY_AFTER_S)})
         return JSONResponse(video.card())
 
     @app.get(_JOBS)
     async def listing(after: str | None = None, limit: int = 20, order: str = "desc") -> JSONResponse:
         if not 1 <= limit <= _MAX_PAGE:
-            return _error(400, f"limit={limit}: give 1 to {_MAX_PAGE}.", "limit", code="invalid_value")
+            return error_response(400, f"limit={limit}: give 1 to {_MAX_PAGE}.", "limit", code="invalid_value")
         if order not in ("asc", "desc"):
-            return _error(400, f"order={order!r}: give 'asc' or 'desc'.", "order", code="invalid_value")
+            return error_response(400, f"order={order!r}: give 'asc' or 'desc'.", "order", code="invalid_value")
         try:
             jobs, more = store.page(after, limit, order)
         except KeyError:
-            return _error(400, f"after={after!r} is not a video job kept here.", "after", code="invalid_value")
+            return error_response(400, f"after={after!r} is not a video job kept here.", "after", code="invalid_value")
         data = [video.card() for video in jobs]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": more})
@@ -654,10 +527,10 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
         if video is None:
             return missing(video_id)
         if variant not in ("video", "thumbnail"):
-            return _error(400, f"variant={variant!r} is not served here: give 'video' or 'thumbnail'.",
+            return error_response(400, f"variant={variant!r} is not served here: give 'video' or 'thumbnail'.",
                           "variant", code="invalid_value")
         if video.status != "completed":
-            return _error(409, f"video job {video_id} has status {video.status!r}: content comes with "
+            return error_response(409, f"video job {video_id} has status {video.status!r}: content comes with "
                           "'completed' (poll GET /v1/videos/{id}).", "video_id", code="video_not_ready")
         path = video.media if variant == "video" else video.thumbnail
         if path is None or not path.is_file():
@@ -686,195 +559,6 @@ def _write(output_dir: Path, name: str, result: Any) -> Path:
     return media.resolve()
 
 
-# -- connections -----------------------------------------------------------------------------
-# Descriptors kept for everything but connections (the pipeline's files, NCCL, logs, the store).
-_FD_RESERVE = 256
-# Once a second at most: how often a log record of one kind (out of descriptors, a malformed
-# request) is written while a flood of them lasts.
-_LOG_EVERY_S = 1.0
-
-
-def connection_cap(requested: int | None) -> int:
-    """The connection cap: ``requested``, else what the open-file limit leaves. Raises the soft
-    open-file limit to the hard one first (a server holds a descriptor per connection) and warns
-    when ``requested`` is more than the descriptors left, which would then run out first."""
-    if resource is None:  # not a POSIX host: no limit to read
-        return requested or 1024
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else 1 << 20
-    if soft == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        in_use = 64
-    left = max(16, soft - in_use - _FD_RESERVE)
-    if requested is None:
-        return left
-    if requested > left:
-        logger.warning("--max-connections %d is more than the %d descriptors the open-file limit (%d) "
-                       "leaves: past %d, connections fail instead of getting 503. Raise the limit "
-                       "(ulimit -n) or lower --max-connections.", requested, left, soft, left)
-    return requested
-
-
-def _protocol(cap: int, header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with two guards its settings lack: a connection past ``cap`` is
-    answered 503 and closed as it opens (so a flood of idle connections cannot take every
-    descriptor), and a request's headers must arrive within ``header_timeout_s`` of the
-    connection opening or of the previous answer (a slow trickle of header bytes holds nothing).
-    The body has its own deadline (:class:`_Buffered`); idle keep-alive has uvicorn's."""
-    refusal = json.dumps({"error": {"message": f"this service has {cap} connections open (--max-connections): "
-                                    "retry later.", "type": "service_unavailable_error", "param": None,
-                                    "code": "too_many_connections"}}).encode()
-    answer = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-              b"retry-after: 1\r\nconnection: close\r\ncontent-length: " + str(len(refusal)).encode()
-              + b"\r\n\r\n" + refusal)
-
-    flood = _Flood()
-
-    class Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            flood.opened(self.connections, self.tasks)
-            if len(self.connections) > cap:
-                transport.write(answer)
-                transport.close()
-                return
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._disarm_once_headers_came()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request's headers (uvicorn's keep-alive covers idle time)
-            self._disarm_once_headers_came()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-            flood.closed(self.loop)
-
-        def _arm(self) -> None:
-            self._disarm()
-            if not self.transport.is_closing():
-                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _disarm_once_headers_came(self) -> None:
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()
-
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    return Protocol
-
-
-class _Flood:
-    """Gives the memory of a flood of connections back to the system once it has passed.
-
-    Each open connection costs some 25 KiB (buffers, parser, task); freed, that memory stays in
-    the allocators' heaps, so a server that once held 10,000 connections would keep ~250 MiB for
-    good. Once the open connections and their tasks fall below a tenth of a peak of at least
-    ``_FLOOD_CONNECTIONS``, a collection and ``malloc_trim`` run a second after the last close
-    (glibc only; elsewhere the collection alone)."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._open: tuple[set, set] = (set(), set())
-
-    def opened(self, connections: set, tasks: set) -> None:
-        self._open = (connections, tasks)
-        self.peak = max(self.peak, len(connections))
-
-    def closed(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self.peak >= _FLOOD_CONNECTIONS and len(self._open[0]) * 10 < self.peak:
-            if self._timer is not None:
-                self._timer.cancel()  # the flood is still ebbing: wait for its last close
-            self._timer = loop.call_later(1.0, self._release, loop)
-
-    def _release(self, loop: asyncio.AbstractEventLoop) -> None:
-        connections, tasks = self._open
-        if (len(connections) + len(tasks)) * 10 >= self.peak:  # requests still unwinding: later
-            self._timer = loop.call_later(1.0, self._release, loop)
-            return
-        peak, before = self.peak, rss_mib() or 0.0
-        self._timer, self.peak = None, 0
-        gc.collect()
-        if _LIBC is not None:
-            _LIBC.malloc_trim(0)
-        logger.info("a flood of %d connections has passed; memory given back: RSS %.0f -> %.0f MiB",
-                    peak, before, rss_mib() or 0.0)
-
-
-def _glibc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):  # not glibc: no trim to ask for
-        return None
-
-
-_LIBC = _glibc()
-# Open connections that make a flood worth giving memory back after.
-_FLOOD_CONNECTIONS = 1000
-
-
-class _OncePerSecond(logging.Filter):
-    """Writes a record of one kind (its message template) once a second at most, with the
-    count of those left out since; drops the traceback of running out of descriptors (the same
-    one each time). Keeps a flood of failed accepts or malformed requests from filling the log."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key, now = str(record.msg), time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -_LOG_EVERY_S) < _LOG_EVERY_S:
-                self._skipped[key] = self._skipped.get(key, 0) + 1
-                return False
-            self._last[key] = now
-            skipped = self._skipped.pop(key, 0)
-        if "out of system resource" in key:
-            record.msg = ("out of file descriptors: a connection could not be accepted; it waits until "
-                          "connections close (--max-connections, ulimit -n)")
-            record.args, record.exc_info, record.exc_text = (), None, None
-        if skipped:
-            record.msg = f"{record.getMessage()} [and {skipped} more like it since the last one written]"
-            record.args = ()
-        return True
-
-
-def throttle_server_logs() -> None:
-    """Install :class:`_OncePerSecond` on the loggers a flood of connections writes to."""
-    for name in ("asyncio", "uvicorn.error"):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _OncePerSecond) for f in log.filters):
-            log.addFilter(_OncePerSecond())
-
-
 class HttpServer:
     """uvicorn in a thread of its own, so rank 0's main thread keeps generating and handling
     signals (uvicorn installs no signal handlers off the main thread)."""
@@ -889,12 +573,12 @@ class HttpServer:
         # uvicorn's own cap stays one above ours, so it only bounds tasks: ours closes a
         # connection past the cap as it opens, before it can hold a descriptor.
         config = uvicorn.Config(build_app(service, self.store), host=opts.host, port=opts.port, lifespan="off",
-                                log_level="warning", access_log=False, http=_protocol(cap, opts.read_timeout_s),
+                                log_level="warning", access_log=False, http=http_protocol(cap, opts.read_timeout_s),
                                 timeout_graceful_shutdown=_GRACEFUL_S, timeout_keep_alive=_KEEP_ALIVE_S,
                                 limit_concurrency=cap + 1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="omni-serve-http", daemon=True)
-        if opts.api_key is None and not _is_loopback(opts.host):
+        if opts.api_key is None and not is_loopback(opts.host):
             logger.warning("listening on %s, which is not a loopback address, without an API key: anyone "
                            "who can reach it can generate. Set --api-key (or OMNI_OFFLOAD_API_KEY).", opts.host)
 

@@ -1,0 +1,34 @@
+"""Errors of ``omni-offload serve`` in OpenAI's shape: ``{"error": {"message", "type", "param",
+"code"}}``, ``param`` naming the offending field and ``code`` a string or null, as OpenAI's
+clients expect."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+__all__ = ["RequestError", "error_response"]
+
+
+class RequestError(Exception):
+    """A request the model cannot take; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
+                413: "invalid_request_error",
+                429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in OpenAI's shape; ``code`` is a string or null, as OpenAI's clients expect."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)

@@ -1,0 +1,325 @@
+"""How ``omni-offload serve`` holds up against clients that misbehave: the API key and answer
+counts (:class:`Front`), bodies read whole within their limits before the framework sees them
+(:class:`Buffered`), uvicorn's h11 protocol with a connection cap and a header deadline
+(:func:`http_protocol`), memory handed back after a flood of connections, and log floods cut to
+a line a second. ``http.py`` puts them together; docs/serving.md's Security section says what
+each bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ...runtime.proc import rss_mib
+from .errors import error_response
+from .metrics import ServeMetrics
+
+try:
+    import resource
+except ImportError:  # Windows: no open-file limit to raise
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["ABANDONED", "Buffered", "Front", "connection_cap", "http_protocol", "is_loopback", "throttle_server_logs"]
+
+logger = logging.getLogger(__name__)
+
+# The status of a request whose client went away (nginx's "client closed request"): never sent,
+# it keeps such requests out of the answered counts.
+ABANDONED = 499
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Buffered:
+    """ASGI wrapper outside the framework: reads a request's whole body before the app sees the
+    request, as a reverse proxy's request buffering does. A body over ``limit`` bytes gets 413,
+    whether it declares its length or streams in chunks (nothing past the limit is read); a body
+    that has not fully arrived ``deadline_s`` after the request started gets 408. Either answer
+    closes the connection (the rest of the body may still come).
+
+    A stalled upload so holds only this small coroutine, not the framework's stack of
+    middlewares and handlers (some 16 KiB a request): 10,000 of them cost a third as much."""
+
+    def __init__(self, app: Any, limit: int, deadline_s: float) -> None:
+        self.app, self.limit, self.deadline_s = app, limit, deadline_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, seen = [], 0
+        deadline = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                response = error_response(408, f"the request body did not arrive within {self.deadline_s:g} s "
+                                  "(--read-timeout).", code="request_timeout", headers={"Connection": "close"})
+                return await response(scope, receive, send)
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived: no one to answer
+            body = message.get("body", b"")
+            seen += len(body)
+            if seen > self.limit:
+                return await self._refuse(scope, receive, send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        whole: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict:
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # after the body: the disconnect, whenever it comes
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        response = error_response(413, f"the request body is larger than this service takes (--max-body "
+                          f"{self.limit} bytes).", code="request_too_large", headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _authorised(headers: dict[bytes, bytes], key: str) -> bool:
+    """``Authorization: Bearer <key>``, compared in constant time."""
+    scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+class Front:
+    """ASGI middleware: the API key (every path but ``/health``), then the answered-requests
+    metrics of the generation endpoints' POSTs (not for requests whose client went away)."""
+
+    def __init__(self, app: Any, metrics: ServeMetrics, key: str | None, endpoints: set[str]) -> None:
+        self.app, self.metrics, self.key, self.endpoints = app, metrics, key, endpoints
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, path = time.perf_counter(), scope["path"]
+        status: list[int] = []
+        if self.key is not None and path != "/health" and not _authorised(dict(scope.get("headers") or []), self.key):
+            response = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
+                              code="invalid_api_key")
+            await response(scope, receive, send)
+            status.append(401)
+        else:
+            async def sent(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    status.append(message["status"])
+                await send(message)
+
+            await self.app(scope, receive, sent)
+        if scope["method"] == "POST" and path in self.endpoints and status and status[0] != ABANDONED:
+            self.metrics.answered(path, status[0], time.perf_counter() - start)
+
+
+# -- connections -----------------------------------------------------------------------------
+# Descriptors kept for everything but connections (the pipeline's files, NCCL, logs, the store).
+_FD_RESERVE = 256
+# Once a second at most: how often a log record of one kind (out of descriptors, a malformed
+# request) is written while a flood of them lasts.
+_LOG_EVERY_S = 1.0
+
+
+def connection_cap(requested: int | None) -> int:
+    """The connection cap: ``requested``, else what the open-file limit leaves. Raises the soft
+    open-file limit to the hard one first (a server holds a descriptor per connection) and warns
+    when ``requested`` is more than the descriptors left, which would then run out first."""
+    if resource is None:  # not a POSIX host: no limit to read
+        return requested or 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    left = max(16, soft - in_use - _FD_RESERVE)
+    if requested is None:
+        return left
+    if requested > left:
+        logger.warning("--max-connections %d is more than the %d descriptors the open-file limit (%d) "
+                       "leaves: past %d, connections fail instead of getting 503. Raise the limit "
+                       "(ulimit -n) or lower --max-connections.", requested, left, soft, left)
+    return requested
+
+
+def http_protocol(cap: int, header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with two guards its settings lack: a connection past ``cap`` is
+    answered 503 and closed as it opens (so a flood of idle connections cannot take every
+    descriptor), and a request's headers must arrive within ``header_timeout_s`` of the
+    connection opening or of the previous answer (a slow trickle of header bytes holds nothing).
+    The body has its own deadline (:class:`Buffered`); idle keep-alive has uvicorn's."""
+    refusal = json.dumps({"error": {"message": f"this service has {cap} connections open (--max-connections): "
+                                    "retry later.", "type": "service_unavailable_error", "param": None,
+                                    "code": "too_many_connections"}}).encode()
+    answer = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+              b"retry-after: 1\r\nconnection: close\r\ncontent-length: " + str(len(refusal)).encode()
+              + b"\r\n\r\n" + refusal)
+
+    flood = _Flood()
+
+    class Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            flood.opened(self.connections, self.tasks)
+            if len(self.connections) > cap:
+                transport.write(answer)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._disarm_once_headers_came()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request's headers (uvicorn's keep-alive covers idle time)
+            self._disarm_once_headers_came()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+            flood.closed(self.loop)
+
+        def _arm(self) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _disarm_once_headers_came(self) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+class _Flood:
+    """Gives the memory of a flood of connections back to the system once it has passed.
+
+    Each open connection costs some 25 KiB (buffers, parser, task); freed, that memory stays in
+    the allocators' heaps, so a server that once held 10,000 connections would keep ~250 MiB for
+    good. Once the open connections and their tasks fall below a tenth of a peak of at least
+    ``_FLOOD_CONNECTIONS``, a collection and ``malloc_trim`` run a second after the last close
+    (glibc only; elsewhere the collection alone)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._open: tuple[set, set] = (set(), set())
+
+    def opened(self, connections: set, tasks: set) -> None:
+        self._open = (connections, tasks)
+        self.peak = max(self.peak, len(connections))
+
+    def closed(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.peak >= _FLOOD_CONNECTIONS and len(self._open[0]) * 10 < self.peak:
+            if self._timer is not None:
+                self._timer.cancel()  # the flood is still ebbing: wait for its last close
+            self._timer = loop.call_later(1.0, self._release, loop)
+
+    def _release(self, loop: asyncio.AbstractEventLoop) -> None:
+        connections, tasks = self._open
+        if (len(connections) + len(tasks)) * 10 >= self.peak:  # requests still unwinding: later
+            self._timer = loop.call_later(1.0, self._release, loop)
+            return
+        peak, before = self.peak, rss_mib() or 0.0
+        self._timer, self.peak = None, 0
+        gc.collect()
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
+        logger.info("a flood of %d connections has passed; memory given back: RSS %.0f -> %.0f MiB",
+                    peak, before, rss_mib() or 0.0)
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc: no trim to ask for
+        return None
+
+
+_LIBC = _glibc()
+# Open connections that make a flood worth giving memory back after.
+_FLOOD_CONNECTIONS = 1000
+
+
+class _OncePerSecond(logging.Filter):
+    """Writes a record of one kind (its message template) once a second at most, with the
+    count of those left out since; drops the traceback of running out of descriptors (the same
+    one each time). Keeps a flood of failed accepts or malformed requests from filling the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key, now = str(record.msg), time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -_LOG_EVERY_S) < _LOG_EVERY_S:
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            skipped = self._skipped.pop(key, 0)
+        if "out of system resource" in key:
+            record.msg = ("out of file descriptors: a connection could not be accepted; it waits until "
+                          "connections close (--max-connections, ulimit -n)")
+            record.args, record.exc_info, record.exc_text = (), None, None
+        if skipped:
+            record.msg = f"{record.getMessage()} [and {skipped} more like it since the last one written]"
+            record.args = ()
+        return True
+
+
+def throttle_server_logs() -> None:
+    """Install :class:`_OncePerSecond` on the loggers a flood of connections writes to."""
+    for name in ("asyncio", "uvicorn.error"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _OncePerSecond) for f in log.filters):
+            log.addFilter(_OncePerSecond())
