@@ -39,3 +39,28 @@ def test_cuda_outputs_equal_layerwise_casting(family, resident):
     assert row["storage_dtype"] == "float8_e4m3fn"
     handle.remove()
     assert torch.equal(model(**batch)[0], ref)
+
+
+@torch.no_grad()
+def test_the_8_bit_path_never_synchronises_nor_allocates_per_block():
+    model = tiny.tiny_wan_transformer(dtype=torch.bfloat16).cuda()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model, batch=2).items()}
+    model(**batch)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    model(**batch)
+    resident_allocs = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    options = {"storage_dtype": "float8_e4m3fn", "resident_blocks": [1]}  # a held image too
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "layer_options": {"dit": options}})
+    model(**batch)  # cold start
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        for _ in range(3):
+            model(**batch)
+        streamed_allocs = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert streamed_allocs == 3 * resident_allocs
+    handle.remove()
