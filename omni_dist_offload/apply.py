@@ -561,7 +561,8 @@ def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.d
         sizes.append(RingSizes(s.component.name, s.component.category,
                                tuple(l.image_nbytes if s.stored else l.nbytes for l in s.layouts),
                                tuple(s.slot_bytes()),
-                               _resident_indices(s.component, asked) if asked is not None else None))
+                               _resident_indices(s.component, asked) if asked is not None else None,
+                               through_slots=s.stored))
     group = next((s.group for s in specs if s.group is not None), None)
     blocks = [e.tensor for s in specs for l in s.layouts for e in l.entries]
     chosen = initial_residency(sizes, cfg.device_budget, lambda: auto_budget(cfg, dev, modules, blocks, group))

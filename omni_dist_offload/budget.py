@@ -62,6 +62,8 @@ class RingSizes:
     """Per block: slot bytes when it streams (allgather: the gathered, padded size)."""
     fixed: tuple[int, ...] | None = None
     """``layer_options.<c>.resident_blocks``, checked: the ring is not planned."""
+    through_slots: bool = False
+    """Every block runs from a slot, kept ones too (see ``RingCosts.through_slots``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +94,7 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
     planned = [r for r in rings if r.fixed is None]
     held = sum(_fixed_bytes(r) for r in rings if r.fixed is not None)
     floors = {r.name: min_budget(r.slot_bytes) for r in planned}
-    whole = {r.name: sum(r.nbytes) for r in planned}
+    whole = {r.name: sum(r.nbytes) + (floors[r.name] if r.through_slots else 0) for r in planned}
     budget = device_budget
     auto = budget == "auto"
     if auto:
@@ -100,8 +102,9 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
         if budget is None or budget >= held + sum(whole.values()):
             for r in planned:
                 everything = tuple(range(len(r.nbytes)))
-                out[r.name] = Residency(resident=everything, num_slots=0, budget=whole[r.name], plan=ResidencyPlan(
-                    everything, 0, whole[r.name], 0.0, 0.0, measured=False))
+                slots = NUM_SLOTS if r.through_slots else 0
+                out[r.name] = Residency(resident=everything, num_slots=slots, budget=whole[r.name], plan=ResidencyPlan(
+                    everything, slots, whole[r.name], 0.0, 0.0, measured=False))
             logger.info("device_budget auto: %s free for block weights; every block of %s fits and stays "
                         "resident", "the whole device" if budget is None else format_bytes(budget),
                         [r.name for r in planned])
@@ -118,9 +121,10 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
     shares = _shares(planned, budget - held, floors, whole)
     for r in planned:
         share = shares[r.name]
-        prior = plan_residency(prior_costs(r.nbytes, r.slot_bytes, share), share)
+        prior = plan_residency(prior_costs(r.nbytes, r.slot_bytes, share, r.through_slots), share)
+        everything = len(prior.resident) == len(r.nbytes)
         out[r.name] = Residency(resident=prior.resident, num_slots=prior.slots or NUM_SLOTS,
-                                settled=prior.slots == 0,  # everything fits: nothing to measure
+                                settled=everything,  # everything fits: nothing to measure
                                 budget=share, fewest=auto, plan=prior)
     return out
 

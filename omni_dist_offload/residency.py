@@ -100,6 +100,10 @@ class RingCosts:
     """Per block, the byte counts of a leading part it can keep on the device while the rest
     streams (a block splits between two of its tensors), ascending, each above 0 and below the
     block's slot bytes. None: blocks stay resident or stream whole (allgather rings)."""
+    through_slots: bool = False
+    """Every block runs from a slot, those kept on the device too (a ring of 8-bit images,
+    whose kept blocks are upcast into a slot when they run): the slots are needed whatever the
+    plan keeps."""
 
     def __post_init__(self) -> None:
         n = len(self.nbytes)
@@ -239,7 +243,11 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
     if budget < floor:
         raise ValueError(f"a budget of {format_bytes(budget)} is below the {format_bytes(floor)} that two "
                          "slots of the largest block need")
-    everything = ResidencyPlan(tuple(range(n)), 0, total, costs.resident_ms, costs.resident_ms, costs.measured)
+    # Every block on the device; a ring that runs every block from a slot keeps two slots too.
+    slots_kept = floor if costs.through_slots else 0
+    everything = ResidencyPlan(tuple(range(n)), 2 if costs.through_slots else 0, total + slots_kept,
+                               costs.resident_ms, costs.resident_ms, costs.measured)
+    total += slots_kept
     if total <= budget and tolerance is None:
         return everything
     goal = costs.resident_ms * (1 + tolerance) if tolerance is not None else -math.inf
@@ -370,7 +378,8 @@ def _plan(costs: RingCosts, resident: set[int], slots: int, cap: int, outcome: _
                          costs.measured)
 
 
-def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int) -> RingCosts:
+def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int,
+                through_slots: bool = False) -> RingCosts:
     """Costs to plan with before anything is measured: compute in proportion to bytes, at the
     ratio where the blocks the budget cannot hold take as long to copy as the whole ring takes to
     compute. That is where the choice of which blocks stream matters most, so the plan spreads
@@ -379,4 +388,4 @@ def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int) -
     streamed = max(total - max(0, budget - min_budget(slot_bytes)), max(slot_bytes))
     scale = streamed / total  # copy of all streamed bytes == compute of the whole ring
     return RingCosts(tuple(nbytes), tuple(slot_bytes), tuple(b * scale for b in nbytes),
-                     tuple(float(b) for b in nbytes), measured=False)
+                     tuple(float(b) for b in nbytes), measured=False, through_slots=through_slots)

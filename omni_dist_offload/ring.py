@@ -126,6 +126,8 @@ class BlockRing:
         self._kept_bufs: dict[int, torch.Tensor] = {}
         self.plan: ResidencyPlan | None = None
         """The residency plan in force, when a planner made it (see ``apply.py``)."""
+        if hasattr(transfer, "hold"):  # a ring of 8-bit images runs every block from a slot
+            num_slots = max(num_slots, NUM_SLOTS)
         self.costs: RingCosts | None = None
         """What the planner measured (per block compute and copy ms), once it has."""
         self.budget: int | None = None
@@ -583,7 +585,8 @@ class BlockRing:
         return RingCosts(tuple(self.resident_nbytes(i) for i in range(len(self.layouts))), tuple(sizes),
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
-                         issued_ms=issued if None not in issued else None, cuts=self.cuts())
+                         issued_ms=issued if None not in issued else None, cuts=self.cuts(),
+                         through_slots=hasattr(self.transfer, "hold"))
 
     def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool,
                    kept: Mapping[int, int] | None = None) -> None:
@@ -635,7 +638,7 @@ class BlockRing:
             if self._cuda:
                 torch.cuda.synchronize(self.device)
             self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
-            self._configure(num_slots)
+            self._configure(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
             self.transfer.hold(resident)
         if settle:
             for i in resident:

@@ -183,3 +183,13 @@ def test_a_device_that_cannot_cast_is_named_and_nothing_changes(monkeypatch):
         apply_offload(model, stored("float8_e5m2"), device="cpu")
     monkeypatch.undo()
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
+def test_a_ring_that_runs_every_block_from_a_slot_pays_for_its_slots_when_all_are_kept():
+    from omni_dist_offload.residency import RingCosts, plan_residency
+
+    costs = RingCosts((10,) * 4, (30,) * 4, (1.0,) * 4, (2.0,) * 4, through_slots=True)
+    plan = plan_residency(costs, 4 * 10 + 2 * 30)  # four images and the two slots they run from
+    assert plan.resident == (0, 1, 2, 3) and plan.slots == 2 and plan.device_bytes == 100
+    plan = plan_residency(costs, 99)
+    assert len(plan.resident) < 4 and plan.device_bytes <= 99
