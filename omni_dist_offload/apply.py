@@ -45,7 +45,7 @@ from .tenants import BlockWatch
 from .trace import trace_enabled
 from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
-from .transfer.casting import STAGING, CastingTransfer
+from .transfer.casting import CastingTransfer
 from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
 from .transfer.sharding import (
     ShardPlan,
@@ -383,29 +383,21 @@ class _RingSpec:
     """Why an allgather ring streams rank-local."""
     storage_dtype: str | None = None
     """``layer_options.<c>.storage_dtype``."""
-    budgeted: bool = False
-    """Whether a ``device_budget`` plans the ring (a ring of 8-bit images then stages through
-    one buffer, leaving room for an image more)."""
     residency: Residency = Residency()
     """Which blocks start resident, the slots, and whether a measured forward re-plans."""
 
     def slot_bytes(self) -> list[int]:
         """Per block, the slot bytes it needs when it streams. A ring of stored images also holds
-        staging buffers of the largest image (``transfer/casting.py``); they are counted here
+        two staging buffers of the largest image (``transfer/casting.py``); they are counted here
         spread over the (at least two) slots."""
         if self.stored:
-            return [l.nbytes + -(-l.image_nbytes * self.staging // NUM_SLOTS) for l in self.layouts]
+            return [l.nbytes + -(-l.image_nbytes * 2 // NUM_SLOTS) for l in self.layouts]
         if self.group is None:
             return [l.nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]
 
     def shard_plans(self) -> list[ShardPlan]:
         return [plan_shards(l.image_nbytes, self.group.size, self.group.rank, self.chunk_bytes) for l in self.layouts]
-
-    @property
-    def staging(self) -> int:
-        """Staging buffers of a ring of 8-bit images on a GPU."""
-        return 1 if self.budgeted else STAGING
 
     @property
     def stored(self) -> bool:
@@ -513,8 +505,7 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
     specs = []
     for c in components:
         base = _RingSpec(c, layouts[c.name], sources.get(c.name),
-                         storage_dtype=cfg.options_for(c.category).storage_dtype,
-                         budgeted=cfg.device_budget is not None)
+                         storage_dtype=cfg.options_for(c.category).storage_dtype)
         if c.name not in facts:
             specs.append(base)
         elif group is None:
@@ -612,8 +603,7 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
         else:
             transfer, parked, resident, originals = _fill_buffers(spec, setup, step)
         if spec.stored:
-            transfer = CastingTransfer(transfer, spec.layouts, spec.storage_dtype, setup.streams, setup.device,
-                                       staging=spec.staging)
+            transfer = CastingTransfer(transfer, spec.layouts, spec.storage_dtype, setup.streams, setup.device)
     try:
         ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
                          spec.residency.num_slots)

@@ -25,17 +25,14 @@ from .protocol import TransferStreams, WeightTransfer, plain_slots
 __all__ = ["CastingTransfer"]
 
 # Staging buffers on a GPU: the copy stream fills one while the cast stream upcasts the other.
-STAGING = 2
+_STAGING = 2
 
 
 class CastingTransfer:
     """Wraps a transfer whose host copy holds block images in their stored dtypes."""
 
     def __init__(self, inner: WeightTransfer, layouts: Sequence[BlockLayout], storage_dtype: str,
-                 streams: TransferStreams, device: torch.device, staging: int = STAGING) -> None:
-        """``staging``: staging buffers on a GPU. Two keep the link busy (the next image lands
-        while the last is upcast); one leaves room for an image more under a tight budget, and
-        the link waits only for the upcast (a fraction of a millisecond a block)."""
+                 streams: TransferStreams, device: torch.device) -> None:
         self.inner = inner
         self.layouts = tuple(layouts)
         self.storage_dtype = storage_dtype
@@ -49,9 +46,8 @@ class CastingTransfer:
         # staged[j]: recorded where the inner fill of staging j ends (its copy or comm stream);
         # the cast stream waits on it. staging_free[j]: recorded on the cast stream once the
         # upcast has read staging j; the next fill into it waits on it. Reused by every fill.
-        self._count = staging if cuda else 1
-        self._staged = [torch.cuda.Event() for _ in range(self._count)] if cuda else []
-        self._staging_free = [torch.cuda.Event() for _ in range(self._count)] if cuda else []
+        self._staged = [torch.cuda.Event() for _ in range(_STAGING)] if cuda else []
+        self._staging_free = [torch.cuda.Event() for _ in range(_STAGING)] if cuda else []
         self._staging: list[torch.Tensor] = []
         self._next = 0
         self.slots: list[torch.Tensor] = []
@@ -84,7 +80,8 @@ class CastingTransfer:
         if count == 0:
             self.inner.allocate_slots(0, 0)
             return
-        self.inner.allocate_slots(self.staging_nbytes(), self._count)
+        staging = _STAGING if self._copy is not None else 1
+        self.inner.allocate_slots(self.staging_nbytes(), staging)
         self._staging = list(self.inner.slots)
         self.slots = plain_slots(nbytes, count, self._device)
 
@@ -142,7 +139,7 @@ class CastingTransfer:
                 marks[1].record(cast)
             return
         j = self._next
-        self._next = (j + 1) % self._count
+        self._next = (j + 1) % _STAGING
         if self._staging:
             staged = self._staging[j][:need]
         else:
