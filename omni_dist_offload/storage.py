@@ -185,7 +185,11 @@ def downcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:
     _convert(image, src, dst, up=False)
 
 
-def _convert(image: BlockImage, src: torch.Tensor, dst: torch.Tensor, up: bool) -> None:
+def _convert(image: BlockImage | None, src: torch.Tensor, dst: torch.Tensor, up: bool) -> None:
+    if image is None:  # a block with nothing stored in 8 bits: its image is its slot
+        n = min(src.numel(), dst.numel())
+        dst[:n].copy_(src[:n])
+        return
     for run in image.runs:
         stored = (run.image, run.image_nbytes, run.stored)
         slot = (run.slot, run.slot_nbytes, run.compute)

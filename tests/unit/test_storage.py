@@ -193,3 +193,36 @@ def test_a_ring_that_runs_every_block_from_a_slot_pays_for_its_slots_when_all_ar
     assert plan.resident == (0, 1, 2, 3) and plan.slots == 2 and plan.device_bytes == 100
     plan = plan_residency(costs, 99)
     assert len(plan.resident) < 4 and plan.device_bytes <= 99
+
+
+class _Mixed(torch.nn.Module):
+    """Blocks with and without 8-bit layers (a norm-only block stores nothing in 8 bits)."""
+
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16)),
+                                           torch.nn.Sequential(torch.nn.LayerNorm(16)),
+                                           torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@torch.no_grad()
+def test_a_block_with_nothing_in_8_bits_streams_as_it_is():
+    from diffusers.hooks import apply_layerwise_casting
+
+    torch.manual_seed(0)
+    model = _Mixed()
+    reference = copy.deepcopy(model)
+    apply_layerwise_casting(reference, torch.float8_e4m3fn, torch.float32)
+    x = torch.randn(4, 16)
+    handle = apply_offload(model, stored(), device="cpu")
+    assert [l.image is None for l in handle.rings[0].layouts] == [False, True, False]
+    for _ in range(2):
+        assert torch.equal(model(x), reference(x))
+    handle.remove()
