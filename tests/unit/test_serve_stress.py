@@ -18,7 +18,7 @@ def test_serve_stress_both_phases_pass_and_add_up(tmp_path, capsys) -> None:
     out = tmp_path / "figures.json"
     # The latency check compares two samples of a few tens of milliseconds; on a shared CI host
     # that comparison is noise, so it is loosened here (the figures are still checked below).
-    rc = main(["--requests", "24", "--in-flight", "6", "--stalled", "50", "--hold", "1.5", "--settle", "0.5",
+    rc = main(["--requests", "12", "--in-flight", "4", "--stalled", "30", "--hold", "1.0", "--settle", "0.5",
                "--probe-interval", "0.1", "--p95-factor", "100", "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -27,16 +27,16 @@ def test_serve_stress_both_phases_pass_and_add_up(tmp_path, capsys) -> None:
     figures = json.loads(out.read_text())
     assert figures["passed"] and figures["failures"] == [] and figures["server_exit"] == 0
     load = figures["load"]
-    assert load["codes"] == {"200": 24} and load["wrong_seed"] == 0
-    assert load["requests_200_delta"] == 24 and load["image_outputs_delta"] == 24
+    assert load["codes"] == {"200": 12} and load["wrong_seed"] == 0
+    assert load["requests_200_delta"] == 12 and load["image_outputs_delta"] == 12
     assert 0 < load["p50_ms"] <= load["p95_ms"] <= load["p99_ms"]
     assert load["rss_early_mib"] > 0 and load["rss_end_mib"] > 0
 
     abuse = figures["abuse"]
-    assert abuse["stalled_connected"] == 50 and abuse["stalled_failed"] == 0
-    assert sum(abuse["stalled_replies"].values()) == 50
+    assert abuse["stalled_connected"] == 30 and abuse["stalled_failed"] == 0
+    assert sum(abuse["stalled_replies"].values()) == 30
     assert abuse["unloaded_codes"] == {"200": 20}
     assert abuse["probes"] >= 1 and abuse["probe_codes"] == {"200": abuse["probes"]}
-    assert abuse["held_s"] >= 1.5
+    assert abuse["held_s"] >= 1.0
     assert abuse["rss_before_mib"] > 0 and abuse["rss_peak_mib"] > 0 and abuse["rss_after_mib"] > 0
     assert abuse["log_bytes_after"] >= abuse["log_bytes_before"] > 0
