@@ -126,7 +126,10 @@ class BlockRing:
         self._kept_bufs: dict[int, torch.Tensor] = {}
         self.plan: ResidencyPlan | None = None
         """The residency plan in force, when a planner made it (see ``apply.py``)."""
-        if hasattr(transfer, "hold"):  # a ring of 8-bit images runs every block from a slot
+        # A ring of 8-bit images (its transfer holds images on the device) runs every block,
+        # kept ones too, from a slot.
+        self._images = hasattr(transfer, "hold")
+        if self._images:
             num_slots = max(num_slots, NUM_SLOTS)
         self.costs: RingCosts | None = None
         """What the planner measured (per block compute and copy ms), once it has."""
@@ -535,7 +538,7 @@ class BlockRing:
         """Device bytes block ``i`` takes when the plan keeps it: its 8-bit image on a ring of
         images, else the block."""
         layout = self.layouts[i]
-        return layout.image_nbytes if hasattr(self.transfer, "hold") else layout.nbytes
+        return layout.image_nbytes if self._images else layout.nbytes
 
     def kept_bytes(self, i: int) -> int:
         """Bytes of block ``i``'s leading part kept on the device (0: none)."""
@@ -586,7 +589,7 @@ class BlockRing:
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
                          issued_ms=issued if None not in issued else None, cuts=self.cuts(),
-                         through_slots=hasattr(self.transfer, "hold"))
+                         through_slots=self._images)
 
     def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool,
                    kept: Mapping[int, int] | None = None) -> None:
@@ -601,7 +604,7 @@ class BlockRing:
         it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
         outside it, so ``remove()`` can write them later). A failure part way leaves a ring
         that is consistent for the blocks it had moved by then."""
-        if hasattr(self.transfer, "hold"):
+        if self._images:
             return self._apply_held_plan(frozenset(resident), num_slots, settle, kept)
         kept = dict(kept or {})
         cuts = self.cuts()

@@ -23,19 +23,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["BlockImage", "Run", "cast_tensors", "downcast", "StoredLayers", "store_outside_blocks", "upcast"]
+__all__ = ["BlockImage", "Run", "StoredLayers", "cast_tensors", "downcast", "store_outside_blocks", "upcast"]
 
 # diffusers' layerwise casting rule and hook (hooks/layerwise_casting.py, hooks/_common.py),
 # read from diffusers so the two never disagree.
-from diffusers.hooks import HookRegistry
 from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS as _LAYERS
-from diffusers.hooks.layerwise_casting import _LAYERWISE_CASTING_HOOK, apply_layerwise_casting_hook
-from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN as _DEFAULT_SKIP
+from diffusers.hooks.layerwise_casting import (
+    _LAYERWISE_CASTING_HOOK,
+    apply_layerwise_casting_hook,
+)
+from diffusers.hooks.layerwise_casting import (
+    DEFAULT_SKIP_MODULES_PATTERN as _DEFAULT_SKIP,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,7 @@ def skip_patterns(root: nn.Module) -> tuple[str, ...]:
         patterns += tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
         patterns += tuple(getattr(root, "_skip_layerwise_casting_patterns", None) or ())
         try:
-            from peft.tuners.loha.layer import LoHaLayer  # optional: peft adapters, as diffusers skips them
+            from peft.tuners.loha.layer import LoHaLayer  # optional: peft adapters, skipped
             from peft.tuners.lokr.layer import LoKrLayer  # optional: as above
             from peft.tuners.lora.layer import LoraLayer  # optional: as above
         except ImportError:
@@ -84,26 +88,32 @@ def skip_patterns(root: nn.Module) -> tuple[str, ...]:
     return tuple(set(patterns))
 
 
-def cast_tensors(root: nn.Module, stored: torch.dtype) -> dict[int, torch.dtype]:
-    """``id(tensor) -> stored dtype`` for every tensor of ``root`` that diffusers' layerwise
-    casting would store in ``stored`` (its floating-point parameters and buffers of the layers it
-    casts). Reads ``root``, changes nothing."""
+def cast_layers(root: nn.Module) -> list[nn.Module]:
+    """The layers of ``root`` diffusers' layerwise casting stores in 8 bits: the Linear, Conv and
+    Embedding layers whose qualified name matches none of its skip patterns, walked as diffusers
+    walks them (a skipped name skips everything under it)."""
     patterns = skip_patterns(root)
-    found: dict[int, torch.dtype] = {}
+    layers: list[nn.Module] = []
 
     def walk(module: nn.Module, prefix: str) -> None:
         if any(re.search(p, prefix) for p in patterns):
             return
         if isinstance(module, _LAYERS):
-            for t in (*module.parameters(), *module.buffers()):
-                if t.is_floating_point():
-                    found[id(t)] = stored
+            layers.append(module)
             return
         for name, child in module.named_children():
             walk(child, f"{prefix}.{name}" if prefix else name)
 
     walk(root, "")
-    return found
+    return layers
+
+
+def cast_tensors(root: nn.Module, stored: torch.dtype) -> dict[int, torch.dtype]:
+    """``id(tensor) -> stored dtype`` for every tensor of ``root`` that diffusers' layerwise
+    casting would store in ``stored`` (the floating-point parameters and buffers of
+    :func:`cast_layers`). Reads ``root``, changes nothing."""
+    return {id(t): stored for layer in cast_layers(root)
+            for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point()}
 
 
 class StoredLayers:
@@ -120,7 +130,7 @@ class StoredLayers:
     def undo(self) -> None:
         """A failed setup: hooks off, the original tensors back."""
         for module, _compute, originals in self.layers:
-            _unhook(module)
+            unhook_layerwise_casting(module)
             for t, data in originals:
                 t.data = data
         self.layers = []
@@ -130,17 +140,18 @@ class StoredLayers:
         (every 8-bit-stored weight comes back with its 8-bit value, so the model computes what
         it computed while offloaded)."""
         for module, compute, _originals in self.layers:
-            _unhook(module)
+            unhook_layerwise_casting(module)
             module.to(dtype=compute)
         self.layers = []
 
 
-def _unhook(module: nn.Module) -> None:
-    registry = HookRegistry.check_if_exists_or_initialize(module)
-    hook = registry.get_hook(_LAYERWISE_CASTING_HOOK)
+def unhook_layerwise_casting(module: nn.Module) -> None:
+    """Take diffusers' layerwise casting hook off ``module`` (not its children), leaving its
+    tensors as they are: diffusers' hook refuses to undo its cast (it would lose precision), so
+    the caller puts the tensors it wants back itself."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
     if hook is not None:
-        # diffusers' hook refuses to undo its cast (it would lose precision); the caller puts
-        # the tensors back itself.
         hook.deinitalize_hook = lambda m: m
         registry.remove_hook(_LAYERWISE_CASTING_HOOK, recurse=False)
 
@@ -154,22 +165,12 @@ def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_bl
     stored = StoredLayers()
     if not hasattr(root, "enable_layerwise_casting"):
         return stored
-    patterns = skip_patterns(root)
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        if any(re.search(p, prefix) for p in patterns):
-            return
-        if isinstance(module, _LAYERS):
-            tensors = [t for t in (*module.parameters(), *module.buffers()) if id(t) in cast]
-            if tensors and not any(id(t) in in_blocks for t in tensors):
-                compute = tensors[0].dtype
-                stored.layers.append((module, compute, [(t, t.data) for t in tensors]))
-                apply_layerwise_casting_hook(module, cast[id(tensors[0])], compute, non_blocking=False)
-            return
-        for name, child in module.named_children():
-            walk(child, f"{prefix}.{name}" if prefix else name)
-
-    walk(root, "")
+    for layer in cast_layers(root):
+        tensors = [t for t in (*layer.parameters(), *layer.buffers()) if id(t) in cast]
+        if tensors and not any(id(t) in in_blocks for t in tensors):
+            compute = tensors[0].dtype
+            stored.layers.append((layer, compute, [(t, t.data) for t in tensors]))
+            apply_layerwise_casting_hook(layer, cast[id(tensors[0])], compute, non_blocking=False)
     return stored
 
 

@@ -98,6 +98,7 @@ from ..residency import format_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank
+from ..storage import unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from ..transfer.groups import ComponentFacts, GroupSession
 from ..transfer.sharding import plan_shards
@@ -439,11 +440,7 @@ def layerwise_casting(model: nn.Module) -> Callable[[], None]:
 
     def undo() -> None:
         for module in model.modules():
-            registry = getattr(module, "_diffusers_hook", None)
-            hook = registry.get_hook("layerwise_casting") if registry is not None else None
-            if hook is not None:
-                hook.deinitalize_hook = lambda m: m  # it refuses to undo its cast; the data goes back below
-                registry.remove_hook("layerwise_casting", recurse=False)
+            unhook_layerwise_casting(module)
         for t, data in originals:
             t.data = data
 
@@ -723,7 +720,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
         base = compiled_ms if variant.startswith("compiled") and compiled_ms else res_ms
         if variant.startswith("fp8") and fp8_ms:
             base = fp8_ms
-        if variant.startswith("compiled") or variant.startswith("fp8"):
+        if variant.startswith(("compiled", "fp8")):
             floor = base
         if ("@" in variant or variant.startswith(("compiled-streamed", "fp8-streamed", "fp8-allgather"))) and opts.bandwidth:
             # The forward's floor: the compute, or copying the streamed bytes once a forward.
