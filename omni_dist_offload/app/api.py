@@ -203,6 +203,17 @@ class Omni:
         """The same as typed rows."""
         return self.handle.summary_rows() if self.handle is not None else []
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether the ranks must run the same forwards at the same shapes together: True when
+        a streamed ring moves its blocks with a collective (``weight_transfer`` is
+        ``"allgather"`` after any fallback), so every rank of its weight group must enter every
+        fill. Rank-local rings (and any transfer that never waits for another rank) leave each
+        rank free to run its own work. The same on every rank: fallbacks are agreed across
+        ranks at setup. Front-ends read it to choose between waves and free work sharing
+        (``dp.py``, [Note: waves] in ``serve/service.py``)."""
+        return any(row.weight_transfer == "allgather" for row in self.summary_rows())
+
     def components(self) -> dict[str, nn.Module]:
         """The pipeline's module components by attribute name."""
         return module_components(self.pipeline)
