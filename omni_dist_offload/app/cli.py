@@ -40,7 +40,7 @@ from ..runtime.logs import current_rank, rank_prefix, setup_logging
 from ..tools import bench
 from ..trace import summary_line
 from .api import GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage
-from .dp import plan_jobs, run_jobs
+from .dp import run_prompts
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
 
@@ -287,14 +287,11 @@ def _cmd_generate(plan: RunPlan) -> int:
     setup_logging()
     ctx = maybe_init_dist(plan.device)
     try:
-        jobs = plan_jobs(plan.prompts, plan.seed, ctx.rank, ctx.world_size)
-        logger.info("%d prompt(s) on %d rank(s): %d wave(s), this rank runs prompts %s",
-                    len(plan.prompts), ctx.world_size, len(jobs),
-                    [j.index for j in jobs if not j.padding])
         with _load(plan) as omni:
             omni.call_kwargs(**plan.sampling.to_kwargs())  # an option it does not take: exit 2 now
-            report = run_jobs(omni, jobs, ctx, sampling=plan.sampling, output_dir=plan.output_dir,
-                              video_format=plan.video_format, fps=plan.fps)
+            # Waves or free work sharing, by whether a ring needs lockstep (omni.lockstep).
+            report = run_prompts(omni, plan.prompts, plan.seed, ctx, sampling=plan.sampling,
+                                 output_dir=plan.output_dir, video_format=plan.video_format, fps=plan.fps)
             if ctx.is_main:
                 print(report.line(ctx.world_size, omni.timings.setup_s), flush=True)
                 if omni.handle is not None and any(r.tracer is not None for r in omni.handle.rings):

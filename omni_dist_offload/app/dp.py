@@ -1,33 +1,51 @@
 """Data-parallel generation under torchrun: one process per device, prompts split across ranks.
 
-Every rank runs the same number of pipeline calls with the same sizes and steps, in lockstep:
-prompts go out in waves of ``world_size``, and the last wave is padded with repeats whose
-outputs are discarded. The ``allgather`` weight transfer needs this, since each block's
-all-gather is a collective that every rank of the group must enter. Prompt ``k`` is generated
-with seed ``base_seed + k`` and written as ``<k>.<ext>``, whatever the number of ranks.
+Prompt ``k`` is generated with seed ``base_seed + k`` and written as ``<k>.<ext>`` (its sidecar
+names the rank that ran it), whatever the number of ranks and whichever rank runs it, so the
+outputs are those of one process. :func:`run_prompts` picks how the prompts are shared:
 
-With one process (``runtime.dist.maybe_init_dist`` does nothing) the same loop runs alone.
+- **Free** (``Omni.lockstep`` is False: every ring streams without a collective): each rank takes
+  the next prompt index as soon as it is free, from an atomic counter in the process group's
+  c10d store (``store.add`` on a key unique to the run, named by a nonce rank 0 broadcasts). No
+  rank waits for another and nothing is padded: a rank that finishes early takes more. Without a store (a process group started without one) the split is static, prompt
+  ``k`` to rank ``k % world_size``, still without padding.
+- **Lockstep** (``Omni.lockstep`` is True: an ``allgather`` ring rebuilds each block with a
+  collective that every rank of its weight group must enter): every rank runs the same number
+  of pipeline calls with the same sizes and steps, together. Prompts go out in waves of
+  ``world_size`` (:func:`plan_jobs`), and the last wave is padded with repeats whose outputs
+  are discarded.
+
+Either way the run ends with the totals over all ranks (outputs, the slowest rank's time), which
+is also a barrier. With one process (``runtime.dist.maybe_init_dist`` does nothing) the same loop
+runs alone.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ..runtime.dist import DistContext
 from .api import Omni, SamplingOptions
 from .outputs import VideoFormat
 
-__all__ = ["PromptJob", "RunReport", "plan_jobs", "run_jobs"]
+__all__ = ["PromptJob", "RunReport", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts",
+           "static_indices"]
 
 logger = logging.getLogger(__name__)
+
+# Prefix of the store keys whose counters hand out prompt indices (one key per run).
+_CLAIM_KEY = "omni_offload/dp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,17 +56,16 @@ class PromptJob:
     """Global prompt index: names the output and sets the seed. For padding, past the end."""
     prompt: str
     seed: int
-    wave: int
+    wave: int | None = None
+    """Lockstep: the wave it runs in; None when ranks take prompts as they are free."""
     padding: bool = False
     """A repeat that keeps this rank in lockstep with the others; its output is discarded."""
 
 
 def plan_jobs(prompts: Sequence[str], base_seed: int, rank: int, world_size: int) -> list[PromptJob]:
-    """This rank's jobs: prompt ``wave * world_size + rank`` in each wave, padded in the last.
-
-    Every rank gets ``ceil(len(prompts) / world_size)`` jobs."""
-    if not prompts:
-        raise ValueError("no prompts to generate: give --prompt or a non-empty --prompts-file.")
+    """This rank's jobs in lockstep: prompt ``wave * world_size + rank`` in each wave, padded in
+    the last. Every rank gets ``ceil(len(prompts) / world_size)`` jobs."""
+    _check_prompts(prompts)
     waves = math.ceil(len(prompts) / world_size)
     jobs = []
     for wave in range(waves):
@@ -59,6 +76,11 @@ def plan_jobs(prompts: Sequence[str], base_seed: int, rank: int, world_size: int
         jobs.append(PromptJob(index=index, prompt=prompt, seed=base_seed + index, wave=wave,
                               padding=padding))
     return jobs
+
+
+def static_indices(total: int, rank: int, world_size: int) -> range:
+    """The prompts of ``rank`` when no store hands them out: ``k % world_size == rank``, no padding."""
+    return range(rank, total, world_size)
 
 
 @dataclass(slots=True)
@@ -88,6 +110,42 @@ class RunReport:
                 f"{ranks}{compiling}: {self.per_minute:.2f} {self.kind}s/min (setup {setup_s:.1f} s, not counted)")
 
 
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """Where and how a run writes its outputs."""
+
+    sampling: SamplingOptions
+    output_dir: Path
+    video_format: VideoFormat
+    fps: int | None
+
+
+def run_prompts(
+    omni: Omni,
+    prompts: Sequence[str],
+    base_seed: int,
+    ctx: DistContext,
+    *,
+    sampling: SamplingOptions,
+    output_dir: Path,
+    video_format: VideoFormat = "auto",
+    fps: int | None = None,
+) -> RunReport:
+    """Generate every prompt once over the ranks: free when no ring needs lockstep
+    (:func:`run_free`), else in padded waves (:func:`plan_jobs`, :func:`run_jobs`)."""
+    _check_prompts(prompts)
+    if ctx.world_size > 1 and not omni.lockstep:
+        return run_free(omni, prompts, base_seed, ctx, sampling=sampling, output_dir=output_dir,
+                        video_format=video_format, fps=fps)
+    jobs = plan_jobs(prompts, base_seed, ctx.rank, ctx.world_size)
+    if ctx.world_size > 1:
+        logger.info("%d prompt(s) on %d ranks in lockstep (a ring gathers its weights across ranks): "
+                    "%d wave(s), this rank runs prompts %s", len(prompts), ctx.world_size, len(jobs),
+                    [j.index for j in jobs if not j.padding])
+    return run_jobs(omni, jobs, ctx, sampling=sampling, output_dir=output_dir, video_format=video_format,
+                    fps=fps)
+
+
 def run_jobs(
     omni: Omni,
     jobs: Sequence[PromptJob],
@@ -98,28 +156,118 @@ def run_jobs(
     video_format: VideoFormat = "auto",
     fps: int | None = None,
 ) -> RunReport:
-    """Generate this rank's jobs in order, write real outputs, discard padding, and total up."""
-    report = RunReport()
-    options = sampling.to_kwargs()
+    """Lockstep: generate this rank's jobs in order, write real outputs, discard padding, and
+    total up."""
+    out = _Output(sampling, output_dir, video_format, fps)
+    report = RunReport(kind=_output_kind(omni))
     start = time.perf_counter()
     for job in jobs:
-        job_start = time.perf_counter()
-        result = omni.generate(job.prompt, seed=job.seed, name=f"{job.index:05d}", fps=fps, **options)
-        report.kind = result.kind
-        report.compile_s += result.metadata["timings"].get("compile_s") or 0.0
-        if job.padding:
-            logger.info("wave %d/%d: padding call done (%.1f s), output discarded",
-                        job.wave + 1, len(jobs), time.perf_counter() - job_start)
-            continue
-        result.metadata.update(index=job.index, rank=ctx.rank, world_size=ctx.world_size)
-        saved = result.save(output_dir, video_format=video_format)
-        report.written.append(saved.media)
-        report.local_count += 1
-        logger.info("wave %d/%d: prompt %d %r -> %s (%.1f s)", job.wave + 1,
-                    len(jobs), job.index, job.prompt, saved.media, time.perf_counter() - job_start)
+        where = f"wave {job.wave + 1}/{len(jobs)}: " if job.wave is not None else ""
+        _generate(omni, job, ctx, out, report, where)
     report.elapsed_s = time.perf_counter() - start
     report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
     return report
+
+
+def run_free(
+    omni: Omni,
+    prompts: Sequence[str],
+    base_seed: int,
+    ctx: DistContext,
+    *,
+    sampling: SamplingOptions,
+    output_dir: Path,
+    video_format: VideoFormat = "auto",
+    fps: int | None = None,
+) -> RunReport:
+    """Each rank takes the next prompt as soon as it is free (:func:`claim_indices`); no
+    padding, no waiting. Collective at the start (the run's key) and at the end (the totals)."""
+    _check_prompts(prompts)
+    out = _Output(sampling, output_dir, video_format, fps)
+    report = RunReport(kind=_output_kind(omni))
+    logger.info("%d prompt(s) on %d rank(s), each rank taking the next prompt when it is free "
+                "(no ring gathers its weights, so no lockstep)", len(prompts), ctx.world_size)
+    ran = []
+    start = time.perf_counter()
+    for index in claim_indices(len(prompts), ctx):
+        job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
+        _generate(omni, job, ctx, out, report, "")
+        ran.append(index)
+    report.elapsed_s = time.perf_counter() - start
+    report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
+    _log_by_rank(ran, ctx)
+    return report
+
+
+def claim_indices(total: int, ctx: DistContext) -> Iterator[int]:
+    """The prompt indices this rank runs, each claimed when the rank is ready for it: every
+    index in ``range(total)`` goes to exactly one rank. Collective when it starts (all ranks
+    must call it): rank 0 names the run's counter."""
+    store = None
+    if ctx.backend is not None:
+        store = _default_store()
+        box = [f"{_CLAIM_KEY}/{secrets.token_hex(8)}" if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # a key of this run's own, whatever the store held
+        key = box[0]
+    if store is None:
+        if ctx.world_size > 1:
+            logger.warning("no c10d store to share prompts through: prompt k goes to rank k %% %d, "
+                           "no padding", ctx.world_size)
+        yield from static_indices(total, ctx.rank, ctx.world_size)
+        return
+    while (index := store.add(key, 1) - 1) < total:
+        yield index
+
+
+def _generate(omni: Omni, job: PromptJob, ctx: DistContext, out: _Output, report: RunReport,
+              where: str) -> None:
+    """Run one job; write its output unless it is padding; count it in ``report``. ``where``
+    starts its log line (the wave, in lockstep)."""
+    start = time.perf_counter()
+    result = omni.generate(job.prompt, seed=job.seed, name=f"{job.index:05d}", fps=out.fps,
+                           **out.sampling.to_kwargs())
+    report.kind = result.kind
+    report.compile_s += result.metadata["timings"].get("compile_s") or 0.0
+    if job.padding:
+        logger.info("%spadding call done (%.1f s), output discarded", where, time.perf_counter() - start)
+        return
+    result.metadata.update(index=job.index, rank=ctx.rank, world_size=ctx.world_size)
+    saved = result.save(out.output_dir, video_format=out.video_format)
+    report.written.append(saved.media)
+    report.local_count += 1
+    logger.info("%sprompt %d %r -> %s (%.1f s)", where, job.index, job.prompt, saved.media,
+                time.perf_counter() - start)
+
+
+def _default_store() -> dist.Store | None:
+    """The default process group's store, where this torch has one to give (a private helper
+    of torch's, so its absence is not an error)."""
+    get_store = getattr(distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        return None
+    try:
+        return get_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _log_by_rank(ran: list[int], ctx: DistContext) -> None:
+    """Rank 0 logs which prompts each rank ran (a collective: every rank calls it)."""
+    if ctx.backend is None:
+        return
+    everyone: list[list[int] | None] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, ran)
+    logger.info("prompts by rank: %s", "; ".join(f"rank {r} {indices}" for r, indices in enumerate(everyone)))
+
+
+def _output_kind(omni: Omni) -> str:
+    """``video`` or ``image``, before anything is generated (a rank may generate nothing)."""
+    return "video" if "num_frames" in inspect.signature(omni.pipeline.__call__).parameters else "image"
+
+
+def _check_prompts(prompts: Sequence[str]) -> None:
+    if not prompts:
+        raise ValueError("no prompts to generate: give --prompt or a non-empty --prompts-file.")
 
 
 def _reduce_totals(count: int, elapsed_s: float, ctx: DistContext) -> tuple[int, float]:

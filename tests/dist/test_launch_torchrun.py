@@ -1,5 +1,6 @@
 """Data-parallel generation under torchrun on CPU (gloo): two ranks write the same outputs as
-one, with rank-local weights and with allgather (a padded wave in lockstep)."""
+one, with rank-local weights (each rank takes the next prompt when free) and with allgather (a
+padded wave in lockstep); the free split itself on two ranks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,12 @@ import pytest
 import torch
 
 from media import read_frames
+from omni_dist_offload import Omni
+from omni_dist_offload.app import dp
+from omni_dist_offload.app.api import SamplingOptions
 from omni_dist_offload.app.cli import main
+from omni_dist_offload.runtime.dist import DistContext
+from ranks import Rank, run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red fox", "a cat on a boat", "a dog in the rain", "a bird over the sea"]
@@ -56,9 +63,15 @@ def test_torchrun_two_ranks_four_prompts_match_one_rank(tmp_path, one_rank) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "generated 4 videos in" in last and "on 2 ranks" in last and "videos/min" in last
+    # Rank-local weights: each rank took the next prompt when free, so which rank ran which
+    # varies; the names and seeds do not, and nothing was padded.
     metas = [json.loads((tmp_path / "two" / f"{k:05d}.json").read_text()) for k in range(4)]
-    assert [(m["index"], m["rank"], m["world_size"], m["seed"]) for m in metas] == [
-        (0, 0, 2, 100), (1, 1, 2, 101), (2, 0, 2, 102), (3, 1, 2, 103)]
+    assert [(m["index"], m["world_size"], m["seed"]) for m in metas] == [
+        (0, 2, 100), (1, 2, 101), (2, 2, 102), (3, 2, 103)]
+    by_rank = {r: [m["index"] for m in metas if m["rank"] == r] for r in (0, 1)}
+    assert f"prompts by rank: rank 0 {by_rank[0]}; rank 1 {by_rank[1]}" in proc.stderr
+    assert "each rank taking the next prompt when it is free" in proc.stderr
+    assert "padding" not in proc.stderr and "wave" not in proc.stderr
     assert [m["prompt"] for m in metas] == PROMPTS
     videos = [read_frames(tmp_path / "two" / f"{k:05d}.gif") for k in range(4)]
     assert all(v.shape == (5, 32, 32, 3) for v in videos)
@@ -80,3 +93,44 @@ def test_torchrun_allgather_runs_the_padded_wave_in_lockstep(tmp_path, one_rank)
     for k in range(3):  # gathered weights are the same bytes: outputs equal the one-rank run
         assert np.array_equal(read_frames(one_rank / f"{k:05d}.gif"),
                               read_frames(tmp_path / "two" / f"{k:05d}.gif")), k
+
+
+def free_split(rank: Rank, out_dir: str) -> dict:
+    """Five prompts, rank-local weights: rank 0's first call waits until the other four are
+    written, so rank 1 must take them all; then the static split a run without a store falls
+    back to."""
+    omni = Omni("tiny-flux", {"mode": "layer", "components": ["dit"]}, progress=False)
+    ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
+    generate, ran = omni.generate, []
+
+    def tracked(prompt: str, *, name: str, **kwargs):
+        if rank.rank == 0 and not ran:
+            deadline = time.monotonic() + 60
+            while len(list(Path(out_dir, "free").glob("*.png"))) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        ran.append(int(name))
+        return generate(prompt, name=name, **kwargs)
+
+    omni.generate = tracked
+    prompts = [f"prompt {k}" for k in range(5)]
+    sampling = SamplingOptions(num_inference_steps=1)
+    free = dp.run_prompts(omni, prompts, 7, ctx, sampling=sampling, output_dir=Path(out_dir, "free"))
+    free_ran, ran[:] = list(ran), []
+    dp._default_store = lambda: None  # no store: the static split, still unpadded
+    static = dp.run_prompts(omni, prompts, 7, ctx, sampling=sampling, output_dir=Path(out_dir, "static"))
+    omni.close()
+    return {"free": free_ran, "static": list(ran), "totals": [free.total_count, static.total_count]}
+
+
+def test_free_ranks_take_the_next_prompt_when_free_and_write_each_once(tmp_path) -> None:
+    results = run_ranks(free_split, 2, args=(str(tmp_path),))
+    (free0, free1) = (sorted(r["free"]) for r in results)
+    assert len(free0) == 1 and sorted(free0 + free1) == [0, 1, 2, 3, 4]  # no padding, none twice
+    assert [r["static"] for r in results] == [[0, 2, 4], [1, 3]]
+    assert [r["totals"] for r in results] == [[5, 5], [5, 5]]
+    for split in ("free", "static"):
+        metas = [json.loads((tmp_path / split / f"{k:05d}.json").read_text()) for k in range(5)]
+        assert [(m["index"], m["seed"], m["prompt"]) for m in metas] == [(k, 7 + k, f"prompt {k}") for k in range(5)]
+        assert sorted(p.name for p in (tmp_path / split).iterdir()) == [
+            f"{k:05d}.{ext}" for k in range(5) for ext in ("json", "png")]
+    assert [m for m in range(5) if json.loads((tmp_path / "free" / f"{m:05d}.json").read_text())["rank"] == 0] == free0
