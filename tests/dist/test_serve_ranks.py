@@ -1,9 +1,11 @@
-"""``omni-offload serve`` on two ranks under torchrun (gloo): concurrent requests in waves,
-padding, and SIGTERM stopping every rank. One rank: unit/test_serve.py."""
+"""``omni-offload serve`` on two ranks under torchrun (gloo): with rank-local weights each rank
+takes the next request when free (any size, no padding); with allgather weights the ranks run
+padded waves in lockstep; SIGTERM stops every rank either way. One rank: unit/test_serve.py."""
 
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,25 +18,69 @@ pytest.importorskip("prometheus_client")
 
 from serving import IMAGES, Server, call, decode, metric, reference  # noqa: E402
 
+ALLGATHER = ('{"mode":"layer","components":["dit","text_encoder"],'
+             '"layer_options":{"dit":{"weight_transfer":"allgather"}}}')
 
-def test_two_ranks_answer_8_concurrent_requests_then_stop_on_sigterm(tmp_path) -> None:
-    server = Server(tmp_path, "tiny-flux", "--wave-wait", "0.5", ranks=2)
+
+def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path) -> None:
+    server = Server(tmp_path, "tiny-flux", ranks=2)  # the tests' config streams rank-local
     try:
-        seeds = list(range(100, 108))
+        seeds, sizes = list(range(100, 108)), ["16x16", "32x16"] * 4
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda s: call(server.port, IMAGES, {"prompt": "a red fox", "seed": s}),
-                                    seeds))
+            answers = list(pool.map(lambda s, z: call(server.port, IMAGES, {"prompt": "a red fox", "seed": s,
+                                                                             "size": z}), seeds, sizes))
         assert [status for status, _ in answers] == [200] * 8
-        assert len({body["id"] for _, body in answers}) == 8
-        assert [body["data"][0]["seed"] for _, body in answers] == seeds
-        for (_, body), want in zip(answers, reference("tiny-flux", seeds), strict=True):
-            assert np.array_equal(decode(body["data"][0]), want)  # each its own seed's image
+        assert [(body["data"][0]["seed"], body["data"][0]["size"]) for _, body in answers] == list(zip(seeds, sizes))
+        wants = {16: reference("tiny-flux", seeds[0::2]), 32: reference("tiny-flux", seeds[1::2], width=32, height=16)}
+        for k, (_, body) in enumerate(answers):  # each its own seed's image, whichever rank ran it
+            assert np.array_equal(decode(body["data"][0]), wants[16 if k % 2 == 0 else 32][k // 2])
         text = call(server.port, "/metrics")[1]
         assert metric(text, "omni_serve_outputs_total", kind="image") == 8
-        assert metric(text, "omni_serve_world_size") == 2
+        assert (metric(text, "omni_serve_lockstep"), metric(text, "omni_serve_ranks_serving")) == (0, 2)
+        # Each slot is a wave of one, never padded.
+        assert (metric(text, "omni_serve_waves_total"), metric(text, "omni_serve_padded_slots_total")) == (8, 0)
+        out = server.output()
+        assert "each taking the next request when free" in out and "padding" not in out
+        assert re.search(r"^\[rank1\] image req-\S+ done in", out, re.M)  # rank 1 generated
+        assert re.search(r"^\[rank0\] image on rank 1 \(", out, re.M) and "image on rank 0 (" in out
+
+        # SIGTERM while both ranks run a slow slot and more wait: the running ones finish, the
+        # queued ones get 503, every rank (and torchrun) exits 0.
+        slow = {"prompt": "a red fox", "num_inference_steps": 40, "size": "64x64"}
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(call, server.port, IMAGES, {**slow, "seed": s}) for s in range(6)]
+            deadline = time.monotonic() + 60
+            while call(server.port, "/health")[1]["queue_depth"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
+            codes = sorted(f.result()[0] for f in futures)
+        assert codes.count(200) >= 2 and codes[-1] == 503 and set(codes) == {200, 503}, codes
+        assert re.search(r"^\[rank0\] stopped$", server.output(), re.M)
+        assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
+    finally:
+        server.kill()
+
+
+def test_allgather_ranks_answer_in_padded_waves_then_stop_on_sigterm(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OMNI_OFFLOAD_ALLOW_GLOO", "1")  # gloo gathers on the CPU
+    server = Server(tmp_path, "tiny-flux", "--diffusion-offload-config", ALLGATHER, "--wave-wait", "0.5",
+                    ranks=2)
+    try:
+        seeds = list(range(100, 104))
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda s: call(server.port, IMAGES, {"prompt": "a red fox", "seed": s}),
+                                    seeds))
+        assert [status for status, _ in answers] == [200] * 4
+        assert [body["data"][0]["seed"] for _, body in answers] == seeds
+        for (_, body), want in zip(answers, reference("tiny-flux", seeds), strict=True):
+            assert np.array_equal(decode(body["data"][0]), want)  # gathered weights: the same bytes
+        text = call(server.port, "/metrics")[1]
+        assert metric(text, "omni_serve_outputs_total", kind="image") == 4
+        assert metric(text, "omni_serve_lockstep") == 1
         waves, padded = metric(text, "omni_serve_waves_total"), metric(text, "omni_serve_padded_slots_total")
-        assert 2 * waves - padded == 8
-        assert "[rank1]" in server.output() and "wave of 2 image(s) + 0 padding" in server.output()
+        assert 2 * waves - padded == 4
+        assert "in padded waves" in server.output() and "wave of 2 image(s) + 0 padding" in server.output()
 
         # A lone request starts padded after --wave-wait.
         assert call(server.port, IMAGES, {"prompt": "a cat", "seed": 1})[0] == 200

@@ -376,6 +376,81 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
         assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="200") == 1  # "kept" only
 
 
+class _Follower:
+    """Rank 0's end of a link to a follower simulated in this process: it answers a slot with a
+    step of progress, then (once ``wait_for`` is set) a canned image; or, ``dies``, it fails
+    as a link to a dead rank does."""
+
+    def __init__(self, peer: int, jobs: dict, *, dies: bool = False,
+                 wait_for: threading.Event | None = None) -> None:
+        self.peer, self.jobs, self.dies, self.wait_for = peer, jobs, dies, wait_for
+        self.sent, self.progress_seen, self._steps = [], [], []
+        self.took, self.done = threading.Event(), threading.Event()
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+        self.took.set()
+        self._steps = [0.5]
+
+    def recv(self):
+        from omni_dist_offload.app.serve.service import SlotResult
+
+        if self.dies:
+            self.done.set()
+            raise RuntimeError("Connection closed by peer")
+        if self._steps:
+            return self._steps.pop()
+        assert self.wait_for is None or self.wait_for.wait(30)
+        self.progress_seen.append(self.jobs[self.sent[-1].name].progress)
+        self.done.set()
+        return SlotResult(media=b"fake", suffix=".png", metadata={"rank": self.peer})
+
+
+def test_free_ranks_take_slots_as_they_come_and_a_failing_rank_is_left_out(caplog) -> None:
+    from omni_dist_offload.app.serve.metrics import ServeMetrics
+    from omni_dist_offload.app.serve.service import GenerationFailed
+
+    omni = Omni("tiny-flux", CONFIG, progress=False)  # streams rank-local: no lockstep
+    jobs: dict = {}
+    dead = _Follower(2, jobs, dies=True)
+    live = _Follower(1, jobs, wait_for=dead.took)
+    generate = omni.generate
+
+    def gated(prompt: str, **kwargs):  # rank 0 holds its first slot until both followers took one
+        assert live.done.wait(30) and dead.done.wait(30)
+        return generate(prompt, **kwargs)
+
+    omni.generate = gated
+    service = Service(omni, DistContext(rank=0, world_size=3), ServeOptions(), None, links=[live, dead])
+    service.metrics = ServeMetrics(service)
+    assert service.free and not service.lockstep
+    loop = threading.Thread(target=service.run)
+    loop.start()
+    try:
+        first = service.submit([_slot(s, height=16 * (1 + s % 2)) for s in range(3)])  # two shapes
+        for job in first:
+            jobs[job.slot.name] = job
+        outcomes = [job.future.exception(timeout=60) for job in first]
+        failed = [e for e in outcomes if e is not None]
+        assert len(failed) == 1 and isinstance(failed[0], GenerationFailed)
+        assert "rank 2 failed while generating: RuntimeError: Connection closed by peer" in str(failed[0])
+        assert "rank 2 failed" in caplog.text and service.ranks_serving() == 2
+        assert live.progress_seen[0] == 0.5  # the follower's step progress reached its job
+        more = service.submit([_slot(s) for s in range(10, 14)])  # served on, without rank 2
+        for job in more:
+            jobs[job.slot.name] = job
+        assert all(job.future.result(timeout=60).media for job in more)
+        text = service.metrics.exposition().decode()
+        assert metric(text, "omni_serve_waves_total") == 6 and metric(text, "omni_serve_padded_slots_total") == 0
+        assert metric(text, "omni_serve_ranks_serving") == 2 and metric(text, "omni_serve_lockstep") == 0
+    finally:
+        service.request_stop()
+        loop.join(timeout=30)
+        omni.close()
+    assert not loop.is_alive()
+    assert live.sent[-1] is None and None not in dead.sent and len(dead.sent) == 1  # a stop for the live one
+
+
 def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
     import socket
 

@@ -1,4 +1,11 @@
-"""The service's Prometheus metrics (``GET /metrics``), in a registry of its own."""
+"""The service's Prometheus metrics (``GET /metrics``), in a registry of its own.
+
+With free ranks (no lockstep, see [Note: waves] in ``service.py``) every slot counts as a wave
+of one without padding: ``omni_serve_waves_total`` counts slots run, ``omni_serve_wave_seconds``
+times each slot on the rank that ran it, ``omni_serve_padded_slots_total`` stays 0.
+``omni_serve_lockstep`` says which mode runs; ``omni_serve_ranks_serving`` how many ranks take
+work (fewer than ``omni_serve_world_size`` once a free rank has failed).
+"""
 
 from __future__ import annotations
 
@@ -36,13 +43,19 @@ class ServeMetrics:
         self.abandoned = Counter("omni_serve_abandoned", "Images or videos of requests whose client "
                                  "went away: dropped from the queue (stage=queued) or generated and "
                                  "discarded (stage=running).", ["endpoint", "stage"], registry=r)
-        self.waves = Counter("omni_serve_waves", "Waves run (one slot per rank).", registry=r)
+        self.waves = Counter("omni_serve_waves", "Waves run (one slot per rank; free ranks: "
+                             "one slot each).", registry=r)
         self.padded = Counter("omni_serve_padded_slots", "Padding slots run to fill waves.", registry=r)
         self.wave_seconds = Histogram("omni_serve_wave_seconds", "Time of one wave, broadcast to "
-                                      "gather.", buckets=_LATENCY_BUCKETS, registry=r)
+                                      "gather (free ranks: of one slot, sent to answered).",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         Gauge("omni_serve_queue_depth", "Images or videos queued, not yet in a wave.",
               registry=r).set_function(service.queue.depth)
         Gauge("omni_serve_world_size", "Ranks that generate.", registry=r).set(service.ctx.world_size)
+        Gauge("omni_serve_lockstep", "1: the ranks run in padded waves (a ring gathers its "
+              "weights); 0: each rank takes the next slot when free.", registry=r).set(int(service.lockstep))
+        Gauge("omni_serve_ranks_serving", "Ranks taking work: the world size, less free ranks "
+              "that failed.", registry=r).set_function(service.ranks_serving)
         self._offload_gauges(service)
 
     def _offload_gauges(self, service: Service) -> None:
@@ -59,13 +72,16 @@ class ServeMetrics:
         self.trace_forward = Gauge("omni_offload_forward_seconds", "Trace (OMNI_OFFLOAD_TRACE=1): "
                                    "the last forward of each ring (rank 0).", labels, registry=self.registry)
 
-    def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Omni) -> None:
-        """Called by rank 0's generation loop after each wave."""
+    def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Omni | None) -> None:
+        """Called by rank 0 after each wave (free ranks: each slot), from its generation loop
+        or, for a slot another rank ran, from that rank's dispatcher thread (``omni`` None).
+        Thread-safe: prometheus_client's counters and histograms lock, and only the generation
+        loop, which ran the slot on this rank, reads the offload trace."""
         self.waves.inc()
         self.padded.inc(padded)
         self.outputs.labels(kind).inc(done)
         self.wave_seconds.observe(seconds)
-        handle = omni.handle
+        handle = omni.handle if omni is not None else None
         if handle is not None and handle.rings and all(r.tracer is not None for r in handle.rings):
             for row in handle.trace_report():
                 self.trace_wait.labels(row["component"]).set(row["exposed_wait_ms"] / 1e3)

@@ -1,5 +1,6 @@
 """Starting ``omni-offload serve``: join the ranks, build the pipeline, run the HTTP front-end on
-rank 0 and the wave loop on every rank, stop on SIGTERM. See [Note: waves] in ``service.py``."""
+rank 0 and the generation loop on every rank, stop on SIGTERM. See [Note: waves] in
+``service.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ...runtime.dist import DistContext, destroy_dist, maybe_init_dist
 from ..api import Omni
 from .http import HttpServer
 from .metrics import ServeMetrics
-from .service import _WAVE_GROUP_TIMEOUT, ServeOptions, Service, redact_prompts_in_logs
+from .service import _WAVE_GROUP_TIMEOUT, RankLink, ServeOptions, Service, redact_prompts_in_logs
 
 __all__ = ["run_serve"]
 
@@ -27,24 +28,40 @@ def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: Ser
         omni = omni_factory()
         redact_prompts_in_logs()  # every rank generates, so every rank's pipeline may log a prompt
         try:
-            # Every rank creates the group, in the same order, after the pipeline's own groups.
-            group = (dist.new_group(backend="gloo", timeout=_WAVE_GROUP_TIMEOUT)
-                     if ctx.world_size > 1 else None)
+            group, links = _service_groups(omni, ctx)
             if ctx.rank != 0:
                 signal.signal(signal.SIGTERM, _ignore_signal)
                 signal.signal(signal.SIGINT, _ignore_signal)
-                Service(omni, ctx, options, group).follow()
+                Service(omni, ctx, options, group, links=links).follow()
                 return 0
-            return _serve_rank0(omni, ctx, options, group)
+            return _serve_rank0(Service(omni, ctx, options, group, links=links))
         finally:
             omni.close()
     finally:
         destroy_dist(ctx)
 
 
-def _serve_rank0(omni: Omni, ctx: DistContext, options: ServeOptions,
-                 group: dist.ProcessGroup | None) -> int:
-    service = Service(omni, ctx, options, group)
+def _service_groups(omni: Omni, ctx: DistContext) -> tuple[dist.ProcessGroup | None, list[RankLink]]:
+    """The gloo groups the service talks over, beside the pipeline's own: in lockstep one group
+    of every rank for the waves; free, a two-rank group between rank 0 and each other rank (this
+    rank's ends of them). ``new_group`` is collective, so every rank creates every group, in the
+    same order, after the pipeline's (``omni.lockstep`` is the same on every rank)."""
+    if ctx.world_size == 1:
+        return None, []
+    if omni.lockstep:
+        return dist.new_group(backend="gloo", timeout=_WAVE_GROUP_TIMEOUT), []
+    links = []
+    for peer in range(1, ctx.world_size):
+        group = dist.new_group([0, peer], backend="gloo", timeout=_WAVE_GROUP_TIMEOUT)
+        if ctx.rank == 0:
+            links.append(RankLink(group, 0, peer))
+        elif ctx.rank == peer:
+            links.append(RankLink(group, peer, 0))
+    return None, links
+
+
+def _serve_rank0(service: Service) -> int:
+    omni, options = service.omni, service.options
     service.metrics = ServeMetrics(service)
     server = HttpServer(service)
     signal.signal(signal.SIGTERM, service.request_stop)
@@ -54,10 +71,13 @@ def _serve_rank0(omni: Omni, ctx: DistContext, options: ServeOptions,
             logger.error("could not listen on %s:%d (see the error above); stopping",
                          options.host, options.port)
             service.request_stop()
-            service.run()  # sends the stop wave
+            service.run()  # tells the other ranks to stop
             return 1
-        logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)", omni.model,
-                    service.limits.kind, options.host, options.port, ctx.world_size)
+        how = ("" if service.ctx.world_size == 1 else
+               ", in padded waves (a ring gathers its weights: lockstep)" if service.lockstep else
+               ", each taking the next request when free")
+        logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)%s", omni.model,
+                    service.limits.kind, options.host, options.port, service.ctx.world_size, how)
         service.run()
     finally:
         server.stop()
@@ -66,4 +86,4 @@ def _serve_rank0(omni: Omni, ctx: DistContext, options: ServeOptions,
 
 
 def _ignore_signal(signum: int, _frame: object) -> None:
-    logger.info("%s: waiting for rank 0's stop wave", signal.Signals(signum).name)
+    logger.info("%s: waiting for rank 0's stop message", signal.Signals(signum).name)

@@ -10,18 +10,35 @@ them.
 
 [Note: waves]
 Requests become *slots*, one pipeline call each (a request with ``n`` images is ``n`` slots with
-seeds ``seed .. seed + n - 1``). Rank 0's main thread is the only thread that generates (the
-pipeline is not thread-safe): it takes the oldest queued slot and every queued slot with the same
-shape key (kind, size, frames, steps, negative prompt or not), up to one per rank, waiting up to
-``--wave-wait`` for a partly filled wave to fill, then pads it with repeats whose outputs are
-dropped. The ``allgather`` weight transfer needs this: every rank of a wave runs the same number
-of forwards at the same shapes, in lockstep. Rank 0 broadcasts the wave over a gloo group of its
-own (beside the NCCL one), each rank runs its slot and encodes the media, and ``gather_object``
-brings the bytes back to rank 0, which answers. A wave of ``None`` tells the other ranks to stop.
+seeds ``seed .. seed + n - 1``). On rank 0 only the main thread generates (the pipeline is not
+thread-safe). How slots reach the other ranks depends on ``Omni.lockstep``, the same on every
+rank, and ``run.py`` creates the gloo groups (beside the pipeline's own) that mode needs:
 
-On SIGTERM (or SIGINT) rank 0 stops taking requests (503), finishes the running wave, answers the
-slots still queued with 503, sends the stop wave and closes the server; all ranks exit 0. Other
-ranks ignore the signal and wait for rank 0's stop wave.
+- **Free** (lockstep False: every ring streams rank-local, or by any transfer that never waits
+  for another rank), several ranks: no waves, no padding. Rank 0's main thread takes the oldest
+  queued slot, of any shape, runs it and answers it. For each other rank ``r`` a dispatcher
+  thread of rank 0 does the same for ``r``, over a two-rank gloo group of its own (``RankLink``;
+  distinct groups may be used from different threads): it sends the slot, relays the step
+  progress ``r`` sends back (videos only, one message a step, so ``Job.progress`` moves for
+  every rank's videos), and answers the ``SlotResult``. A rank takes the next slot the moment it
+  is free, so a long video on one rank does not hold up short images on the others. If a link
+  fails (its rank died), that slot gets :class:`GenerationFailed` (500), rank 0 logs an error,
+  and its dispatcher ends: the others serve on (``omni_serve_ranks_serving`` drops).
+- **Lockstep** (lockstep True: some ring gathers its weights with a collective, which every rank
+  of its weight group must enter, so every rank must run the same forwards at the same shapes
+  together), or one rank: waves. Rank 0's main thread takes the oldest queued slot and every
+  queued slot with the same shape key (kind, size, frames, steps, negative prompt or not), up to
+  one per rank, waiting up to ``--wave-wait`` for a partly filled wave to fill, then pads it with
+  repeats whose outputs are dropped. It broadcasts the wave over a gloo group of every rank,
+  each rank runs its slot and encodes the media, and ``gather_object`` brings the bytes back to
+  rank 0, which answers. ``Job.progress`` follows rank 0's slot, which runs the same steps.
+
+A slot whose client went away (its future was cancelled) is not run, in either mode.
+
+On SIGTERM (or SIGINT) rank 0 stops taking requests (503), lets the running slots finish (the
+wave; free: every rank's running slot), answers the slots still queued with 503, tells every
+other rank to stop (a wave of ``None``; free: ``None`` over each live link) and closes the
+server; all ranks exit 0. Other ranks ignore the signal and wait for rank 0's stop message.
 """
 
 from __future__ import annotations
@@ -56,6 +73,7 @@ __all__ = [
     "GenerationFailed",
     "ModelLimits",
     "QueueFull",
+    "RankLink",
     "ServeOptions",
     "Service",
     "ServiceUnavailable",
@@ -116,7 +134,8 @@ class ServeOptions:
     max_queue: int = 256
     """Slots waiting at most; beyond it requests get 503."""
     wave_wait_s: float = 0.1
-    """How long a wave that is not full waits for more slots of its shape (several ranks only)."""
+    """How long a wave that is not full waits for more slots of its shape (several ranks in
+    lockstep only: free ranks take slots as they come)."""
     output_dir: Path = Path("outputs")
     """Where ``"response_format": "path"`` outputs and their JSON sidecars are written."""
     video_format: Literal["mp4", "gif"] = "gif"
@@ -162,7 +181,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="queued images or videos at most, then 503 (default: %(default)s)")
     parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
                         help="seconds a wave that is not full waits for more requests of its "
-                        "shape before it starts padded (several ranks; default: %(default)s)")
+                        "shape before it starts padded (several ranks in lockstep, i.e. allgather weights; "
+                        "default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=d.output_dir,
                         help="where response_format=path outputs go (default: %(default)s)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
@@ -347,8 +367,9 @@ class Job:
     slot: Slot
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     progress: float = 0.0
-    """Fraction of the denoising steps done, written by rank 0's generation loop while the
-    job's wave runs (every slot of a wave runs the same steps)."""
+    """Fraction of the denoising steps done while the job runs: written by rank 0's generation
+    loop (in lockstep for the whole wave, whose slots all run the same steps), or, free, by the
+    dispatcher of the rank that runs it, from that rank's step messages (videos)."""
 
 
 class WaveQueue:
@@ -409,16 +430,41 @@ class WaveQueue:
 
 # -- the service -----------------------------------------------------------------------------
 class WaveObserver(Protocol):
-    """What the generation loop reports to after each wave (the HTTP front-end's metrics)."""
+    """What the generation loop reports to after each wave (the HTTP front-end's metrics).
+    Called from several threads of rank 0 when ranks are free (one per follower, besides the
+    main thread), so an observer must be thread-safe."""
 
-    def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Omni) -> None: ...
+    def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Omni | None) -> None: ...
+
+
+class RankLink:
+    """One end of a two-rank gloo group between rank 0 and one other rank (free ranks, see
+    [Note: waves]): objects go one way at a time, by a broadcast from the sending end."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, peer: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.peer = peer
+        """The rank at the other end."""
+
+    def send(self, message: Any) -> None:
+        dist.broadcast_object_list([message], src=self.rank, group=self.group)
+
+    def recv(self) -> Any:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self.peer, group=self.group)
+        return box[0]
 
 
 class Service:
-    """The warm pipeline, the wave queue and the loop that feeds the ranks."""
+    """The warm pipeline, the queue and the loop that feeds the ranks, in waves or free."""
 
     def __init__(self, omni: Omni, ctx: DistContext, options: ServeOptions,
-                 group: dist.ProcessGroup | None, metrics: WaveObserver | None = None) -> None:
+                 group: dist.ProcessGroup | None, metrics: WaveObserver | None = None, *,
+                 links: Sequence[RankLink] = ()) -> None:
+        """``group``: the gloo group of every rank that carries waves (lockstep only).
+        ``links``: free ranks only: on rank 0 one per other rank, on another rank the one to
+        rank 0."""
         self.omni = omni
         self.ctx = ctx
         self.options = options
@@ -426,8 +472,22 @@ class Service:
         self.queue = WaveQueue(options.max_queue)
         self.metrics = metrics
         self.started = time.time()
+        self.lockstep = omni.lockstep
+        """Whether the ranks run in padded waves ([Note: waves]); the same on every rank."""
         self._group = group
+        self._links = list(links)
+        self._lost: set[int] = set()
+        """Ranks that failed while generating (free ranks): they get no more work."""
         self._stop = threading.Event()
+
+    @property
+    def free(self) -> bool:
+        """Several ranks, each taking the next slot when it is free (no waves, no padding)."""
+        return self.ctx.world_size > 1 and not self.lockstep
+
+    def ranks_serving(self) -> int:
+        """Ranks that take work: all of them, less those lost (free ranks only lose any)."""
+        return self.ctx.world_size - len(self._lost)
 
     # -- front-end side (any thread) ---------------------------------------------------
     @property
@@ -444,26 +504,47 @@ class Service:
         return jobs
 
     def request_stop(self, *_: object) -> None:
-        """Stop after the running wave (a signal handler on rank 0)."""
+        """Stop after the running slots (a signal handler on rank 0)."""
         if not self._stop.is_set():
-            logger.info("stopping: finishing the running wave, refusing new work")
+            logger.info("stopping: finishing the running %s, refusing new work",
+                        "slots" if self.free else "wave")
         self._stop.set()
 
     # -- rank 0 ------------------------------------------------------------------------
     def run(self) -> None:
-        """Rank 0's generation loop: waves until a stop is requested, then the stop wave."""
+        """Rank 0's generation loop until a stop is requested: waves, or (free ranks) its own
+        slots while a thread per other rank hands that rank its slots. Then every rank is told
+        to stop."""
+        dispatchers = [threading.Thread(target=self._dispatch, args=(link,), name=f"serve-rank{link.peer}")
+                       for link in (self._links if self.free else [])]
+        for thread in dispatchers:
+            thread.start()
         try:
             while not self._stop.is_set():
+                if self.free:
+                    job = self._take()
+                    if job is not None:
+                        self._run_own(job)
+                    continue
                 wave = self.queue.next_wave(self.ctx.world_size, self.options.wave_wait_s, _POLL_S)
                 if wave:
                     self._run_wave(wave)
         finally:
+            self._stop.set()  # the dispatchers end too, should this loop have raised
             for job in self.queue.close():
                 if job.future.set_running_or_notify_cancel():
                     job.future.set_exception(ServiceUnavailable(
                         "the service shut down before this request ran: retry on a running service."))
-            if self.ctx.world_size > 1:
+            for thread in dispatchers:  # each finishes its rank's running slot, then sends the stop
+                thread.join()
+            if self.ctx.world_size > 1 and not self.free:
                 dist.broadcast_object_list([None], src=0, group=self._group)
+
+    def _take(self) -> Job | None:
+        """The oldest queued slot, of any shape, marked running; None if none came within the
+        poll interval or its client went away (its future was cancelled)."""
+        jobs = self.queue.next_wave(1, 0.0, _POLL_S)
+        return jobs[0] if jobs and jobs[0].future.set_running_or_notify_cancel() else None
 
     def _run_wave(self, wave: list[Job]) -> None:
         # A request whose client went away has cancelled its futures: its slots are not run.
@@ -482,20 +563,9 @@ class Service:
             for job in wave:
                 job.future.set_exception(GenerationFailed(f"the wave failed: {type(exc).__name__}: {exc}"))
             raise
-        # Metrics first, so that a client reading /metrics after its answer sees its outputs.
-        elapsed = time.perf_counter() - start
-        if self.metrics is not None:
-            done = sum(1 for r in results[:len(wave)] if r.error is None)
-            self.metrics.wave_done(self.limits.kind, done, len(padding), elapsed, self.omni)
         first = wave[0].slot
-        size = f"{first.width}x{first.height}" if first.width else "default size"
-        logger.info("wave of %d %s(s) + %d padding (%s, steps %s) in %.2f s", len(wave), first.kind, len(padding), size, first.num_inference_steps or "default",
-                    elapsed)
-        for job, result in zip(wave, results, strict=False):
-            if result.error is None:
-                job.future.set_result(result)
-            else:
-                job.future.set_exception(GenerationFailed(result.error))
+        self._answer(wave, results, len(padding), time.perf_counter() - start,
+                     f"wave of {len(wave)} {first.kind}(s) + {len(padding)} padding", own=True)
 
     def _exchange(self, slots: list[Slot], on_step: Callable[[float], None]) -> list[SlotResult]:
         """Send the wave to the ranks, run rank 0's slot, gather every rank's result."""
@@ -507,9 +577,75 @@ class Service:
         dist.gather_object(own, results, dst=0, group=self._group)
         return results
 
+    def _run_own(self, job: Job) -> None:
+        """Free ranks: rank 0 runs one slot itself."""
+        start = time.perf_counter()
+        result = run_slot(self.omni, job.slot, self.ctx, self.options.video_format,
+                          lambda fraction: setattr(job, "progress", fraction))
+        self._answer([job], [result], 0, time.perf_counter() - start, f"{job.slot.kind} on rank 0", own=True)
+
+    def _dispatch(self, link: RankLink) -> None:
+        """Free ranks: rank 0's thread for the rank at the other end of ``link``: hands it the
+        next queued slot as soon as it is free, relays its progress, answers its result. A
+        rank that fails fails its slot (500) and gets no more work; the others serve on."""
+        while not self._stop.is_set():
+            job = self._take()
+            if job is None:
+                continue
+            start = time.perf_counter()
+            try:
+                link.send(job.slot)
+                while isinstance(message := link.recv(), float):  # step progress, then the result
+                    job.progress = message
+            except Exception as exc:
+                self._lost.add(link.peer)
+                logger.error("rank %d failed (%s: %s): it takes no more work; serving on with %d rank(s)",
+                             link.peer, type(exc).__name__, exc, self.ranks_serving())
+                job.future.set_exception(GenerationFailed(
+                    f"rank {link.peer} failed while generating: {type(exc).__name__}: {exc}"))
+                return
+            self._answer([job], [message], 0, time.perf_counter() - start,
+                         f"{job.slot.kind} on rank {link.peer}", own=False)
+        try:
+            link.send(None)  # the stop message
+        except Exception as exc:
+            logger.warning("rank %d did not take the stop message (%s: %s)", link.peer, type(exc).__name__, exc)
+
+    def _answer(self, jobs: list[Job], results: list[SlotResult], padded: int, elapsed: float,
+                what: str, *, own: bool) -> None:
+        """Count, log and answer the jobs of one wave (free ranks: one slot). ``own``: rank 0
+        ran it, so its offload trace (if any) describes it."""
+        # Metrics first, so that a client reading /metrics after its answer sees its outputs.
+        if self.metrics is not None:
+            done = sum(1 for r in results[:len(jobs)] if r.error is None)
+            self.metrics.wave_done(self.limits.kind, done, padded, elapsed, self.omni if own else None)
+        first = jobs[0].slot
+        size = f"{first.width}x{first.height}" if first.width else "default size"
+        logger.info("%s (%s, steps %s) in %.2f s", what, size, first.num_inference_steps or "default", elapsed)
+        for job, result in zip(jobs, results, strict=False):
+            if result.error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(GenerationFailed(result.error))
+
     # -- other ranks -------------------------------------------------------------------
     def follow(self) -> None:
-        """Ranks other than 0: run this rank's slot of each wave until the stop wave."""
+        """Ranks other than 0: run the slots rank 0 sends (this rank's slot of each wave, or,
+        free, each slot it is handed) until the stop message."""
+        if not self.free:
+            self._follow_waves()
+            return
+        (link,) = self._links
+        while (slot := link.recv()) is not None:
+            start = time.perf_counter()
+            # Step progress goes back for videos, the only outputs whose progress is asked for.
+            report = link.send if slot.kind == "video" else None
+            result = run_slot(self.omni, slot, self.ctx, self.options.video_format, report)
+            link.send(result)
+            logger.info("%s %s done in %.2f s", slot.kind, slot.name, time.perf_counter() - start)
+        logger.info("stopped")
+
+    def _follow_waves(self) -> None:
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=self._group)
