@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -45,8 +46,18 @@ from .tenants import BlockWatch
 from .trace import trace_enabled
 from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
+from .sharedmem import (
+    BlockSpans,
+    Offer,
+    SharedBlocks,
+    SharedMemoryError,
+    SharedSegment,
+    available_host_bytes,
+    receive,
+)
 from .transfer.casting import CastingTransfer
-from .transfer.groups import ComponentFacts, GroupSession, WeightGroup
+from .transfer.groups import ComponentFacts, GroupSession, HostRanks, WeightGroup
+from .transfer.shared import SharedTransfer
 from .transfer.sharding import (
     ShardPlan,
     layout_digest,
@@ -74,7 +85,7 @@ class RingSummary:
     module_class: str
     num_blocks: int
     weight_transfer: str
-    """What runs after any fallback: ``rank-local`` or ``allgather``."""
+    """What runs after any fallback: ``rank-local``, ``shared`` or ``allgather``."""
     gather: str | None
     """What rebuilds allgather blocks: ``copy-engine``, ``nccl`` or ``gloo``; None for rank-local."""
     fallback_reason: str | None
@@ -82,7 +93,8 @@ class RingSummary:
     """Bytes of the streamed blocks' tensors as stored on the host (without alignment padding;
     8-bit where ``storage_dtype`` stores them so)."""
     host_bytes: int
-    """Host bytes this rank holds for the ring (whole blocks, or its shards)."""
+    """Host bytes this rank holds for the ring (whole blocks, or its shards, or its share of
+    the host copy the ranks of its host share)."""
     device_slot_bytes: int
     setup_s: float | None
     """Seconds spent filling and page-locking the ring's host copy."""
@@ -107,6 +119,11 @@ class RingSummary:
     storage_dtype: str | None = None
     """``layer_options.<c>.storage_dtype``: the 8-bit format block weights are stored and moved
     in, upcast on the device; None: as the model holds them."""
+    shared_host_bytes: int | None = None
+    """``shared``: bytes of the one host copy the ranks of this host share (``host_bytes`` is
+    this rank's share of it); None for other transfers."""
+    host_ranks: int | None = None
+    """``shared``: how many ranks of this host share the host copy; None for other transfers."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,6 +174,8 @@ class OffloadHandle:
             kept_blocks=ring.kept_blocks(),
             found_by=ring.component.source if ring.component.source in ("built-in table", "scan") else "declared",
             storage_dtype=getattr(ring.transfer, "storage_dtype", None),
+            shared_host_bytes=_shared_of(ring.transfer).shared_bytes() if _shared_of(ring.transfer) else None,
+            host_ranks=_shared_of(ring.transfer).host_ranks if _shared_of(ring.transfer) else None,
         ) for ring in self.rings]
 
     def summary(self) -> list[dict[str, Any]]:
@@ -284,6 +303,12 @@ def _set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
     tensor.data = data
 
 
+def _shared_of(transfer: Any) -> SharedTransfer | None:
+    """The shared transfer of a ring, under its 8-bit upcast if it has one."""
+    transfer = getattr(transfer, "inner", transfer)
+    return transfer if isinstance(transfer, SharedTransfer) else None
+
+
 def apply_offload(
     target: Any,
     config: OffloadConfig | Mapping[str, Any] | str,
@@ -335,6 +360,7 @@ def apply_offload(
     try:
         specs = _ring_specs(components, layouts, cfg, dev, process_group, sources, groups)
         specs = _with_residency(specs, cfg, dev, modules)
+        specs = _with_shared_copies(specs, groups)
     except BaseException:
         groups.close()
         raise
@@ -358,10 +384,23 @@ def apply_offload(
             with contextlib.suppress(Exception):
                 groups.agree(f"{type(exc).__name__}: {exc}")
         groups.close()
+        for spec in specs:  # shared copies of rings never built
+            if spec.shared is not None:
+                spec.shared.close()
         raise
     finally:
         setup.pin.close()
     _agree_all_or_nothing(handle, groups)
+    try:
+        # A shared ring of 8-bit images brings its plan's images in from the shared copy, which
+        # holds every rank's blocks only now.
+        for ring, spec in zip(handle.rings, specs, strict=True):
+            if spec.shared is not None and spec.stored and spec.residency.resident:
+                ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
+    except BaseException:
+        handle._rollback()  # this rank's alone: the others' rings and the shared copy stay as they are
+        groups.close()
+        raise
     handle._commit()
     _log_summary(handle)
     return handle
@@ -383,6 +422,10 @@ class _RingSpec:
     """Why an allgather ring streams rank-local."""
     storage_dtype: str | None = None
     """``layer_options.<c>.storage_dtype``."""
+    host: HostRanks | None = None
+    """Set when the ring streams from a host copy shared by the ranks of this host."""
+    shared: SharedBlocks | None = None
+    """That host copy, once created and mapped (``_with_shared_copies``)."""
     residency: Residency = Residency()
     """Which blocks start resident, the slots, and whether a measured forward re-plans."""
 
@@ -502,11 +545,17 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
     group, reason = groups.resolve(facts, dev, process_group) if facts else (None, None)
     if group is not None:
         _check_gather(facts, group, dev)
+    sharing = {c.name: _shared_facts(c, layouts[c.name], sources.get(c.name)) for c in components
+               if cfg.options_for(c.category).weight_transfer == "shared"}
+    host, host_reason = groups.resolve_shared(sharing, dev) if sharing else (None, None)
     specs = []
     for c in components:
         base = _RingSpec(c, layouts[c.name], sources.get(c.name),
                          storage_dtype=cfg.options_for(c.category).storage_dtype)
-        if c.name not in facts:
+        if c.name in sharing:
+            specs.append(dataclasses.replace(base, host=host) if host is not None
+                         else dataclasses.replace(base, fallback_reason=host_reason))
+        elif c.name not in facts:
             specs.append(base)
         elif group is None:
             specs.append(dataclasses.replace(base, fallback_reason=reason))
@@ -523,6 +572,100 @@ def _allgather_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], cf
     samples = sample_digest(layouts, head=source.head if source is not None else None)
     return ComponentFacts("allgather", int(opts.chunk_mib * 2**20), opts.gather,
                           tuple(l.name for l in layouts), tuple(layout_digest(layouts)), tuple(samples))
+
+
+def _shared_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], source: BlockSource | None) -> ComponentFacts:
+    """What must match across ranks for a component whose host copy they share: each rank fills
+    part of it, so the same layout and weights everywhere."""
+    samples = sample_digest(layouts, head=source.head if source is not None else None)
+    return ComponentFacts("shared", 0, "", tuple(l.name for l in layouts), tuple(layout_digest(layouts)),
+                          tuple(samples))
+
+
+def _with_shared_copies(specs: Sequence[_RingSpec], groups: GroupSession) -> list[_RingSpec]:
+    """Create and map the host copy of every shared ring (collective: every rank, in ring order).
+
+    Per ring, the ranks first say which blocks each streams (a block every rank of the host
+    keeps resident for good has no place in the copy). The host's first rank checks that the
+    host has the memory, creates the file and offers it; the others collect and map it. Not
+    enough memory on any host raises the same error everywhere, before anything has changed;
+    a hand-over that fails on any rank makes every rank stream rank-local, with the reason."""
+    out = list(specs)
+    try:
+        for k, spec in enumerate(specs):
+            if spec.host is not None:
+                out[k:] = _map_shared_copy(out[k:], groups)
+    except BaseException:
+        for spec in out:
+            if spec.shared is not None:
+                spec.shared.close()
+        raise
+    return out
+
+
+def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_RingSpec]:
+    """:func:`_with_shared_copies` for ``specs[0]``; the rest come back as they are, or, when
+    its hand-over failed, falling back to rank-local with it."""
+    spec, host, out = specs[0], specs[0].host, list(specs)
+    keep = set(spec.residency.resident) if spec.residency.settled and not spec.stored else set()
+    users = groups.all_gather(tuple(i for i in range(len(spec.layouts)) if i not in keep))
+    per_block = [tuple(j for j, r in enumerate(host.ranks) if i in users[r]) for i in range(len(spec.layouts))]
+    spans = BlockSpans.plan([l.image_nbytes if per_block[l.index] else None for l in spec.layouts], host.size)
+    offer, segment, said = None, None, None
+    if host.index == 0:
+        free = available_host_bytes()
+        if free is not None and free < spans.nbytes:
+            said = ("space", f"host {host.node} has {free / 2**30:.2f} GiB of memory available, and the "
+                             f"shared host copy of {spec.component.name} needs {spans.nbytes / 2**30:.2f} GiB")
+        else:
+            try:
+                segment = SharedSegment.create(f"omni-offload:{host.job}:{spec.component.name}", spans.nbytes)
+                SharedBlocks(segment, spans, 0).init_header(per_block)
+                offer = Offer(host.job, spec.component.name)
+                said = ("offer", offer.address)
+            except OSError as exc:
+                said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: {exc}")
+    told = groups.all_gather(said)
+    error = None
+    try:
+        if space := next((t[1] for t in told if t is not None and t[0] == "space"), None):
+            raise OffloadConfigError(
+                f"{spec.component.name}: {space}. Free host memory, store the blocks in 8 bits "
+                "(storage_dtype), keep blocks resident (device_budget), or give each rank a shard "
+                "(weight_transfer: allgather).")
+        try:
+            kind, what = told[host.ranks[0]]
+            if kind != "offer":
+                raise SharedMemoryError(what)
+            if host.index == 0:
+                offer.hand_over(segment.fd, host.pids[1:], groups.timeout_s)
+            else:
+                fd = receive(what, host.pids[0], groups.timeout_s)
+                try:
+                    segment = SharedSegment(fd, spans.nbytes)
+                except BaseException:
+                    os.close(fd)
+                    raise
+        except (OSError, SharedMemoryError) as exc:
+            error = f"rank {torch.distributed.get_rank()} could not map the shared host copy: {exc}"
+        failed = [e for e in groups.all_gather(error) if e is not None]
+    except BaseException:
+        if segment is not None:
+            segment.close()
+        raise
+    finally:
+        if offer is not None:
+            offer.close()
+    if failed:
+        if segment is not None:
+            segment.close()
+        for j, other in enumerate(specs):  # every shared ring from this one on falls back
+            if other.host is not None:
+                out[j] = dataclasses.replace(other, host=None, fallback_reason=failed[0])
+        groups.host = None
+        return out
+    out[0] = dataclasses.replace(spec, shared=SharedBlocks(segment, spans, host.index))
+    return out
 
 
 def _check_gather(facts: Mapping[str, ComponentFacts], group: WeightGroup, dev: torch.device) -> None:
@@ -600,6 +743,8 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
     with _setup_bar(setup.progress, spec) as step:
         if spec.group is not None:
             transfer, parked, resident, originals = _fill_shards(spec, setup, step)
+        elif spec.shared is not None:
+            transfer, parked, resident, originals = _fill_shared(spec, setup, step)
         else:
             transfer, parked, resident, originals = _fill_buffers(spec, setup, step)
         if spec.stored:
@@ -607,7 +752,7 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
     try:
         ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
                          spec.residency.num_slots)
-        if spec.stored and spec.residency.resident:
+        if spec.stored and spec.residency.resident and spec.shared is None:
             ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
     except BaseException:
         if originals is None:  # give the blocks their storage back, as _fill_buffers does on failure
@@ -785,6 +930,85 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
         raise
 
 
+def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
+    """shared: whole blocks in the host copy the ranks of this host share. This rank writes its
+    part of the blocks (an even split by bytes; with a source, read straight from the
+    checkpoint) and page-locks its own mapping of all of them; the others' blocks arrive as their
+    ranks write them, which the agreement at the end of setup waits for. Between uses a block's
+    tensors view the shared copy (placeholders for 8-bit images); their original storage is
+    returned for the caller to keep until every rank has succeeded."""
+    layouts, pin, shared = spec.layouts, setup.pin, spec.shared
+    keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
+    owner = _owners([shared.layout.spans[i][1] if shared.view(i) is not None else None
+                     for i in range(len(layouts))], shared.layout.ranks)
+    placeholders: dict[torch.dtype, torch.Tensor] = {}
+    buffers: list[HostBuffer | None] = []
+    originals: list[list[torch.Tensor]] = []
+    parked: list[Sequence[torch.Tensor] | None] = []
+    resident: dict[int, torch.Tensor] = {}
+    try:
+        for layout in layouts:
+            i = layout.index
+            view = shared.view(i)
+            buf = None
+            if owner[i] == shared.me:
+                if spec.source is not None:
+                    spec.source.fill(layout, [(0, layout.image_nbytes, 0)], view)
+                else:
+                    if layout.image is not None:
+                        view.zero_()  # padding between stored tensors upcasts to zeros
+                    for entry, dst in zip(layout.entries, layout.image_views(view), strict=True):
+                        dst.copy_(entry.tensor.detach().to(dst.dtype))  # cast where it is (as above)
+            if i in keep:  # from this rank's own tensors: the copy may not hold the block yet
+                resident[i] = _device_copy(spec, layout, setup, view if owner[i] == shared.me else None)
+            if not (i in keep and settled) and shared.uses(i):
+                buf = HostBuffer.wrap(view)
+                # Pages another rank has not written yet are page-locked all the same: they
+                # are the same pages its writes land in.
+                pin.pin_later(buf, spec.component.name, layout.name)
+            buffers.append(buf)
+            originals.append([e.tensor.data for e in layout.entries])
+            if buf is None:
+                held = None
+            elif layout.image is None:
+                held = tuple(e.view_in(view) for e in layout.entries)
+            else:
+                held = tuple(_placeholder(e, placeholders) for e in layout.entries)
+            parked.append(held)
+            if i in keep:
+                bind(layout.entries, [e.view_in(resident[i]) for e in layout.entries])
+            elif held is not None:
+                bind(layout.entries, held)
+            step(1)
+        pin.wait()
+        transfer = SharedTransfer(shared, buffers, [l.image_nbytes for l in layouts], setup.streams, setup.device,
+                                  HostPinner(setup.pin.enabled, setup.pin.on_failure), spec.component.name,
+                                  [l.name for l in layouts])
+        return transfer, parked, resident, originals
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            pin.wait()  # as in _fill_buffers
+        for layout, data in zip(layouts, originals):
+            bind(layout.entries, data)
+        for buf in buffers:
+            if buf is not None:
+                buf.release()
+        shared.close()
+        raise
+
+
+def _owners(sizes: Sequence[int | None], ranks: int) -> list[int | None]:
+    """Which host rank writes each block of a shared copy: the largest first, each to the rank
+    with the fewest bytes so far (ties to the lowest), so every rank writes about 1/N of it."""
+    load = [0] * ranks
+    owner: list[int | None] = [None] * len(sizes)
+    for i in sorted((i for i, s in enumerate(sizes) if s is not None), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
 def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
     """A host tensor with the entry's shape and dtype and one element of storage: what a
     parameter holds between uses when this rank has only a shard of its block. Floats read NaN,
@@ -799,8 +1023,9 @@ def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> 
 
 # -- the end of setup -------------------------------------------------------------------------
 def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
-    """Under allgather every rank must have succeeded; otherwise all undo (still local: the
-    original storage is kept until here) and raise alike."""
+    """Under allgather or shared every rank must have succeeded (a block is rebuilt from every
+    rank's shard, or a shared copy holds blocks every rank wrote); otherwise all undo (still
+    local: the original storage is kept until here) and raise alike."""
     if not groups.active:
         return
     failed = groups.agree(None)
@@ -810,7 +1035,7 @@ def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
         rank, error = failed[0]
         raise RuntimeError(
             f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
-            "allgather needs all of them. Fix the error on that rank and apply again."
+            "the ranks share weights (allgather or shared). Fix the error on that rank and apply again."
         )
 
 
@@ -818,8 +1043,8 @@ def _log_summary(handle: OffloadHandle) -> None:
     """One line per decision; the front-ends' log filter decides which ranks show."""
     for row in handle.summary_rows():
         if row.fallback_reason is not None:
-            logger.warning("%s: allgather not used, streaming rank-local instead: %s",
-                           row.component, row.fallback_reason)
+            logger.warning("%s: %s not used, streaming rank-local instead: %s", row.component,
+                           handle.config.options_for(row.category).weight_transfer, row.fallback_reason)
         logger.info(
             "streaming %s (%s, %s): %d blocks, %.1f MiB, %s, %.1f MiB host, %.1f MiB device slots%s",
             row.component, row.module_class, row.category, row.num_blocks, row.block_bytes / 2**20,

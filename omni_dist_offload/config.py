@@ -30,7 +30,7 @@ __all__ = [
 #: Component categories that can be streamed block by block.
 COMPONENTS: tuple[str, ...] = ("dit", "text_encoder")
 #: How a block's weights reach the device.
-WEIGHT_TRANSFERS: tuple[str, ...] = ("rank-local", "allgather")
+WEIGHT_TRANSFERS: tuple[str, ...] = ("rank-local", "shared", "allgather")
 #: How allgather moves shards between the GPUs of a host.
 GATHERS: tuple[str, ...] = ("auto", "copy-engine", "nccl")
 #: What setup does when host memory cannot be page-locked.
@@ -39,7 +39,7 @@ PIN_FAILURES: tuple[str, ...] = ("error", "pageable")
 STORAGE_DTYPES: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
 _MODES: tuple[str, ...] = ("layer",)
 
-WeightTransfer = Literal["rank-local", "allgather"]
+WeightTransfer = Literal["rank-local", "shared", "allgather"]
 PinFailure = Literal["error", "pageable"]
 Gather = Literal["auto", "copy-engine", "nccl"]
 
@@ -57,8 +57,10 @@ class LayerOptions:
 
     weight_transfer: WeightTransfer = "rank-local"
     """``"rank-local"``: every rank keeps the full block in host memory and copies it to its
-    device. ``"allgather"``: every rank keeps one shard; the device rebuilds the block by an
-    all-gather across the ranks of this host."""
+    device. ``"shared"``: the ranks of a host keep one copy of every block in shared host memory
+    and each copies whole blocks to its own device, never waiting for another rank (ranks may run
+    different work). ``"allgather"``: every rank keeps one shard; the device rebuilds the block
+    by an all-gather across the ranks of this host (every rank runs the same forwards)."""
 
     chunk_mib: float = 64
     """allgather only: a block moves in chunks of this many MiB (gathered size), so one chunk's

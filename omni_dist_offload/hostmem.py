@@ -71,6 +71,16 @@ class HostBuffer:
         self.pinned = False
         self._finalizer: weakref.finalize | None = None
 
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor) -> HostBuffer:
+        """A buffer over memory someone else allocated (a block's pages of a shared host copy),
+        page-aligned: :meth:`pin` registers it in place, :meth:`release` only unregisters it."""
+        if tensor.data_ptr() % _PAGE:
+            raise ValueError("a wrapped host buffer must start at a page boundary")
+        self = cls.__new__(cls)
+        self.tensor, self.pinned, self._finalizer = tensor, False, None
+        return self
+
     @property
     def nbytes(self) -> int:
         return self.tensor.numel()

@@ -502,15 +502,15 @@ class BlockRing:
                 for entry, view in zip(layout.entries, views):
                     _keep_in(entry.name, entry.tensor, view)
                 if slot is not None:
-                    self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i])
+                    self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
                     if i in self._kept:  # the host copy is whole: it holds the kept part's edit too
-                        self.transfer.write_back(i, self._kept_bufs[i], start=0)
+                        self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
                 elif self.transfer.has_host_copy(i):
                     # Resident under a plan that is not final yet: a later plan may stream it
                     # again, from its host copy, which must hold the edit too.
                     padded = torch.zeros(self.transfer.device_nbytes(i), dtype=torch.uint8, device=self.device)
                     padded[: layout.nbytes].copy_(self._device_blocks[i][: layout.nbytes])
-                    self.transfer.write_back(i, padded)
+                    self._moved(i, self.transfer.write_back(i, padded))
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
             except BaseException:
@@ -523,6 +523,13 @@ class BlockRing:
                 else:
                     bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
+
+    def _moved(self, i: int, host: torch.Tensor | None) -> None:
+        """The transfer gave block ``i`` a new host copy (``write_back``): park it there."""
+        if host is None or self._parked[i] is None or self.layouts[i].image is not None:
+            return  # unmoved, or parked on placeholders (a host copy the tensors cannot view)
+        self._parked[i] = tuple(e.view_in(host) for e in self.layouts[i].entries)
+        self._parked_moving[i] = self._parked[i][self._kept.get(i, 0):]
 
     @property
     def held(self) -> frozenset[int]:

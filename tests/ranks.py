@@ -3,7 +3,8 @@
 ``run_ranks(worker, world=2)`` starts ``world`` processes with torchrun's environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``PORT`` on a
 free port, ``OMP_NUM_THREADS=1``, ``OMNI_OFFLOAD_ALLOW_GLOO=1``), initialises the process group on
-each (gloo on the CPU; NCCL with one GPU per rank, ``cuda:LOCAL_RANK``, on CUDA), calls
+each (gloo on the CPU; NCCL with one GPU per rank, ``cuda:LOCAL_RANK``, on CUDA; gloo with ranks
+sharing GPUs where a host has fewer GPUs than ranks), calls
 ``worker(rank, *args)`` there and returns what each rank's call returned, in rank order.
 
 The worker is a module-level function of the test file, so it travels by reference (the rank
@@ -202,10 +203,17 @@ def _rank_main(target: tuple[str, str], args: tuple, env: dict[str, str], info: 
         for name in target[1].split("."):
             worker = getattr(worker, name)
         if info.device.type == "cuda":
-            device = torch.device("cuda", info.local_rank)
+            # More ranks per host than GPUs: ranks share them, over gloo (NCCL refuses two
+            # ranks on one GPU). Transfers that do not need NCCL (rank-local, shared) run so on
+            # a one-GPU machine.
+            count = torch.cuda.device_count()
+            device = torch.device("cuda", info.local_rank % count)
             torch.cuda.set_device(device)
             info = dataclasses.replace(info, device=device)
-            dist.init_process_group("nccl", device_id=device)
+            if info.local_world <= count:
+                dist.init_process_group("nccl", device_id=device)
+            else:
+                dist.init_process_group("gloo")
         else:
             dist.init_process_group("gloo")
         _write(info.result_path, {"result": worker(info, *args)})

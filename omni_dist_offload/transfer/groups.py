@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import OffloadConfigError
+from ..sharedmem import job_name, shared_memory_reason
 from .memops import StreamMemOps
 
 try:  # CUDA symmetric memory is in torch >= 2.5; without it the copy-engine gather cannot run
@@ -33,7 +34,7 @@ try:  # CUDA symmetric memory is in torch >= 2.5; without it the copy-engine gat
 except ImportError:  # pragma: no cover - older torch
     symm_mem = None
 
-__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "GroupSession", "WeightGroup"]
+__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "GroupSession", "HostRanks", "WeightGroup"]
 
 
 #: Set to 1 to let the allgather transfer run over gloo on CPU devices (tests, CI).
@@ -55,6 +56,25 @@ class WeightGroup:
     peer_copy_reason: str | None = "not a CUDA group"
     """None when every GPU of the group can map every other's memory (the copy-engine gather
     can run); otherwise why not."""
+
+
+@dataclass(frozen=True)
+class HostRanks:
+    """The ranks of this host, which keep one host copy of the weights between them
+    (``weight_transfer: "shared"``)."""
+
+    ranks: tuple[int, ...]
+    """Global ranks, lowest first; the first creates the shared copies."""
+    pids: tuple[int, ...]
+    index: int
+    """This rank's position in ``ranks``."""
+    job: str
+    """A name for the job, the same on every rank (``sharedmem.job_name``)."""
+    node: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,9 @@ class _RankFacts:
     stream_memops: bool = False
     """The CUDA driver has stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32)."""
     components: dict[str, ComponentFacts] = field(default_factory=dict)
+    pid: int = 0
+    shared_reason: str | None = None
+    """Why this rank cannot map shared host memory, or None."""
 
 
 class GroupSession:
@@ -104,11 +127,49 @@ class GroupSession:
         self._weight: Any | None = None
         self.group: WeightGroup | None = None
         """The weight group :meth:`resolve` chose, or None (no allgather, or a fallback)."""
+        self.host: HostRanks | None = None
+        """The ranks sharing host copies, as :meth:`resolve_shared` found them, or None."""
 
     @property
     def active(self) -> bool:
-        """A weight group is in use: the end of setup is agreed across its ranks."""
-        return self.group is not None
+        """Ranks depend on each other's setup (a weight group, or shared host copies that each
+        rank fills part of): the end of setup is agreed across them."""
+        return self.group is not None or self.host is not None
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (over the side group)."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj, group=self._exchange_group())
+        return gathered
+
+    def resolve_shared(self, components: dict[str, ComponentFacts], device: torch.device) -> tuple[HostRanks | None, str | None]:
+        """The ranks of this host that share host copies, or ``(None, reason)`` when they cannot:
+        every rank reaches the same answer."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, ("torch.distributed is not initialised: start the job with torchrun "
+                          "(and init_process_group) to share a host copy across ranks")
+        if dist.get_world_size() == 1:
+            return None, "the job has a single rank: there is no other rank to share the host copy with"
+        facts = _RankFacts(rank=dist.get_rank(), node=os.environ.get("GROUP_RANK") or socket.gethostname(),
+                           device_type=device.type, device_index=device.index, backend=str(dist.get_backend()),
+                           allow_gloo=False, components=components, pid=os.getpid(),
+                           shared_reason=shared_memory_reason())
+        gathered = self.all_gather(facts)
+        _check_same_layout(gathered)
+        hosts: dict[str, list[_RankFacts]] = {}
+        for f in gathered:
+            hosts.setdefault(f.node, []).append(f)
+        for node, ranks in hosts.items():
+            if len(ranks) < 2:
+                return None, (f"host {node} runs a single rank ({ranks[0].rank}): a shared host copy "
+                              "needs at least two ranks on one host")
+        for f in gathered:
+            if f.shared_reason is not None:
+                return None, f"rank {f.rank} cannot share host memory: {f.shared_reason}"
+        mine = sorted(hosts[facts.node], key=lambda f: f.rank)
+        ranks = tuple(f.rank for f in mine)
+        self.host = HostRanks(ranks, tuple(f.pid for f in mine), ranks.index(facts.rank), job_name(), facts.node)
+        return self.host, None
 
     def resolve(self, components: dict[str, ComponentFacts], device: torch.device,
                 process_group: Any | None) -> tuple[WeightGroup | None, str | None]:
@@ -129,8 +190,7 @@ class GroupSession:
             components=components,
             **_gpu_facts(device),
         )
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, facts, group=self._exchange_group())
+        gathered = self.all_gather(facts)
         _check_same_layout(gathered)
         reason = _fallback_reason(gathered, process_group)
         if reason is not None:
@@ -182,8 +242,9 @@ def _check_same_layout(gathered: list[_RankFacts]) -> None:
     ref = gathered[0]
     for other in gathered[1:]:
         if set(other.components) != set(ref.components):
+            transfer = next(iter((other.components or ref.components).values())).transfer
             raise OffloadConfigError(
-                f"rank {other.rank} streams {sorted(other.components)} with allgather but rank 0 "
+                f"rank {other.rank} streams {sorted(other.components)} with {transfer} but rank 0 "
                 f"streams {sorted(ref.components)}: every rank must call apply_offload with the "
                 "same model and config."
             )
@@ -207,11 +268,12 @@ def _check_same_layout(gathered: list[_RankFacts]) -> None:
                     )
             for i, (a, b) in enumerate(zip(mine.value_digests, theirs.value_digests)):
                 if a != b:
+                    how = ("allgather assembles each block from every rank's shard" if mine.transfer == "allgather"
+                           else "each rank fills its part of the host copy the ranks share")
                     raise OffloadConfigError(
                         f"{name}: the weights of block {mine.block_names[i]} differ between rank 0 "
-                        f"and rank {other.rank}: allgather assembles each block from every rank's "
-                        "shard, so every rank must load the same checkpoint (or seed random "
-                        "initialisation identically)."
+                        f"and rank {other.rank}: {how}, so every rank must load the same checkpoint "
+                        "(or seed random initialisation identically)."
                     )
 
 

@@ -35,7 +35,7 @@ class WeightTransfer(Protocol):
     before it is constructed; a block that stays resident from the start has none."""
 
     name: str
-    """``"rank-local"`` or ``"allgather"`` (what runs, after any fallback)."""
+    """``"rank-local"``, ``"shared"`` or ``"allgather"`` (what runs, after any fallback)."""
     gather: str | None
     """What rebuilds a block from shards (``"copy-engine"``, ``"nccl"``, ``"gloo"``); None for
     rank-local."""
@@ -69,11 +69,12 @@ class WeightTransfer(Protocol):
         ``start``: fill ``dst`` with the block's bytes from this offset on (a block whose first
         tensors stay on the device); transfers with a gather take whole blocks only (0)."""
 
-    def write_back(self, block: int, src: torch.Tensor, start: int = 0) -> None:
+    def write_back(self, block: int, src: torch.Tensor, start: int = 0) -> torch.Tensor | None:
         """Write block ``block``'s bytes from ``src`` (a device slot holding the block, or its
         bytes from ``start`` on, as :meth:`fill` left it, then edited) into its host copy: the
         whole block, or this rank's shard. Between forwards; returns when the host copy holds
-        them."""
+        them. Returns the block's new host copy when the edit moved it (a block of a shared host
+        copy gets a copy of its own on the rank that edits it), else None."""
 
     def close(self) -> None:
         """Drop what the transfer holds besides its host copy (slots, helper threads).

@@ -1,5 +1,5 @@
-"""Cold start on real ranks (gloo): allgather from a checkpoint folder equals the ordinary load
-bitwise, and its peak host memory stays near this rank's final host copy. In one process:
+"""Cold start on real ranks (gloo): allgather and shared from a checkpoint folder equal the
+ordinary load bitwise, and peak host memory stays near this rank's final host copy. In one process:
 unit/test_coldstart.py."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import tiny_models as tiny
 from omni_dist_offload import apply_offload
 from ranks import Rank, proc_status, run_ranks
 
-AG = {"mode": "layer", "components": ["dit", "text_encoder"], "collective_timeout_s": 20,
-      "layer_options": {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.02},
-                        "text_encoder": {"weight_transfer": "allgather"}}}
+def _config(transfer: str) -> dict:
+    return {"mode": "layer", "components": ["dit", "text_encoder"], "collective_timeout_s": 20,
+            "layer_options": {"dit": {"weight_transfer": transfer, "chunk_mib": 0.02},
+                              "text_encoder": {"weight_transfer": transfer}}}
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +49,15 @@ def _peak_reset() -> int:
 
 
 @torch.no_grad()
-def cold_start(folder: str) -> dict:
-    """Cold start with allgather from ``folder`` against the ordinary load: bitwise equal DiT and
-    text-encoder outputs, and the summary."""
+def cold_start(folder: str, transfer: str) -> dict:
+    """Cold start with ``transfer`` from ``folder`` against the ordinary load: bitwise equal DiT
+    and text-encoder outputs, and the summary."""
     from diffusers import DiffusionPipeline
     from omni_dist_offload.loading.coldstart import load_offloaded
 
     dtype = torch.bfloat16
     ref = DiffusionPipeline.from_pretrained(folder, dtype=dtype, disable_mmap=True)  # aligned, see unit/test_coldstart
-    handle = apply_offload(ref, AG)
+    handle = apply_offload(ref, _config(transfer))
     x = tiny.wan_transformer_inputs(ref.transformer, batch=1)
     x = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in x.items()}
     t = tiny.text_encoder_inputs(ref.text_encoder)
@@ -64,7 +65,7 @@ def cold_start(folder: str) -> dict:
     handle.remove()
     del ref, handle
     gc.collect()
-    pipe, handle = load_offloaded(folder, AG, device="cpu", dtype=dtype)
+    pipe, handle = load_offloaded(folder, _config(transfer), device="cpu", dtype=dtype)
     got = (pipe.transformer(**x)[0], pipe.text_encoder(**t).last_hidden_state)
     out = {"equal": all(torch.equal(a, b) for a, b in zip(got, expect)), "summary": handle.summary()}
     handle.remove()
@@ -72,13 +73,13 @@ def cold_start(folder: str) -> dict:
 
 
 @torch.no_grad()
-def cold_start_rss(folder: str, big: str) -> dict:
+def cold_start_rss(folder: str, big: str, transfer: str) -> dict:
     """Peak host memory of a cold start (fp32 checkpoint, bf16 run) against the ordinary load of
     the same DiT (``big``, a pipeline folder holding only the transformer)."""
     from omni_dist_offload.loading.coldstart import load_offloaded, prepare_cold_start
 
     cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 60,
-           "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+           "layer_options": {"dit": {"weight_transfer": transfer}}}
     dtype = torch.bfloat16
     warm, handle = load_offloaded(folder, cfg, device="cpu", dtype=dtype)  # imports, pools
     handle.remove()
@@ -111,22 +112,23 @@ def cold_start_rss(folder: str, big: str) -> dict:
     }
 
 
-def cold_starts(rank: Rank, folder: str, big: str) -> dict:
-    return {"cold_start": cold_start(folder), "cold_start_rss": cold_start_rss(folder, big)}
+def cold_starts(rank: Rank, folder: str, big: str, transfer: str) -> dict:
+    return {"cold_start": cold_start(folder, transfer), "cold_start_rss": cold_start_rss(folder, big, transfer)}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_peak_host_memory_and_allgather_parity(wan_folder, big_folder, world):
-    """Real processes (gloo): cold start with allgather equals the ordinary load bitwise, and peak
-    host memory during start-up stays within this rank's final host copy plus one block (plus
-    the non-block tensors and scratch), far below the ordinary load's."""
-    results = run_ranks(cold_starts, world, args=(str(wan_folder), str(big_folder)))
+@pytest.mark.parametrize("world,transfer", [(1, "allgather"), (2, "allgather"), (2, "shared")])
+def test_peak_host_memory_and_parity(wan_folder, big_folder, world, transfer):
+    """Real processes (gloo): cold start with allgather (each rank reads its shards) or shared
+    (each rank reads its part of the blocks into the host copy) equals the ordinary load bitwise,
+    and peak host memory during start-up stays within this rank's final host copy (its share)
+    plus one block (plus the non-block tensors and scratch), far below the ordinary load's."""
+    results = run_ranks(cold_starts, world, args=(str(wan_folder), str(big_folder), transfer))
     for r in results:
         assert r["cold_start"]["equal"]
         rows = r["cold_start"]["summary"]
-        assert all(row["weight_transfer"] == ("allgather" if world > 1 else "rank-local") for row in rows)
+        assert all(row["weight_transfer"] == (transfer if world > 1 else "rank-local") for row in rows)
         m = r["cold_start_rss"]
-        assert m["equal"] and m["transfer"] == ("allgather" if world > 1 else "rank-local")
+        assert m["equal"] and m["transfer"] == (transfer if world > 1 else "rank-local")
         if world > 1:
             assert m["host_bytes"] <= m["block_bytes"] / world + 6 * 4096 * world
         # On the CPU the "device" is host memory too: the non-block tensors and the ring's two

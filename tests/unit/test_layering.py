@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 #: The top-level modules of the engine (with ``transfer/``): the floor everything stands on.
 CORE_MODULES = {"config", "plan", "layout", "hostmem", "residency", "budget", "ring", "tenants", "apply", "trace",
-                "storage"}
+                "storage", "sharedmem"}
 
 #: floor -> the floors it may import (itself always). The map in docs/design.md says the same.
 ALLOWED: dict[str, set[str]] = {

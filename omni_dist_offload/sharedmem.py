@@ -1,0 +1,299 @@
+"""One host copy of a ring's blocks, shared by every rank of the host (``weight_transfer: "shared"``).
+
+The host's first rank creates an anonymous shared-memory file (``memfd_create``: it has no name
+in any filesystem, and ``/dev/shm``'s size does not limit it), sizes it, and hands its descriptor
+to the host's other ranks over a unix socket in the abstract namespace, checking each peer's pid
+against the job's ranks (``SO_PEERCRED``). Every rank maps the file; from then on the memory
+lives exactly as long as some rank maps it or holds the descriptor: a normal exit, an exception
+or a SIGKILL of any or every rank leaves nothing behind, and no later job can find it.
+
+The file starts with a header: one byte per (block, rank), 1 while that rank streams the block
+from the shared copy. A rank that stops using a block (it became resident there, the rank edited
+it and keeps a copy of its own, or the rank released the ring) clears its byte under a lock on
+the header; the last one out punches the block's pages out of the file, so memory no rank uses
+goes back to the host at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import functools
+import mmap
+import os
+import re
+import secrets
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
+           "job_name", "receive", "shared_memory_reason"]
+
+_PAGE = 4096
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+_MADV_HUGEPAGE = 14
+_SOCKET_NAME_MAX = 107  # sun_path holds 108 bytes, the first of them NUL in the abstract namespace
+
+
+class SharedMemoryError(RuntimeError):
+    """The shared host copy could not be created or handed over."""
+
+
+def shared_memory_reason() -> str | None:
+    """Why this process cannot share host memory with its peers, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"shared host copies need Linux (memfd_create), and this is {sys.platform}"
+    if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+        return "this Python has no os.memfd_create or socket.send_fds"
+    return None
+
+
+def job_name() -> str:
+    """A short name for this job, the same on every rank: torchrun's run id, else the
+    rendezvous address."""
+    raw = os.environ.get("TORCHELASTIC_RUN_ID") or (
+        f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", raw)[:40]
+
+
+def available_host_bytes() -> int | None:
+    """Host memory a new allocation can take: ``MemAvailable``, capped by the memory limit of
+    this process's cgroup (v2 or v1) where one is set; None where neither can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        with contextlib.suppress(OSError, ValueError):
+            cap = open(limit).read().strip()
+            if cap != "max" and int(cap) < 1 << 60:
+                found.append(max(0, int(cap) - int(open(usage).read().strip())))
+            break
+    return min(found) if found else None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
+class SharedSegment:
+    """A shared-memory file of ``nbytes``, mapped read-write into this process, as a flat
+    ``uint8`` tensor. The descriptor stays open: it carries the header lock and the hole punching."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        # Advice only: huge pages where the host lets shared memory have them (fewer faults
+        # while filling, fewer pages to page-lock).
+        _libc().madvise(ctypes.c_void_p(self.tensor.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> SharedSegment:
+        """A new file, readable and writable by this user only."""
+        fd = os.memfd_create(name[:240], os.MFD_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, nbytes)
+            return cls(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def punch(self, offset: int, nbytes: int) -> None:
+        """Give the pages of ``[offset, offset + nbytes)`` back to the host (they read as zeros)."""
+        start = -(-offset // _PAGE) * _PAGE
+        end = (offset + nbytes) // _PAGE * _PAGE
+        if end > start:
+            _libc().fallocate(self.fd, _FALLOC_PUNCH_HOLE, start, end - start)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of host memory the file holds now (pages written and not punched)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    def close(self) -> None:
+        """Close the descriptor. The mapping goes when the last tensor viewing it does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
+
+
+class Offer:
+    """The host's first rank's side of the hand-over: a listening socket in the abstract
+    namespace (it vanishes with this process, and with :meth:`close`), named after the job and
+    a random token, that hands a descriptor to the expected pids only."""
+
+    def __init__(self, job: str, component: str) -> None:
+        name = f"omni-offload/{job}/{component}/{secrets.token_hex(8)}"[-(_SOCKET_NAME_MAX - 1):]
+        self.address = "\0" + name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(self.address)
+            self._sock.listen()
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def hand_over(self, fd: int, pids: Sequence[int], timeout_s: float) -> None:
+        """Send ``fd`` to each of ``pids`` once; a connection from any other process is closed
+        unanswered. Raises :class:`SharedMemoryError` when not all came within ``timeout_s``."""
+        waiting = set(pids)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SharedMemoryError(f"ranks with pids {sorted(waiting)} did not collect the shared host "
+                                        f"copy within {timeout_s:.0f} s")
+            self._sock.settimeout(left)
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                pid = _peer_pid(conn)
+                if pid in waiting:
+                    socket.send_fds(conn, [b"fd"], [fd])
+                    waiting.discard(pid)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def receive(address: str, leader_pid: int, timeout_s: float) -> int:
+    """A non-first rank's side: the descriptor from the host's first rank (checked to be the
+    process at the other end)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+        if _peer_pid(sock) != leader_pid:
+            raise SharedMemoryError(f"the socket {address[1:]!r} is not held by the host's first rank "
+                                    f"(pid {leader_pid})")
+        _msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
+    if len(fds) != 1:
+        raise SharedMemoryError(f"the host's first rank (pid {leader_pid}) sent no descriptor")
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpans:
+    """Where each block of a ring sits in its shared file: ``(offset, nbytes)``, or None for a
+    block no rank of the host streams; the header's size comes first."""
+
+    spans: tuple[tuple[int, int] | None, ...]
+    ranks: int
+    nbytes: int
+
+    @property
+    def header_nbytes(self) -> int:
+        """The header's pages: one byte per (block, rank), rounded up to a page."""
+        return -(-max(len(self.spans) * self.ranks, 1) // _PAGE) * _PAGE
+
+    @classmethod
+    def plan(cls, sizes: Sequence[int | None], ranks: int) -> BlockSpans:
+        """Blocks back to back after the header, each at a page boundary (so each is registered,
+        and punched, in whole pages of its own)."""
+        offset = -(-max(len(sizes) * ranks, 1) // _PAGE) * _PAGE
+        spans = []
+        for size in sizes:
+            if size is None:
+                spans.append(None)
+                continue
+            spans.append((offset, size))
+            offset += -(-max(size, 1) // _PAGE) * _PAGE
+        return cls(tuple(spans), ranks, max(offset, _PAGE))
+
+
+class SharedBlocks:
+    """One ring's blocks in a shared file, as seen from rank ``me`` (0 .. ranks - 1 on the host)."""
+
+    def __init__(self, segment: SharedSegment, layout: BlockSpans, me: int) -> None:
+        self.segment = segment
+        self.layout = layout
+        self.me = me
+        n, r = len(layout.spans), layout.ranks
+        self._flags = segment.tensor[: n * r].view(n, r)
+        self._left = False
+
+    def init_header(self, users: Sequence[Sequence[int]]) -> None:
+        """The first rank, before anyone else maps the file: ``users[b]``, the host ranks that
+        stream block ``b`` from it."""
+        self._flags.zero_()
+        for b, who in enumerate(users):
+            for r in who:
+                self._flags[b, r] = 1
+
+    def view(self, block: int) -> torch.Tensor | None:
+        span = self.layout.spans[block]
+        return None if span is None else self.segment.tensor[span[0] : span[0] + span[1]]
+
+    def uses(self, block: int) -> bool:
+        """Whether this rank streams ``block`` from the shared copy."""
+        return self.layout.spans[block] is not None and bool(self._flags[block, self.me])
+
+    def leave(self, block: int) -> None:
+        """This rank no longer reads ``block`` here (it has unregistered its pages); the last
+        rank to leave gives the pages back."""
+        span = self.layout.spans[block]
+        if span is None or self.segment.fd < 0:
+            return
+        with self._locked():
+            if not self._flags[block, self.me]:
+                return
+            self._flags[block, self.me] = 0
+            if not bool(self._flags[block].any()):
+                self.segment.punch(span[0], -(-span[1] // _PAGE) * _PAGE)  # its pages are its own
+                if not bool(self._flags.any()):  # no rank reads any block: the header goes too
+                    self.segment.punch(0, self.layout.header_nbytes)
+
+    def leave_all(self) -> None:
+        for b in range(len(self.layout.spans)):
+            self.leave(b)
+
+    def share_bytes(self) -> int:
+        """This rank's share of the live copy: each block it streams from here, divided by the
+        number of ranks that do."""
+        share = 0.0
+        for b, span in enumerate(self.layout.spans):
+            if span is not None and self._flags[b, self.me]:
+                share += span[1] / int(self._flags[b].sum())
+        return round(share)
+
+    def live_bytes(self) -> int:
+        """Bytes of the blocks some rank of the host still streams from the shared copy."""
+        return sum(span[1] for b, span in enumerate(self.layout.spans)
+                   if span is not None and bool(self._flags[b].any()))
+
+    def close(self) -> None:
+        """Leave every block, then close the descriptor. Idempotent."""
+        if self.segment.fd >= 0:
+            self.leave_all()
+            self.segment.close()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        header = len(self.layout.spans) * self.layout.ranks
+        fcntl.lockf(self.segment.fd, fcntl.LOCK_EX, header, 0)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.segment.fd, fcntl.LOCK_UN, header, 0)

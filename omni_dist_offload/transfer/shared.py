@@ -1,0 +1,77 @@
+"""The shared transfer: the ranks of a host keep one host copy of every block between them
+(``sharedmem.py``), and each rank copies whole blocks from it over its own link, as rank-local
+does, never waiting for another rank."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..hostmem import HostBuffer, HostPinner
+from ..sharedmem import SharedBlocks
+from .protocol import TransferStreams
+from .rank_local import RankLocalTransfer
+
+__all__ = ["SharedTransfer"]
+
+
+class SharedTransfer(RankLocalTransfer):
+    """Whole blocks from a host copy shared with the host's other ranks.
+
+    ``buffers[i]`` wraps this rank's mapping of block ``i`` (page-locked by this rank), or None
+    for a block that stays on the device. A block this rank edits (``write_back``: a LoRA fused
+    into it) gets a host copy of its own first: the other ranks keep reading the weights they
+    had, and the shared pages go once no rank reads them.
+    """
+
+    name = "shared"
+
+    def __init__(self, blocks: SharedBlocks, buffers: Sequence[HostBuffer | None], nbytes: Sequence[int],
+                 streams: TransferStreams, device: torch.device, pinner: HostPinner, component: str,
+                 block_names: Sequence[str]) -> None:
+        super().__init__(buffers, nbytes, streams, device)
+        self.blocks = blocks
+        self._own: set[int] = set()
+        self._pinner = pinner
+        self._component = component
+        self._names = list(block_names)
+
+    @property
+    def host_ranks(self) -> int:
+        return self.blocks.layout.ranks
+
+    def host_bytes(self) -> int:
+        """This rank's share of the shared copy, plus the blocks it holds a copy of its own of."""
+        return self.blocks.share_bytes() + sum(self.buffers[i].nbytes for i in self._own if self.buffers[i] is not None)
+
+    def shared_bytes(self) -> int:
+        """The host's shared copy of the ring: the blocks some rank still streams from it."""
+        return self.blocks.live_bytes()
+
+    def drop(self, block: int) -> None:
+        super().drop(block)  # unregisters this rank's pages first
+        if block in self._own:
+            self._own.discard(block)
+        else:
+            self.blocks.leave(block)
+
+    def write_back(self, block, src, start=0) -> torch.Tensor | None:
+        moved = None
+        if block not in self._own:
+            shared = self.buffers[block]
+            own = HostBuffer(shared.nbytes)
+            own.tensor.copy_(shared.tensor)
+            # Under pin_failure "error" a failure raises here, before anything changed.
+            self._pinner.pin(own, self._component, self._names[block])
+            self.buffers[block] = own
+            self._own.add(block)
+            shared.release()
+            self.blocks.leave(block)
+            moved = own.tensor
+        super().write_back(block, src, start)
+        return moved
+
+    def release(self) -> None:
+        super().release()
+        self.blocks.close()

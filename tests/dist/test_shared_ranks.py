@@ -1,0 +1,294 @@
+"""The shared transfer with real ranks on gloo (CPU): one host copy per host, ranks that run
+different work without waiting for each other, bitwise parity, host memory counted once, and no
+shared memory left after a normal exit, an exception or a SIGKILL. Single-process parts:
+unit/test_shared.py."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import signal
+import time
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tiny_models as tiny
+from faults import failing_pin
+from omni_dist_offload import OffloadConfigError, apply_offload
+from omni_dist_offload import apply as apply_mod
+from ranks import Rank, run_ranks
+from toys import ToyDiT, assert_same, snapshot
+
+
+def shared_config(text_encoder: bool = False, **options) -> dict:
+    layer = {"dit": {"weight_transfer": "shared", **options}}
+    if text_encoder:
+        layer["text_encoder"] = {"weight_transfer": "shared", **options}
+    return {"mode": "layer", "components": list(layer), "layer_options": layer, "collective_timeout_s": 30}
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _segments_mapped(ignore: int = -1) -> list[str]:
+    """This process's descriptors (but ``ignore``) and mappings of shared host copies."""
+    gc.collect()
+    found = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if int(fd) != ignore
+             and os.path.exists(f"/proc/self/fd/{fd}") and "omni-offload" in os.readlink(f"/proc/self/fd/{fd}")]
+    found += [line for line in Path("/proc/self/maps").read_text().splitlines() if "omni-offload" in line]
+    return found
+
+
+# -- parity, ranks that do not wait ------------------------------------------------------------
+@torch.no_grad()
+def different_work(rank: Rank) -> dict:
+    """Rank r runs r + 1 forwards at batch r + 1; rank 0 starts only once the last rank has run
+    all of its, which would hang if the ranks had to move blocks in lockstep. Also on GPUs
+    (gpu/test_gpu_shared.py)."""
+    device = rank.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pipe = types.SimpleNamespace(transformer=tiny.tiny_wan_transformer(num_layers=3, dtype=dtype).to(device),
+                                 text_encoder=tiny.tiny_umt5_encoder(num_layers=3).to(device))
+    x = {k: v.to(device) if torch.is_tensor(v) else v
+         for k, v in tiny.wan_transformer_inputs(pipe.transformer, batch=rank.rank + 1).items()}
+    t = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tiny.text_encoder_inputs(pipe.text_encoder).items()}
+    ref = (pipe.transformer(**x)[0], pipe.text_encoder(**t).last_hidden_state)
+    handle = apply_offload(pipe, shared_config(text_encoder=True))
+    rows = handle.summary()
+    last = rank.world - 1
+    if rank.rank == 0:
+        _store().wait([f"rank{last} done"], timedelta(seconds=60))
+    equal = all(torch.equal(pipe.transformer(**x)[0], ref[0]) and
+                torch.equal(pipe.text_encoder(**t).last_hidden_state, ref[1]) for _ in range(rank.rank + 1))
+    if rank.rank == last:
+        _store().set(f"rank{last} done", "1")
+    pinned = [b.pinned for ring in handle.rings for b in ring.transfer.buffers if b is not None]
+    handle.remove()
+    return {"equal": equal, "equal_after_remove": torch.equal(pipe.transformer(**x)[0], ref[0]), "summary": rows,
+            "pinned": pinned}
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_ranks_run_different_work_bitwise_equal(world):
+    for r in run_ranks(different_work, world):
+        assert r["equal"] and r["equal_after_remove"]
+        for row in r["summary"]:
+            assert row["weight_transfer"] == "shared" and row["fallback_reason"] is None, row
+            assert row["host_ranks"] == world
+            # One copy per host: this rank's share is a world-th of it; the copy is the blocks.
+            assert row["shared_host_bytes"] >= row["block_bytes"]
+            assert abs(row["host_bytes"] - row["shared_host_bytes"] / world) <= 1
+
+
+# -- host memory, an edit on one rank, release -----------------------------------------------
+def _pss_shmem() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss_Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@torch.no_grad()
+def memory_and_edits(rank: Rank) -> dict:
+    model = ToyDiT(8, dim=512)  # 8 blocks of ~1 MiB
+    x = torch.randn(2, 512)
+    ref = model(x)
+    before = _pss_shmem()
+    handle = apply_offload(model, shared_config())
+    ring = handle.rings[0]
+    blocks = ring.transfer.blocks
+    out = {"pss": _pss_shmem() - before, "allocated": blocks.segment.allocated_bytes(),
+           "summary": handle.summary()[0], "equal": torch.equal(model(x), ref)}
+    dist.barrier()
+    # Rank 1 edits block 0 (as fusing an adapter does): it gets a copy of its own; rank 0 keeps
+    # reading the shared one, unchanged.
+    if rank.rank == 1:
+        ring.edit_block(0, lambda: model.blocks[0].lin.weight.add_(1.0))
+    dist.barrier()
+    edited = ToyDiT(8, dim=512)
+    if rank.rank == 1:
+        edited.blocks[0].lin.weight.add_(1.0)
+    out["edit_equal"] = torch.equal(model(x), edited(x))
+    out["after_edit"] = handle.summary()[0]
+    watch = os.dup(blocks.segment.fd)
+    handle.remove()
+    del ring, blocks
+    out["equal_after_remove"] = torch.equal(model(x), edited(x))
+    out["left_after_remove"] = _segments_mapped(ignore=watch)
+    dist.barrier()  # every rank has removed: every page went back to the host
+    out["allocated_at_end"] = os.fstat(watch).st_blocks * 512
+    os.close(watch)
+    return out
+
+
+def test_host_memory_once_per_host_and_edits_stay_on_their_rank():
+    results = run_ranks(memory_and_edits, 2)
+    copy = results[0]["summary"]["shared_host_bytes"]
+    block_bytes = results[0]["summary"]["block_bytes"]
+    assert block_bytes <= copy <= block_bytes + 8 * 4096
+    # Measured: the file holds one copy, and the ranks' proportional shares of it add up to one.
+    assert block_bytes <= results[0]["allocated"] <= copy + 4096
+    assert 0.9 * copy <= sum(r["pss"] for r in results) <= 1.1 * copy, [r["pss"] for r in results]
+    for r in results:
+        assert r["equal"] and r["edit_equal"] and r["equal_after_remove"]
+        assert r["summary"]["host_bytes"] == copy // 2 or abs(r["summary"]["host_bytes"] - copy / 2) <= 1
+        assert r["left_after_remove"] == [] and r["allocated_at_end"] == 0
+    block0 = copy // 8
+    # After the edit, rank 1 holds block 0 on its own, and rank 0 alone reads the shared one.
+    assert results[1]["after_edit"]["host_bytes"] >= results[1]["summary"]["host_bytes"] + block0 // 2 - 4096
+    assert results[0]["after_edit"]["host_bytes"] >= results[0]["summary"]["host_bytes"] + block0 // 2 - 4096
+
+
+# -- failures: an exception, no memory, a rank killed ---------------------------------------
+def failures(rank: Rank) -> dict:
+    out = {}
+    model = ToyDiT(4, dim=64)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        ref = model(x)
+    before = snapshot(model)
+    # Rank 1 cannot page-lock its second block: every rank undoes its setup.
+    with failing_pin(1 if rank.rank == 1 else None):
+        try:
+            apply_offload(model, dict(shared_config(), pin_memory=True))
+            out["pin"] = None
+        except Exception as exc:  # noqa: BLE001 - the message is checked
+            out["pin"] = f"{type(exc).__name__}: {exc}"
+    assert_same(before, model)
+    out["left_after_exception"] = _segments_mapped()
+    # Not enough host memory on this host: the same error on every rank, nothing changed.
+    real = apply_mod.available_host_bytes
+    apply_mod.available_host_bytes = lambda: 1024
+    try:
+        apply_offload(model, shared_config())
+        out["space"] = None
+    except OffloadConfigError as exc:
+        out["space"] = str(exc)
+    finally:
+        apply_mod.available_host_bytes = real
+    assert_same(before, model)
+    out["left_after_space"] = _segments_mapped()
+    # Rank 1 dies (SIGKILL) after setup; rank 0 goes on streaming from the copy it maps.
+    handle = apply_offload(model, shared_config())
+    dist.barrier()
+    if rank.rank == 1:
+        rank.report({"killed": True})
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    with torch.no_grad():
+        out["equal_after_peer_killed"] = all(torch.equal(model(x), ref) for _ in range(2))
+    handle.remove()
+    out["left_after_remove"] = _segments_mapped()
+    return out
+
+
+def test_exception_space_and_a_killed_rank_leave_nothing():
+    r0, r1 = run_ranks(failures, 2, broken_group=True)
+    assert r1 == {"killed": True}
+    assert r0["pin"].startswith("RuntimeError: apply_offload failed on rank 1"), r0["pin"]
+    assert "page-locking the host copy of block" in r0["pin"]
+    assert "memory available" in r0["space"] and "storage_dtype" in r0["space"], r0["space"]
+    assert r0["equal_after_peer_killed"]
+    assert r0["left_after_exception"] == r0["left_after_space"] == r0["left_after_remove"] == []
+
+
+# -- every rank killed -------------------------------------------------------------------------
+def all_killed(rank: Rank) -> None:
+    model = ToyDiT(4, dim=64)
+    handle = apply_offload(model, shared_config())
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    segment = handle.rings[0].transfer.blocks.segment
+    rank.report({"inode": os.fstat(segment.fd).st_ino, "mapped": len(_segments_mapped())})
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_sigkill_of_every_rank_leaves_no_shared_memory():
+    results = run_ranks(all_killed, 2, broken_group=True)
+    inode = results[0]["inode"]
+    assert results[1]["inode"] == inode and results[0]["mapped"] > 0
+    holders = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+            fds = [os.stat(fd).st_ino for fd in (proc / "fd").iterdir() if "memfd:omni-offload" in os.readlink(fd)]
+        except OSError:
+            continue
+        if any("omni-offload" in line and f" {inode} " in line for line in maps.splitlines()) or inode in fds:
+            holders.append(proc.name)
+    assert holders == []
+    assert "@omni-offload/" not in Path("/proc/net/unix").read_text()
+
+
+# -- fallbacks ---------------------------------------------------------------------------------
+def one_rank_per_host(rank: Rank) -> dict:
+    model = ToyDiT(3, dim=64)
+    x = torch.randn(2, 64)
+    ref = model(x)
+    handle = apply_offload(model, shared_config())
+    with torch.no_grad():
+        equal = torch.equal(model(x), ref)
+    row = handle.summary()[0]
+    handle.remove()
+    return {"equal": equal, "row": row}
+
+
+def test_one_rank_per_host_falls_back_with_the_reason():
+    for r in run_ranks(one_rank_per_host, 2, local_world=1):
+        assert r["equal"] and r["row"]["weight_transfer"] == "rank-local"
+        assert "single rank" in r["row"]["fallback_reason"] and r["row"]["shared_host_bytes"] is None
+
+
+# -- with the residency plan and 8-bit storage ------------------------------------------------
+@torch.no_grad()
+def residency_and_storage(rank: Rank) -> dict:
+    """Blocks kept resident by every rank have no place in the shared copy; blocks a later plan
+    keeps resident leave it (their pages go once every rank keeps them); 8-bit images share as
+    blocks do, and outputs equal diffusers' layerwise casting bit for bit."""
+    out = {}
+    model = ToyDiT(6, dim=256)
+    x = torch.randn(2, 256)
+    ref = model(x)
+    handle = apply_offload(model, shared_config(resident_blocks=[1, 4]))
+    ring = handle.rings[0]
+    out["fixed"] = handle.summary()[0]
+    out["fixed_allocated"] = ring.transfer.blocks.segment.allocated_bytes()
+    before = handle.summary()[0]
+    ring.apply_plan({0, 1, 4}, 2, settle=True)  # what the planner does after a measured forward
+    dist.barrier()
+    out["planned"] = handle.summary()[0]
+    out["planned_allocated"] = ring.transfer.blocks.segment.allocated_bytes()
+    out["equal"] = torch.equal(model(x), ref) and before["host_bytes"] > out["planned"]["host_bytes"]
+    handle.remove()
+
+    flux = tiny.tiny_flux_transformer(dtype=torch.float32)
+    reference = copy.deepcopy(flux)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    fx = tiny.flux_transformer_inputs(flux, batch=rank.rank + 1)
+    handle = apply_offload(flux, shared_config(storage_dtype="float8_e4m3fn", resident_blocks=1))
+    out["fp8"] = handle.summary()[0]
+    out["fp8_equal"] = all(torch.equal(flux(**fx)[0], reference(**fx)[0]) for _ in range(rank.rank + 1))
+    handle.remove()
+    return out
+
+
+def test_resident_blocks_leave_the_shared_copy_and_8_bit_images_share():
+    for r in run_ranks(residency_and_storage, 2):
+        fixed, planned = r["fixed"], r["planned"]
+        assert r["equal"] and fixed["resident_blocks"] == [1, 4] and planned["resident_blocks"] == [0, 1, 4]
+        assert fixed["shared_host_bytes"] == fixed["block_bytes"]  # the 4 streamed blocks only
+        assert planned["shared_host_bytes"] == 3 * fixed["block_bytes"] // 4
+        per_block = fixed["block_bytes"] // 4
+        assert r["fixed_allocated"] - r["planned_allocated"] >= per_block  # block 0's pages went back
+        assert r["fp8_equal"] and r["fp8"]["weight_transfer"] == "shared"
+        assert r["fp8"]["storage_dtype"] == "float8_e4m3fn" and r["fp8"]["host_ranks"] == 2
