@@ -369,6 +369,8 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "streamed_share": block_bytes / max(1, module_bytes(module)),
             "found_by": ring.found_by if ring else None,
             "storage_dtype": ring.storage_dtype if ring else None,
+            "shared_host_bytes": ring.shared_host_bytes if ring else None,
+            "host_ranks": ring.host_ranks if ring else None,
         })
     return rows
 
@@ -401,6 +403,9 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     config = json.dumps(omni.config.to_dict()) if omni.config else "none (all resident)"
     device_bytes = sum(r["resident_bytes"] + r["device_slot_bytes"] for r in rows)
     host_bytes = sum(r["host_bytes"] for r in rows)
+    shared = [r for r in rows if r.get("shared_host_bytes") is not None]
+    host_total = (f"; shared with the other ranks of this host: {_fmt_bytes(sum(r['shared_host_bytes'] for r in shared))} "
+                  f"in one copy for {shared[0]['host_ranks']} ranks" if shared else "")
     return "\n".join([
         f"model {omni.model} ({type(omni.pipeline).__name__}) on {omni.device}, "
         f"{str(omni.dtype).removeprefix('torch.')}",
@@ -409,7 +414,7 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
         *lines,
         "",
         f"weights on the device: {_fmt_bytes(device_bytes)} (resident + slots); "
-        f"in host memory on this rank: {_fmt_bytes(host_bytes)}",
+        f"in host memory on this rank: {_fmt_bytes(host_bytes)}{host_total}",
     ])
 
 
