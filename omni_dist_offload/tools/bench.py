@@ -9,6 +9,8 @@ one preset at one block count and one input shape; per case, in one process, the
   num_blocks_per_group=1, use_stream=True)`` (``use_stream=False`` without CUDA, which diffusers
   requires; the output says so), undone after each pass;
 * ``rank-local``: ``apply_offload`` streaming every DiT block over this rank's own link;
+* ``shared`` (only when asked for, world size > 1): rank-local copies from one host copy the
+  ranks of a host share (``weight_transfer: "shared"``);
 * ``allgather``: the same with per-rank host shards all-gathered block by block (world size > 1),
   with the default gather (the copy engines where the GPUs can map each other's memory);
 * ``allgather-nccl`` (only when asked for): allgather with NCCL's all-gather kernels;
@@ -40,7 +42,11 @@ same to every variant's pooled timings instead of favouring whichever ran first.
 ``--warmup`` untimed forwards (the first forward after applying an offload starts cold) and then
 ``--repeats`` timed ones; a variant's figure is the median of its pooled timed forwards, CUDA
 events on a GPU, the wall clock elsewhere. Under torchrun every rank runs the same schedule in
-lockstep and each figure is the slowest rank's median.
+lockstep and each figure is the slowest rank's median. ``--stagger`` gives rank ``r`` the
+``(k + r)``-th shape in the case where rank 0 runs the ``k``-th (``--frames 81 17``: one rank at 81
+frames while the other runs 17, then the other way round), and reports every rank's own figures,
+one row each: transfers that let ranks run different work (rank-local, shared) measured as a
+data-parallel job runs them.
 
 **Floor.** Per block, a streamed forward cannot beat ``max(compute, block bytes / bandwidth)``,
 with the block's resident compute time measured by timing each block of the resident model, and
@@ -107,7 +113,7 @@ from .timeline import draw_budget_sweep, draw_overhead, draw_timeline
 __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
 
 #: Streamed variants, in the order of the first half of the schedule.
-VARIANTS = ("peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
+VARIANTS = ("peer", "rank-local", "shared", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
             "fp8-resident", "fp8-streamed", "fp8-allgather")
 #: Variants with the DiT's blocks compiled (regional ``torch.compile``): resident, and streamed
 #: rank-local; compared bitwise with the compiled resident model.
@@ -117,7 +123,7 @@ _FP8 = ("fp8-resident", "fp8-streamed", "fp8-allgather")
 #: The 8-bit format of the fp8 variants.
 FP8_STORAGE = "float8_e4m3fn"
 #: Variants that exist only under torchrun with several ranks.
-_MULTI_RANK = ("allgather", "allgather-nccl", "fp8-allgather")
+_MULTI_RANK = ("shared", "allgather", "allgather-nccl", "fp8-allgather")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
 RESIDENT = "resident"
 
@@ -168,6 +174,8 @@ class CaseResult:
     computed_steps: int | None = None
     """``--steps`` loops: how many steps of the resident reference loop ran the last block (all
     of them without ``--cache``); every variant's output is compared bitwise with that loop's."""
+    rank: int | None = None
+    """``--stagger``: the rank whose figures these are; None: the slowest rank's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +233,8 @@ class BenchOptions:
     """Run one more, traced, forward of this variant for ``--timeline``."""
     budgets: tuple[Budget, ...] = ()
     """Run each of our variants once per budget (``rank-local@60%``) instead of streaming every block."""
+    stagger: bool = False
+    """Each rank its own shape of the case at a time, and its own figures (``--stagger``)."""
     memory_fraction: float | None = None
     """Cap the allocator at this fraction of the device while budget variants run (what
     ``device_budget: "auto"`` sees); resident and the peer run uncapped."""
@@ -412,8 +422,8 @@ def schedule(variants: Sequence[str], world: int = 1, budgets: Sequence[Budget] 
 def _offload_config(variant: str, device_budget: int | str | None = None) -> dict[str, Any]:
     transfer = variant.split("@")[0]
     dit: dict[str, Any] = {"mode": "layer", "components": ["dit"]}
-    if transfer == "allgather":
-        dit["layer_options"] = {"dit": {"weight_transfer": "allgather"}}
+    if transfer in ("allgather", "shared"):
+        dit["layer_options"] = {"dit": {"weight_transfer": transfer}}
     elif transfer == "allgather-nccl":
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "gather": "nccl"}}
     elif transfer == "fp8-streamed":
@@ -537,6 +547,10 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
         equal = bool(torch.equal(out, reference))
         if handle is not None:
             info = {**info, **_plan_info(handle)}
+        if opts.world > 1:
+            # Every rank has read what it holds before any undoes its pass (a shared copy's
+            # share grows as the other ranks leave it), and the ranks' passes stay side by side.
+            dist.barrier()
         after = compile_seconds()
         if compiling is not None and after is not None:
             info["compile_s"] = after - compiling
@@ -708,7 +722,9 @@ def _traced_forward(model: nn.Module, forward: Callable[[], Any], opts: BenchOpt
 def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: str,
                compute: list[float], block_bytes: list[int], opts: BenchOptions) -> list[CaseResult]:
     pooled = {v: [t for p in ps for t in p.times] for v, ps in passes.items()}
-    medians = _slowest_rank({v: statistics.median(ts) for v, ts in pooled.items()}, opts.world)
+    medians = {v: statistics.median(ts) for v, ts in pooled.items()}
+    if not opts.stagger:
+        medians = _slowest_rank(medians, opts.world)
     res_ms = medians[RESIDENT]
     compiled_ms = medians.get("compiled")
     fp8_ms = medians.get("fp8-resident")
@@ -768,6 +784,7 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
     after, ready = torch.cuda.Event(), torch.cuda.Event()
 
     def timed(transfer) -> float:
+        transfer.allocate_slots(transfer.device_nbytes(0), 1)  # collective for the copy engines
         dst = transfer.slots[0][: transfer.device_nbytes(0)]
 
         def once():
@@ -778,7 +795,7 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
         return ms
 
     results = [{"variant": "rank-local", "chunk_mib": None,
-                "ms": timed(RankLocalTransfer([full], streams, device, 1))}]
+                "ms": timed(RankLocalTransfer([full], [nbytes], streams, device))}]
     facts = {"block": ComponentFacts("allgather", 0, "auto", ("block",), ("x",))}
     groups = GroupSession(600.0)
     group, reason = groups.resolve(facts, device, None)
@@ -793,7 +810,7 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
         shard.tensor.copy_(full.tensor[: plan.shard_nbytes])
         shard.pin()
         for gather in gathers:
-            ms = timed(gather_transfer(gather, [shard], [plan], group, streams, device, 1, 600.0))
+            ms = timed(gather_transfer(gather, [shard], [plan], group, streams, device, 600.0))
             results.append({"variant": "allgather", "gather": gather, "chunk_mib": chunk or "whole block", "ms": ms})
         shard.release()
     full.release()
@@ -835,7 +852,7 @@ def format_table(results: Sequence[CaseResult]) -> str:
         head += f"{'budget MiB':>12}{'kept':>6}{'part':>6}{'slots':>6}{'pred x':>8}{'pred ms':>9}{'/ pred':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
-        case = f"{r.preset} {r.blocks}b {r.shape}"
+        case = f"{r.preset} {r.blocks}b {r.shape}" + (f" r{r.rank}" if r.rank is not None else "")
         line = (f"{case:<30}{r.variant:<{width}}{r.forward_ms:>10.2f}{r.overhead:>8.3f}{r.floor_ms:>10.2f}"
                 f"{r.to_floor:>9.3f}{r.peak_device_mib:>10.1f}{r.host_mib:>10.1f}{r.setup_s:>9.2f}"
                 f"{'yes' if r.bitwise_equal else 'NO':>7}")
@@ -896,6 +913,9 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="time a denoising loop of N steps instead of one forward")
     p.add_argument("--cache", default=None, metavar="SPEC",
                    help="a step cache on the DiT, e.g. first-block:0.1 (needs --steps 2 or more)")
+    p.add_argument("--stagger", action="store_true",
+                   help="under torchrun: rank r runs the (k + r)-th shape while rank 0 runs the k-th, and every "
+                   "rank's figures are reported (ranks running different work side by side)")
     p.add_argument("--warmup", type=non_negative_int, default=2,
                    help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
@@ -987,13 +1007,14 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
     opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
                         bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets,
                         memory_fraction=args.memory_fraction, lora=args.lora, lora_fused=args.lora_fused,
-                        steps=args.steps, cache=args.cache_spec)
+                        steps=args.steps, cache=args.cache_spec, stagger=args.stagger and world > 1)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []
     trace = None
     for blocks in args.blocks or [preset.default_blocks]:
-        for shape in shapes:
+        for k in range(len(shapes)):
+            shape = shapes[(k + rank) % len(shapes)] if opts.stagger else shapes[k]
             traced = args.timeline is not None and trace is None
             opts.trace_variant = (args.timeline_variant or ("allgather" if world > 1 else "rank-local")) if traced else None
             run = measure_case(args.preset, blocks, shape, opts)
@@ -1001,6 +1022,12 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
             if traced:
                 trace = {"case": f"{args.preset} {blocks}b {'x'.join(map(str, shape))}",
                          "variant": opts.trace_variant, "rings": run.trace}
+    if opts.stagger:  # every rank's rows, by case and rank
+        for r in cases:
+            r.rank = rank
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, cases)
+        cases = sorted((r for g in gathered for r in g), key=lambda r: (r.blocks, r.shape, r.rank))
     if opts.steps > 1:  # the steps each case's loop computed are in its rows
         meta["steps"] = opts.steps
         meta["cache"] = opts.cache.to_dict() if opts.cache is not None else None

@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld = sub.add_parser("load", help="load it one way and report time and memory")
     ld.add_argument("folder", type=Path)
     ld.add_argument("--mode", required=True, choices=["cold", "ordinary", "peer"])
-    ld.add_argument("--transfer", default="rank-local", choices=["rank-local", "allgather"])
+    ld.add_argument("--transfer", default="rank-local", choices=["rank-local", "shared", "allgather"])
     ld.add_argument("--run-dtype", default="bf16", choices=sorted(_DTYPES))
     ld.add_argument("--json", type=Path, default=None, help="append this rank's row here")
     return p

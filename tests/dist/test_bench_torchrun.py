@@ -1,5 +1,6 @@
-"""The benchmark's torchrun wrapper (launch/bench.sh) on two CPU ranks (gloo): allgather against
-rank-local, one table from rank 0."""
+"""The benchmark's torchrun wrapper (launch/bench.sh) on two CPU ranks (gloo): allgather and
+shared against rank-local, the ranks on different sizes at once (--stagger), one table from
+rank 0."""
 
 from __future__ import annotations
 
@@ -20,13 +21,18 @@ def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> 
     env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
            "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32",
-         "--variants", "rank-local", "allgather", "--warmup", "1", "--repeats", "1",
+        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32", "48", "--stagger",
+         "--variants", "rank-local", "shared", "allgather", "--warmup", "1", "--repeats", "1",
          "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" allgather ") == 1  # one table, from rank 0
+    assert proc.stdout.count(" allgather ") == 4  # one table, from rank 0: 2 sizes x 2 ranks
     data = json.loads(out_json.read_text())
     assert data["meta"]["world_size"] == 2
-    rows = {r["variant"]: r for r in data["results"]}
-    assert rows["allgather"]["weight_transfer"] == "allgather" and rows["allgather"]["bitwise_equal"]
-    assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard
+    # --stagger: each rank ran each size, at the same time as the other rank ran the other.
+    assert sorted({(r["shape"], r["rank"]) for r in data["results"]}) == [("32", 0), ("32", 1), ("48", 0), ("48", 1)]
+    for shape in ("32", "48"):
+        rows = {r["variant"]: r for r in data["results"] if r["shape"] == shape and r["rank"] == 0}
+        assert all(r["bitwise_equal"] for r in rows.values())
+        assert rows["allgather"]["weight_transfer"] == "allgather" and rows["shared"]["weight_transfer"] == "shared"
+        assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard
+        assert rows["shared"]["host_mib"] < rows["rank-local"]["host_mib"]  # and its share of one copy

@@ -27,7 +27,7 @@ def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
         "resident", "peer", "rank-local", "rank-local", "peer", "resident"]
     assert schedule(bench.DEFAULT_VARIANTS, world=2) == [
         "resident", "peer", "rank-local", "allgather", "allgather", "rank-local", "peer", "resident"]
-    first = ["peer", "rank-local", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
+    first = ["peer", "rank-local", "shared", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
              "fp8-resident", "fp8-streamed", "fp8-allgather"]
     assert schedule(bench.VARIANTS, world=2) == ["resident", *first, *reversed(first), "resident"]
     # Multi-rank variants drop out on one rank.
