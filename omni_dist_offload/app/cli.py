@@ -20,7 +20,6 @@ import argparse
 import functools
 import importlib.metadata
 import json
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +50,6 @@ DEFAULT_MODEL = "tiny-wan"
 DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
 DEFAULT_PROMPT = "a red fox running through snow"
 _COMMANDS = ("generate", "inspect", "bench", "serve")
-
-logger = logging.getLogger(__name__)
 
 
 class UsageError(Exception):

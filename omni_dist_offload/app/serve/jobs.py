@@ -2,8 +2,9 @@
 polled; the finished video kept on disk for a while.
 
 A job wraps one queued :class:`~.service.Job` (one slot). Its status follows the slot's future:
-``queued`` until the generation loop takes it, ``in_progress`` while its wave runs (``progress``
-counts the denoising steps rank 0 has finished), then ``completed`` or ``failed``. The store is
+``queued`` until a rank takes it, ``in_progress`` while it runs (``progress`` counts the
+denoising steps done: of the rank running it, or of rank 0 in a lockstep wave), then
+``completed`` or ``failed``. The store is
 bounded twice: by count (``--max-video-jobs``; a new job evicts the oldest finished one, and the
 store refuses new jobs only when every kept job is still waiting or running) and by time (a
 finished job expires ``--video-ttl`` seconds after it finished; its file goes with it). Files
