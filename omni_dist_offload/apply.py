@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -53,6 +54,7 @@ from .sharedmem import (
     SharedMemoryError,
     SharedSegment,
     available_host_bytes,
+    populate,
     receive,
 )
 from .transfer.casting import CastingTransfer
@@ -367,7 +369,7 @@ def apply_offload(
 
     # Phase 2 changes the target; any failure undoes it.
     handle = OffloadHandle(target, modules, dev, cfg, groups)
-    setup = _Setup.start(cfg, dev, any(s.group is not None for s in specs), progress)
+    setup = _Setup.start(cfg, dev, any(s.group is not None for s in specs), progress, groups)
     try:
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
@@ -380,7 +382,9 @@ def apply_offload(
         handle._install(trace_enabled(trace), specs)
     except BaseException as exc:
         handle._rollback()
-        if groups.active:  # tell the other ranks, which would otherwise wait in their first fill
+        # Tell the other ranks, which would otherwise wait in their first fill (unless the ranks
+        # have just agreed on this failure: a shared ring's agreement that its copy is written).
+        if groups.active and not getattr(exc, _AGREED, False):
             with contextlib.suppress(Exception):
                 groups.agree(f"{type(exc).__name__}: {exc}")
         groups.close()
@@ -722,9 +726,12 @@ class _Setup:
     streams: TransferStreams
     timeout_s: float
     progress: bool
+    groups: GroupSession | None = None
+    """The job's setup exchanges (shared rings agree once every rank has written its part)."""
 
     @classmethod
-    def start(cls, cfg: OffloadConfig, dev: torch.device, gathers: bool, progress: bool) -> _Setup:
+    def start(cls, cfg: OffloadConfig, dev: torch.device, gathers: bool, progress: bool,
+              groups: GroupSession | None = None) -> _Setup:
         cuda = dev.type == "cuda"
         # The copy stream exists so host-to-device copies run beside compute instead of behind
         # it; the comm stream so the gather (NCCL all-gathers, or the copy-engine pulls from the
@@ -733,7 +740,7 @@ class _Setup:
         streams = TransferStreams(copy=torch.cuda.Stream(dev) if cuda else None,
                                   comm=torch.cuda.Stream(dev, priority=-1) if cuda and gathers else None)
         return cls(dev, HostPinner.for_device(cfg.pin_memory, cfg.pin_failure, dev), streams,
-                   cfg.collective_timeout_s, progress)
+                   cfg.collective_timeout_s, progress, groups)
 
 
 def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[torch.Tensor]] | None]:
@@ -933,10 +940,12 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
 def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     """shared: whole blocks in the host copy the ranks of this host share. This rank writes its
     part of the blocks (an even split by bytes; with a source, read straight from the
-    checkpoint) and page-locks its own mapping of all of them; the others' blocks arrive as their
-    ranks write them, which the agreement at the end of setup waits for. Between uses a block's
-    tensors view the shared copy (placeholders for 8-bit images); their original storage is
-    returned for the caller to keep until every rank has succeeded."""
+    checkpoint) and page-locks them as they are written; once every rank says its part is
+    written (a collective), it page-locks its mapping of the others' blocks: pages that exist
+    already only need mapping, where locking a page before its writer touched it would allocate
+    it here, contending with the writer. Between uses a block's tensors view the shared copy
+    (placeholders for 8-bit images); their original storage is returned for the caller to keep
+    until every rank has succeeded."""
     layouts, pin, shared = spec.layouts, setup.pin, spec.shared
     keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
     owner = _owners([shared.layout.spans[i][1] if shared.view(i) is not None else None
@@ -946,12 +955,21 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     originals: list[list[torch.Tensor]] = []
     parked: list[Sequence[torch.Tensor] | None] = []
     resident: dict[int, torch.Tensor] = {}
+    error: BaseException | None = None
+    # Threads allocate this rank's pages ahead of the writes (see sharedmem.populate), in 64 MiB
+    # pieces, a few per rank so that a host's ranks together use about its cores.
+    threads = max(1, min(_POPULATE_THREADS, (os.cpu_count() or 1) // shared.layout.ranks))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="omni-offload-populate")
+    ready = {i: [pool.submit(populate, piece) for piece in shared.view(i).split(_POPULATE_PIECE)]
+             for i in range(len(layouts)) if owner[i] == shared.me}
     try:
         for layout in layouts:
             i = layout.index
             view = shared.view(i)
             buf = None
             if owner[i] == shared.me:
+                for future in ready.pop(i):
+                    future.result()
                 if spec.source is not None:
                     spec.source.fill(layout, [(0, layout.image_nbytes, 0)], view)
                 else:
@@ -963,9 +981,8 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 resident[i] = _device_copy(spec, layout, setup, view if owner[i] == shared.me else None)
             if not (i in keep and settled) and shared.uses(i):
                 buf = HostBuffer.wrap(view)
-                # Pages another rank has not written yet are page-locked all the same: they
-                # are the same pages its writes land in.
-                pin.pin_later(buf, spec.component.name, layout.name)
+                if owner[i] == shared.me:
+                    pin.pin_later(buf, spec.component.name, layout.name)
             buffers.append(buf)
             originals.append([e.tensor.data for e in layout.entries])
             if buf is None:
@@ -980,12 +997,31 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
             elif held is not None:
                 bind(layout.entries, held)
             step(1)
+    except BaseException as exc:  # noqa: BLE001 - told to the other ranks, then raised
+        error = exc
+    finally:
+        pool.shutdown(cancel_futures=True)
+    failed: list[tuple[int, str]] = []
+    try:
+        if error is None:
+            failed = setup.groups.agree(None)
+        else:
+            with contextlib.suppress(Exception):
+                setup.groups.agree(f"{type(error).__name__}: {error}")
+            raise error
+        if failed:
+            raise _agreed_failure(failed)
+        for i, buf in enumerate(buffers):
+            if buf is not None and owner[i] != shared.me:
+                pin.pin_later(buf, spec.component.name, layouts[i].name)
         pin.wait()
         transfer = SharedTransfer(shared, buffers, [l.image_nbytes for l in layouts], setup.streams, setup.device,
                                   HostPinner(setup.pin.enabled, setup.pin.on_failure), spec.component.name,
                                   [l.name for l in layouts])
         return transfer, parked, resident, originals
-    except BaseException:
+    except BaseException as exc:
+        if exc is error or failed:
+            setattr(exc, _AGREED, True)  # the other ranks know: the caller does not tell them again
         with contextlib.suppress(BaseException):
             pin.wait()  # as in _fill_buffers
         for layout, data in zip(layouts, originals):
@@ -995,6 +1031,12 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 buf.release()
         shared.close()
         raise
+
+
+#: Threads per rank that allocate a shared copy's pages ahead of its writes, and the piece each
+#: allocates at a time.
+_POPULATE_THREADS = 4
+_POPULATE_PIECE = 64 * 2**20
 
 
 def _owners(sizes: Sequence[int | None], ranks: int) -> list[int | None]:
@@ -1022,6 +1064,18 @@ def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> 
 
 
 # -- the end of setup -------------------------------------------------------------------------
+#: Set on an exception every rank has already been told of (a shared ring's agreement).
+_AGREED = "_omni_offload_agreed"
+
+
+def _agreed_failure(failed: Sequence[tuple[int, str]]) -> RuntimeError:
+    rank, error = failed[0]
+    return RuntimeError(
+        f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
+        "the ranks share weights (allgather or shared). Fix the error on that rank and apply again."
+    )
+
+
 def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
     """Under allgather or shared every rank must have succeeded (a block is rebuilt from every
     rank's shard, or a shared copy holds blocks every rank wrote); otherwise all undo (still
@@ -1032,11 +1086,7 @@ def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
     if failed:
         handle._rollback()
         groups.close()
-        rank, error = failed[0]
-        raise RuntimeError(
-            f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
-            "the ranks share weights (allgather or shared). Fix the error on that rank and apply again."
-        )
+        raise _agreed_failure(failed)
 
 
 def _log_summary(handle: OffloadHandle) -> None:

@@ -19,7 +19,9 @@ files into this rank's host buffer or shard). ``ordinary``: ``from_pretrained`` 
 :func:`~omni_dist_offload.apply_offload` (the same function with ``cold_start=False``). ``peer``: ``from_pretrained``, then diffusers'
 ``enable_group_offload`` (block_level, one block per group, use_stream) on the DiT, timed alone.
 Every rank prints one JSON line: seconds to ready, the DiT's fill-and-pin seconds and GB/s, peak
-and final RSS, and a digest of one small DiT forward (equal digests: bitwise equal weights).
+and final RSS, PSS (shared pages counted a share per process: a ``shared`` host copy adds up to
+one copy over the host's ranks) and a digest of one small DiT forward (equal digests: bitwise
+equal weights). ``--share-gpus`` runs more ranks than GPUs (gloo), for the host-side figures.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from accelerate import init_empty_weights
 from diffusers import DiffusionPipeline, WanTransformer3DModel
 from safetensors.torch import save_file
@@ -46,7 +49,7 @@ from ..loading.pipelines import load_and_place
 from ..models import PRESETS
 from ..models.tiny import TINY_TEXT_DIM, tiny_wan_pipeline, wan_transformer_inputs
 from ..plan import module_bytes
-from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.dist import DistContext, destroy_dist, maybe_init_dist
 from ..runtime.flags import positive_int
 
 __all__ = ["main", "write_folder"]
@@ -114,6 +117,20 @@ def _peak_rss() -> tuple[int, int]:
     return peak, rss
 
 
+def _pss() -> int | None:
+    """This process's proportional set size: pages shared with other processes count a share
+    each (summed over the ranks of a host, a shared host copy counts once, where RSS would
+    count it once per rank)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @torch.no_grad()
 def _digest(transformer: Any, device: torch.device) -> str:
     """Digest of one small forward of the DiT: equal digests mean equal weights, bitwise."""
@@ -139,7 +156,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
         (ring,) = loaded.handle.summary_rows()
         row.update(load_s=loaded.load_s, place_s=loaded.place_s, dit_fill_s=ring.setup_s,
                    dit_bytes=ring.block_bytes, host_bytes=ring.host_bytes,
-                   weight_transfer=ring.weight_transfer, cold_start=loaded.cold_start)
+                   shared_host_bytes=ring.shared_host_bytes, weight_transfer=ring.weight_transfer,
+                   cold_start=loaded.cold_start)
         transformer = loaded.pipeline.transformer
     else:
         pipe = DiffusionPipeline.from_pretrained(str(args.folder), **{dtype_kwarg(): dtype})
@@ -161,8 +179,21 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode != "peer":  # this project's host buffers: transparent huge pages asked for or not
         row["huge_pages"] = huge_pages_wanted()
     row["peak_rss_gib"], row["rss_gib"] = (v / 2**30 for v in _peak_rss())
+    pss = _pss()
+    row["pss_gib"] = pss / 2**30 if pss is not None else None
     row["digest"] = _digest(transformer, device)
     return row
+
+
+def _share_gpus() -> DistContext:
+    """Join the job over gloo on ``cuda:LOCAL_RANK % GPUs``: more ranks than GPUs, sharing them
+    (NCCL refuses two ranks on one GPU; allgather cannot run so, rank-local and shared can)."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo")
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       local_rank=local, backend="gloo", device=device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--transfer", default="rank-local", choices=["rank-local", "shared", "allgather"])
     ld.add_argument("--run-dtype", default="bf16", choices=sorted(_DTYPES))
     ld.add_argument("--json", type=Path, default=None, help="append this rank's row here")
+    ld.add_argument("--share-gpus", action="store_true",
+                    help="under torchrun with more ranks than GPUs: ranks share them (gloo), for the "
+                    "host-side figures (fill, page-locking, memory) of rank-local and shared")
     return p
 
 
@@ -193,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"wrote": str(args.folder), "dit_bytes": total,
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
         return 0
-    ctx = maybe_init_dist()
+    ctx = _share_gpus() if args.share_gpus else maybe_init_dist()
     try:
         row = {"rank": ctx.rank, "world": ctx.world_size, **_load(args)}
     finally:
