@@ -626,7 +626,7 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
                 segment = SharedSegment.create(f"omni-offload:{host.job}:{spec.component.name}", spans.nbytes)
                 SharedBlocks(segment, spans, 0).init_header(per_block)
                 offer = Offer(host.job, spec.component.name)
-                said = ("offer", offer.address)
+                said = ("offer", (offer.address, offer.key))
             except OSError as exc:
                 said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: {exc}")
     told = groups.all_gather(said)
@@ -641,10 +641,13 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
             kind, what = told[host.ranks[0]]
             if kind != "offer":
                 raise SharedMemoryError(what)
+            # Every rank of the host is here (the exchange above): a hand-over takes
+            # milliseconds, and one that cannot happen should not hold the job for long.
+            wait_s = min(groups.timeout_s, _HAND_OVER_S)
             if host.index == 0:
-                offer.hand_over(segment.fd, host.pids[1:], groups.timeout_s)
+                offer.hand_over(segment.fd, host.size - 1, wait_s)
             else:
-                fd = receive(what, host.pids[0], groups.timeout_s)
+                fd = receive(*what, wait_s)
                 try:
                     segment = SharedSegment(fd, spans.nbytes)
                 except BaseException:
@@ -1064,6 +1067,8 @@ def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> 
 
 
 # -- the end of setup -------------------------------------------------------------------------
+#: Seconds the host's ranks wait for each other while the shared copy's descriptor is handed over.
+_HAND_OVER_S = 30.0
 #: Set on an exception every rank has already been told of (a shared ring's agreement).
 _AGREED = "_omni_offload_agreed"
 

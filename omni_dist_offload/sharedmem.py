@@ -2,8 +2,10 @@
 
 The host's first rank creates an anonymous shared-memory file (``memfd_create``: it has no name
 in any filesystem, and ``/dev/shm``'s size does not limit it), sizes it, and hands its descriptor
-to the host's other ranks over a unix socket in the abstract namespace, checking each peer's pid
-against the job's ranks (``SO_PEERCRED``). Every rank maps the file; from then on the memory
+to the host's other ranks over a unix socket in the abstract namespace. The socket's address and
+a random key travel to the ranks over the job's own process group; a peer gets the descriptor
+only by sending the key, so no process outside the job can (pids are not checked: ranks in other
+pid namespaces are ranks all the same). Every rank maps the file; from then on the memory
 lives exactly as long as some rank maps it or holds the descriptor: a normal exit, an exception
 or a SIGKILL of any or every rank leaves nothing behind, and no later job can find it.
 
@@ -20,12 +22,12 @@ import contextlib
 import ctypes
 import fcntl
 import functools
+import hmac
 import mmap
 import os
 import re
 import secrets
 import socket
-import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _SOCKET_NAME_MAX = 107  # sun_path holds 108 bytes, the first of them NUL in the abstract namespace
+_KEY_BYTES = 32
 
 
 class SharedMemoryError(RuntimeError):
@@ -133,19 +136,15 @@ class SharedSegment:
             self.fd = -1
 
 
-def _peer_pid(conn: socket.socket) -> int:
-    pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid
-
-
 class Offer:
     """The host's first rank's side of the hand-over: a listening socket in the abstract
-    namespace (it vanishes with this process, and with :meth:`close`), named after the job and
-    a random token, that hands a descriptor to the expected pids only."""
+    namespace (it vanishes with this process, and with :meth:`close`) named after the job and a
+    random token, and the key a peer must send to get the descriptor."""
 
     def __init__(self, job: str, component: str) -> None:
         name = f"omni-offload/{job}/{component}/{secrets.token_hex(8)}"[-(_SOCKET_NAME_MAX - 1):]
         self.address = "\0" + name
+        self.key = secrets.token_bytes(_KEY_BYTES)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(self.address)
@@ -154,45 +153,56 @@ class Offer:
             self._sock.close()
             raise
 
-    def hand_over(self, fd: int, pids: Sequence[int], timeout_s: float) -> None:
-        """Send ``fd`` to each of ``pids`` once; a connection from any other process is closed
-        unanswered. Raises :class:`SharedMemoryError` when not all came within ``timeout_s``."""
-        waiting = set(pids)
+    def hand_over(self, fd: int, count: int, timeout_s: float) -> None:
+        """Send ``fd`` to ``count`` peers that present the key; any other connection is closed
+        unanswered. Raises :class:`SharedMemoryError` when fewer came within ``timeout_s``."""
+        served = 0
         deadline = time.monotonic() + timeout_s
-        while waiting:
+        while served < count:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SharedMemoryError(f"ranks with pids {sorted(waiting)} did not collect the shared host "
-                                        f"copy within {timeout_s:.0f} s")
+                raise SharedMemoryError(f"{count - served} of the host's ranks did not collect the shared "
+                                        f"host copy within {timeout_s:.0f} s")
             self._sock.settimeout(left)
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
             with conn:
-                pid = _peer_pid(conn)
-                if pid in waiting:
+                conn.settimeout(min(left, 5.0))
+                try:
+                    key = _recv_exactly(conn, _KEY_BYTES)
+                except OSError:
+                    continue
+                if hmac.compare_digest(key, self.key):
                     socket.send_fds(conn, [b"fd"], [fd])
-                    waiting.discard(pid)
+                    served += 1
 
     def close(self) -> None:
         self._sock.close()
 
 
-def receive(address: str, leader_pid: int, timeout_s: float) -> int:
-    """A non-first rank's side: the descriptor from the host's first rank (checked to be the
-    process at the other end)."""
+def receive(address: str, key: bytes, timeout_s: float) -> int:
+    """A non-first rank's side: present the key, get the descriptor."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(address)
-        if _peer_pid(sock) != leader_pid:
-            raise SharedMemoryError(f"the socket {address[1:]!r} is not held by the host's first rank "
-                                    f"(pid {leader_pid})")
+        sock.sendall(key)
         _msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
     if len(fds) != 1:
-        raise SharedMemoryError(f"the host's first rank (pid {leader_pid}) sent no descriptor")
+        raise SharedMemoryError("the host's first rank sent no descriptor (the key did not match)")
     os.set_inheritable(fds[0], False)
     return fds[0]
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def populate(view: torch.Tensor) -> None:
@@ -200,7 +210,7 @@ def populate(view: torch.Tensor) -> None:
     one call, without a page fault per page. Shared memory comes in 4 KiB pages unless the host
     turns on huge pages for it (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``): filling
     it through faults runs at a fraction of the speed of filling private memory, and populating
-    ranges from several threads first wins most of that back. Advice only: a kernel without
+    ranges from several threads first wins part of that back. Advice only: a kernel without
     ``MADV_POPULATE_WRITE`` leaves the pages to the faults."""
     if view.numel():
         _libc().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(view.numel()), _MADV_POPULATE_WRITE)

@@ -65,7 +65,6 @@ class HostRanks:
 
     ranks: tuple[int, ...]
     """Global ranks, lowest first; the first creates the shared copies."""
-    pids: tuple[int, ...]
     index: int
     """This rank's position in ``ranks``."""
     job: str
@@ -107,7 +106,6 @@ class _RankFacts:
     stream_memops: bool = False
     """The CUDA driver has stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32)."""
     components: dict[str, ComponentFacts] = field(default_factory=dict)
-    pid: int = 0
     shared_reason: str | None = None
     """Why this rank cannot map shared host memory, or None."""
 
@@ -152,8 +150,7 @@ class GroupSession:
             return None, "the job has a single rank: there is no other rank to share the host copy with"
         facts = _RankFacts(rank=dist.get_rank(), node=os.environ.get("GROUP_RANK") or socket.gethostname(),
                            device_type=device.type, device_index=device.index, backend=str(dist.get_backend()),
-                           allow_gloo=False, components=components, pid=os.getpid(),
-                           shared_reason=shared_memory_reason())
+                           allow_gloo=False, components=components, shared_reason=shared_memory_reason())
         gathered = self.all_gather(facts)
         _check_same_layout(gathered)
         hosts: dict[str, list[_RankFacts]] = {}
@@ -168,7 +165,7 @@ class GroupSession:
                 return None, f"rank {f.rank} cannot share host memory: {f.shared_reason}"
         mine = sorted(hosts[facts.node], key=lambda f: f.rank)
         ranks = tuple(f.rank for f in mine)
-        self.host = HostRanks(ranks, tuple(f.pid for f in mine), ranks.index(facts.rank), job_name(), facts.node)
+        self.host = HostRanks(ranks, ranks.index(facts.rank), job_name(), facts.node)
         return self.host, None
 
     def resolve(self, components: dict[str, ComponentFacts], device: torch.device,

@@ -4,7 +4,6 @@ dist/test_shared_ranks.py."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -41,14 +40,15 @@ def test_without_torchrun_streams_rank_local_and_says_why():
     handle.remove()
 
 
-def _hand_over(expected_pid: int, timeout_s: float) -> tuple[BaseException | None, int | BaseException]:
+def _hand_over(key: bytes | None, timeout_s: float) -> tuple[BaseException | None, int | BaseException]:
+    """Offer a file and collect it from a thread that presents ``key`` (None: the right one)."""
     segment = SharedSegment.create("omni-offload:test", 8192)
     offer = Offer("test", "dit")
     got: list[int | BaseException] = []
 
     def collect() -> None:
         try:
-            got.append(receive(offer.address, os.getpid(), 5.0))
+            got.append(receive(offer.address, key if key is not None else offer.key, 5.0))
         except BaseException as exc:  # noqa: BLE001 - handed back to the test
             got.append(exc)
 
@@ -56,7 +56,7 @@ def _hand_over(expected_pid: int, timeout_s: float) -> tuple[BaseException | Non
     thread.start()
     error = None
     try:
-        offer.hand_over(segment.fd, [expected_pid], timeout_s)
+        offer.hand_over(segment.fd, 1, timeout_s)
     except BaseException as exc:  # noqa: BLE001 - handed back to the test
         error = exc
     finally:
@@ -71,11 +71,11 @@ def _hand_over(expected_pid: int, timeout_s: float) -> tuple[BaseException | Non
     return error, got[0]
 
 
-def test_hand_over_gives_the_descriptor_to_the_expected_pid_only():
-    error, got = _hand_over(os.getpid(), 5.0)
+def test_hand_over_gives_the_descriptor_to_the_key_only():
+    error, got = _hand_over(None, 5.0)
     assert error is None and isinstance(got, int)
-    # A process that is not one of the job's ranks is turned away with nothing.
-    error, got = _hand_over(os.getpid() + 10_000_000, 0.5)
+    # A process without the key (it travels over the job's process group) is turned away.
+    error, got = _hand_over(b"x" * 32, 0.5)
     assert isinstance(error, SharedMemoryError) and "did not collect" in str(error)
     assert isinstance(got, BaseException)
 
