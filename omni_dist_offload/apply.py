@@ -930,14 +930,20 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                                    setup.timeout_s, spec.component.name)
         return transfer, parked, resident, originals
     except BaseException:
-        with contextlib.suppress(BaseException):
-            pin.wait()  # as in _fill_buffers
-        for layout, data in zip(layouts, originals):
-            bind(layout.entries, data)
-        for shard in shards:
-            if shard is not None:
-                shard.release()
+        _undo_fill(pin, layouts, originals, shards)
         raise
+
+
+def _undo_fill(pin: HostPinner, layouts: Sequence[BlockLayout], originals: Sequence[list[torch.Tensor]],
+               buffers: Sequence[HostBuffer | None]) -> None:
+    """A fill that kept the blocks' original storage failed: give it back, free the host copy."""
+    with contextlib.suppress(BaseException):
+        pin.wait()  # no registration may still be running on a buffer released below
+    for layout, data in zip(layouts, originals):
+        bind(layout.entries, data)
+    for buf in buffers:
+        if buf is not None:
+            buf.release()
 
 
 def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
@@ -1025,13 +1031,7 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     except BaseException as exc:
         if exc is error or failed:
             setattr(exc, _AGREED, True)  # the other ranks know: the caller does not tell them again
-        with contextlib.suppress(BaseException):
-            pin.wait()  # as in _fill_buffers
-        for layout, data in zip(layouts, originals):
-            bind(layout.entries, data)
-        for buf in buffers:
-            if buf is not None:
-                buf.release()
+        _undo_fill(pin, layouts, originals, buffers)
         shared.close()
         raise
 
