@@ -627,10 +627,14 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
                 SharedBlocks(segment, spans, 0).init_header(per_block)
                 offer = Offer(host.job, spec.component.name)
                 said = ("offer", (offer.address, offer.key))
-            except OSError as exc:
-                said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - every rank falls back with this reason
+                if segment is not None:
+                    segment.close()
+                    segment = None
+                said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: "
+                                  f"{type(exc).__name__}: {exc}")
     told = groups.all_gather(said)
-    error = None
+    error, serving = None, None
     try:
         if space := next((t[1] for t in told if t is not None and t[0] == "space"), None):
             raise OffloadConfigError(
@@ -642,10 +646,12 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
             if kind != "offer":
                 raise SharedMemoryError(what)
             # Every rank of the host is here (the exchange above): a hand-over takes
-            # milliseconds, and one that cannot happen should not hold the job for long.
+            # milliseconds. The first rank serves from a thread and goes on to the exchange
+            # below, where each peer says whether it got the file (one that could not connect
+            # says so at once).
             wait_s = min(groups.timeout_s, _HAND_OVER_S)
             if host.index == 0:
-                offer.hand_over(segment.fd, host.size - 1, wait_s)
+                serving = offer.serve(segment.fd, host.size - 1, wait_s)
             else:
                 fd = receive(*what, wait_s)
                 try:
@@ -653,7 +659,7 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
                 except BaseException:
                     os.close(fd)
                     raise
-        except (OSError, SharedMemoryError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank falls back with this reason
             error = f"rank {torch.distributed.get_rank()} could not map the shared host copy: {exc}"
         failed = [e for e in groups.all_gather(error) if e is not None]
     except BaseException:
@@ -663,6 +669,8 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
     finally:
         if offer is not None:
             offer.close()
+        if serving is not None:
+            serving.join()
     if failed:
         if segment is not None:
             segment.close()

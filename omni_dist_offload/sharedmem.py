@@ -29,6 +29,7 @@ import re
 import secrets
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -145,6 +146,7 @@ class Offer:
         name = f"omni-offload/{job}/{component}/{secrets.token_hex(8)}"[-(_SOCKET_NAME_MAX - 1):]
         self.address = "\0" + name
         self.key = secrets.token_bytes(_KEY_BYTES)
+        self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(self.address)
@@ -155,7 +157,8 @@ class Offer:
 
     def hand_over(self, fd: int, count: int, timeout_s: float) -> None:
         """Send ``fd`` to ``count`` peers that present the key; any other connection is closed
-        unanswered. Raises :class:`SharedMemoryError` when fewer came within ``timeout_s``."""
+        unanswered. Raises :class:`SharedMemoryError` when fewer came within ``timeout_s``, or
+        when the offer was closed first (from another thread: see :meth:`serve`)."""
         served = 0
         deadline = time.monotonic() + timeout_s
         while served < count:
@@ -163,11 +166,15 @@ class Offer:
             if left <= 0:
                 raise SharedMemoryError(f"{count - served} of the host's ranks did not collect the shared "
                                         f"host copy within {timeout_s:.0f} s")
-            self._sock.settimeout(left)
+            self._sock.settimeout(min(left, 0.2))  # wakes up to notice close()
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
+                if self._closed:
+                    raise SharedMemoryError("the offer was closed") from None
                 continue
+            except OSError as exc:
+                raise SharedMemoryError(f"the offer was closed ({exc})") from None
             with conn:
                 conn.settimeout(min(left, 5.0))
                 try:
@@ -178,8 +185,23 @@ class Offer:
                     socket.send_fds(conn, [b"fd"], [fd])
                     served += 1
 
+    def serve(self, fd: int, count: int, timeout_s: float) -> threading.Thread:
+        """:meth:`hand_over` on a thread of its own, so this rank can go on to hear from its
+        peers whether they got it (a peer that fails does so without connecting). Stop it with
+        :meth:`close`."""
+        thread = threading.Thread(target=_quietly, args=(self.hand_over, fd, count, timeout_s),
+                                  name="omni-offload-hand-over", daemon=True)
+        thread.start()
+        return thread
+
     def close(self) -> None:
+        self._closed = True
         self._sock.close()
+
+
+def _quietly(fn, *args) -> None:
+    with contextlib.suppress(SharedMemoryError, OSError):
+        fn(*args)
 
 
 def receive(address: str, key: bytes, timeout_s: float) -> int:

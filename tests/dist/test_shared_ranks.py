@@ -177,6 +177,20 @@ def failures(rank: Rank) -> dict:
         apply_mod.available_host_bytes = real
     assert_same(before, model)
     out["left_after_space"] = _segments_mapped()
+    # Rank 1 cannot collect the copy (ranks of a host in different network namespaces): every
+    # rank streams rank-local, with the reason.
+    real_receive = apply_mod.receive
+    if rank.rank == 1:
+        apply_mod.receive = lambda *a: (_ for _ in ()).throw(ConnectionRefusedError(111, "Connection refused"))
+    try:
+        handle = apply_offload(model, shared_config())
+    finally:
+        apply_mod.receive = real_receive
+    with torch.no_grad():
+        out["fallback_equal"] = torch.equal(model(x), ref)
+    out["fallback"] = handle.summary()[0]
+    handle.remove()
+    out["left_after_fallback"] = _segments_mapped()
     # Rank 1 dies (SIGKILL) after setup; rank 0 goes on streaming from the copy it maps.
     handle = apply_offload(model, shared_config())
     dist.barrier()
@@ -197,7 +211,10 @@ def test_exception_space_and_a_killed_rank_leave_nothing():
     assert r0["pin"].startswith("RuntimeError: apply_offload failed on rank 1"), r0["pin"]
     assert "page-locking the host copy of block" in r0["pin"]
     assert "memory available" in r0["space"] and "storage_dtype" in r0["space"], r0["space"]
-    assert r0["equal_after_peer_killed"]
+    assert r0["equal_after_peer_killed"] and r0["fallback_equal"]
+    assert r0["fallback"]["weight_transfer"] == "rank-local"
+    assert "rank 1 could not map the shared host copy" in r0["fallback"]["fallback_reason"], r0["fallback"]
+    assert r0["left_after_fallback"] == []
     assert r0["left_after_exception"] == r0["left_after_space"] == r0["left_after_remove"] == []
 
 
