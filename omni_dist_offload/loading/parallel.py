@@ -1,0 +1,191 @@
+"""Context parallelism: several ranks work on one sample, with diffusers' own machinery.
+
+diffusers 0.42 splits a DiT's sequence across ranks at the points its class's ``_cp_plan``
+names (``model.enable_parallelism(config=ContextParallelConfig(...))``): Ulysses (an all-to-all
+of q, k, v around each attention) and ring attention. It reads and moves no weights: it adds
+hooks that split and gather activations and tells the attention processors their group. So it
+composes with streaming in either order, and a streamed block computes what a resident one
+does; with ``allgather`` every rank of a context-parallel group runs the same blocks at the same
+time, the lockstep the gather needs ([Note: context parallelism] in ``docs/design.md``).
+
+:func:`enable_context_parallel` lays the job's ranks out as a mesh ``(dp, ring, ulysses)``:
+data parallel across groups of ``ring_degree * ulysses_degree`` consecutive ranks, context
+parallel within one. Every rank of a group must run the same call with the same inputs (the
+same prompt and seed): the pipeline itself knows nothing of the split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Mapping
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import pipeline_modules
+
+__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "disable_context_parallel",
+           "enable_context_parallel"]
+
+
+class ContextParallelError(ValueError):
+    """Context parallelism cannot run as asked; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ContextParallel:
+    """How many ranks split one sample: ``ulysses_degree * ring_degree``."""
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+
+    @classmethod
+    def parse(cls, value: ContextParallel | Mapping[str, Any] | None) -> ContextParallel | None:
+        """From ``{"ulysses_degree": 2, "ring_degree": 1}`` (either key may be left out); None,
+        or degrees of 1, mean no context parallelism."""
+        if value is None or isinstance(value, ContextParallel):
+            spec = value
+        else:
+            if not isinstance(value, Mapping) or set(value) - {"ulysses_degree", "ring_degree"}:
+                raise ContextParallelError(
+                    f"context_parallel must be a dict with keys 'ulysses_degree' and 'ring_degree', found {value!r}")
+            spec = cls(**value)
+        if spec is None:
+            return None
+        for key in ("ulysses_degree", "ring_degree"):
+            degree = getattr(spec, key)
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+                raise ContextParallelError(f"context_parallel {key} must be a positive integer, found {degree!r}")
+        return spec if spec.size > 1 else None
+
+    @property
+    def size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    def to_dict(self) -> dict[str, int]:
+        return {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelGroups:
+    """Where this rank sits: its context-parallel group (``cp_size`` consecutive ranks, one
+    sample at a time) and that group's place among the data-parallel groups."""
+
+    spec: ContextParallel
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    group: Any
+    """The context-parallel group's process group (its ranks run every call together)."""
+    dits: tuple[str, ...]
+    """The pipeline's components split this way."""
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the group's outputs (the group's first rank: every rank of a
+        group ends with the same sample)."""
+        return self.cp_rank == 0
+
+
+def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.device) -> ParallelGroups:
+    """Split every DiT of ``pipeline`` (each component with a diffusers ``_cp_plan``) across the
+    ranks of this rank's context-parallel group. Collective: every rank calls it. Checks first,
+    changes nothing on an error: torch.distributed must be running with a multiple of
+    ``spec.size`` ranks, and every transformer of the pipeline must have a context-parallel plan."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ContextParallelError(
+            f"context parallelism over {spec.size} ranks needs torch.distributed: start the job with "
+            f"torchrun --nproc_per_node {spec.size} (or a multiple of it)")
+    world = dist.get_world_size()
+    if world % spec.size:
+        raise ContextParallelError(
+            f"context parallelism over {spec.size} ranks (ulysses_degree {spec.ulysses_degree} x ring_degree "
+            f"{spec.ring_degree}) needs a multiple of {spec.size} ranks; the job has {world}")
+    dits = _dits(pipeline)
+    if not dits:
+        raise ContextParallelError(
+            f"{type(pipeline).__name__} has no transformer to split: context parallelism applies to DiTs")
+    for name, model in dits.items():
+        if not getattr(type(model), "_cp_plan", None):
+            raise ContextParallelError(
+                f"{name} ({type(model).__name__}) has no context-parallel plan in diffusers (its class sets no "
+                "_cp_plan): it cannot split a sample across ranks. Run it data parallel (without "
+                "--ulysses-degree/--ring-degree), or use a model whose class has one (Wan, Flux, QwenImage, LTX, ...)")
+        if getattr(model, "_parallel_config", None) is not None:
+            raise ContextParallelError(f"{name} ({type(model).__name__}) is already parallel: enable it once")
+        heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+        if isinstance(heads, int) and heads % spec.ulysses_degree:
+            raise ContextParallelError(
+                f"{name} ({type(model).__name__}) has {heads} attention heads, which ulysses_degree "
+                f"{spec.ulysses_degree} does not divide: use a degree that divides {heads}")
+    if spec.ring_degree > 1:
+        _check_ring_backend()
+    from torch.distributed.device_mesh import init_device_mesh
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    mesh = init_device_mesh(device.type, (world // spec.size, spec.ring_degree, spec.ulysses_degree),
+                            mesh_dim_names=("dp", "ring", "ulysses"))
+    for model in dits.values():
+        config = ContextParallelConfig(ulysses_degree=spec.ulysses_degree, ring_degree=spec.ring_degree,
+                                       mesh=mesh)
+        with _accelerator_counted(device):
+            model.enable_parallelism(config=config)
+    rank = dist.get_rank()
+    # diffusers' own flattening of (ring, ulysses): the ranks that split one sample.
+    cp = next(iter(dits.values()))._parallel_config.context_parallel_config._flattened_mesh
+    return ParallelGroups(spec, dp_rank=rank // spec.size, dp_size=world // spec.size, cp_rank=rank % spec.size,
+                          cp_size=spec.size, group=cp.get_group(), dits=tuple(dits))
+
+
+def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
+    """Undo :func:`enable_context_parallel`: remove diffusers' context-parallel hooks and forget
+    the configuration (diffusers has no undo of its own)."""
+    from diffusers.hooks.context_parallel import remove_context_parallel
+
+    for name, model in _dits(pipeline).items():
+        if name not in groups.dits or getattr(model, "_parallel_config", None) is None:
+            continue
+        remove_context_parallel(model, type(model)._cp_plan)
+        for module in model.modules():
+            processor = getattr(module, "processor", None)
+            if processor is not None and hasattr(processor, "_parallel_config"):
+                processor._parallel_config = None
+        model._parallel_config = None
+
+
+def _dits(pipeline: Any) -> dict[str, nn.Module]:
+    """The pipeline's transformers by attribute name (a bare transformer: ``transformer``)."""
+    from diffusers import ModelMixin
+
+    if isinstance(pipeline, nn.Module):
+        return {"transformer": pipeline}
+    return {name: mod for name, mod in pipeline_modules(pipeline).items()
+            if isinstance(mod, ModelMixin) and name.startswith("transformer")}
+
+
+def _check_ring_backend() -> None:
+    """Ring attention merges partial attentions by their log-sum-exp, which torch's own SDPA
+    backend does not return."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry.get_active_backend()[0]
+    backend = str(getattr(active, "value", active))
+    if backend == "native":
+        raise ContextParallelError(
+            "ring_degree > 1 needs an attention backend that returns log-sum-exp (flash, _native_cudnn, "
+            "_native_flash, sage): the active one is torch's native SDPA. Set one with "
+            "diffusers' attention_backend(...) / model.set_attention_backend(...), or split with "
+            "ulysses_degree instead")
+
+
+def _accelerator_counted(device: torch.device):
+    """diffusers picks a device as ``rank % torch.accelerator.device_count()`` even when the mesh
+    is given, which divides by zero on a machine without one; on the CPU the device it picks is
+    never used, so it is told there is one."""
+    if device.type != "cpu" or torch.accelerator.device_count() > 0:
+        return contextlib.nullcontext()
+    return mock.patch.object(torch.accelerator, "device_count", lambda: 1)

@@ -1,0 +1,122 @@
+"""Context parallelism (diffusers' Ulysses) with streamed blocks, two and four ranks on gloo: the
+streamed model split across ranks equals the resident model split the same way, bitwise, with
+rank-local and allgather rings, in either order; the errors before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tiny_models as tiny
+from omni_dist_offload import apply_offload
+from omni_dist_offload.loading.parallel import (
+    ContextParallel,
+    ContextParallelError,
+    disable_context_parallel,
+    enable_context_parallel,
+)
+from ranks import Rank, run_ranks
+from toys import ToyDiT
+
+ULYSSES_2 = ContextParallel(ulysses_degree=2)
+
+
+def _config(transfer: str) -> dict:
+    return {"mode": "layer", "components": ["dit"], "collective_timeout_s": 30,
+            "layer_options": {"dit": {"weight_transfer": transfer, "chunk_mib": 0.01}}}
+
+
+def _three_heads():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=8, in_channels=4,
+                                 out_channels=4, text_dim=tiny.TINY_TEXT_DIM, freq_dim=8, ffn_dim=16, num_layers=1)
+
+
+@torch.no_grad()
+def streamed_with_context_parallel(rank: Rank) -> dict:
+    """Per transfer and order: outputs of the streamed, split model against the resident,
+    split one; the groups it reports; then the errors."""
+    device = rank.device
+    model = tiny.tiny_wan_transformer(num_layers=3).to(device)
+    x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
+    plain = model(**x)[0]
+    resident = copy.deepcopy(model)
+    groups = enable_context_parallel(resident, ULYSSES_2, device)
+    ref = resident(**x)[0]
+    out = {"groups": [groups.dp_rank, groups.dp_size, groups.cp_rank, groups.cp_size,
+                      dist.get_process_group_ranks(groups.group)],
+           "split_equals_whole": torch.equal(ref, plain)}
+    for transfer in ("rank-local", "allgather"):
+        for order in ("offload first", "split first"):
+            streamed = copy.deepcopy(model)
+            if order == "split first":
+                split = enable_context_parallel(streamed, ULYSSES_2, device)
+            handle = apply_offload(types.SimpleNamespace(transformer=streamed), _config(transfer))
+            if order == "offload first":
+                split = enable_context_parallel(streamed, ULYSSES_2, device)
+            equal = all(torch.equal(streamed(**x)[0], ref) for _ in range(2))
+            row = handle.summary()[0]
+            handle.remove()
+            disable_context_parallel(streamed, split)
+            out[f"{transfer}, {order}"] = {"equal": equal, "transfer": row["weight_transfer"],
+                                           "whole_again": torch.equal(streamed(**x)[0], plain)}
+    errors = {}
+    for name, target, spec in (("no plan", ToyDiT(2), ULYSSES_2),
+                               ("world", tiny.tiny_wan_transformer(num_layers=1), ContextParallel(ulysses_degree=3)),
+                               ("heads", _three_heads(), ULYSSES_2),
+                               ("ring", tiny.tiny_wan_transformer(num_layers=1), ContextParallel(ring_degree=2))):
+        try:
+            enable_context_parallel(target, spec, device)
+            errors[name] = None
+        except ContextParallelError as exc:
+            errors[name] = str(exc)
+        errors[f"{name} untouched"] = getattr(target, "_parallel_config", None) is None
+    out["errors"] = errors
+    return out
+
+
+def test_streamed_and_split_equals_resident_and_split():
+    for r in run_ranks(streamed_with_context_parallel, 2):
+        assert r["split_equals_whole"]  # Ulysses on gloo changes no bit here: a strong reference
+        assert r["groups"][:2] == [0, 1] and r["groups"][3] == 2 and r["groups"][4] == [0, 1]
+        for transfer in ("rank-local", "allgather"):
+            for order in ("offload first", "split first"):
+                case = r[f"{transfer}, {order}"]
+                assert case["equal"] and case["whole_again"], (transfer, order, case)
+                assert case["transfer"] == transfer
+        errors = r["errors"]
+        assert "ToyDiT" in errors["no plan"] and "_cp_plan" in errors["no plan"]
+        assert "multiple of 3" in errors["world"]
+        assert "attention heads" in errors["heads"]
+        assert "log-sum-exp" in errors["ring"]
+        assert all(errors[f"{name} untouched"] for name in ("no plan", "world", "heads", "ring"))
+
+
+@torch.no_grad()
+def data_and_context_parallel(rank: Rank) -> dict:
+    """Four ranks: two groups of two, each splitting its own sample, with an allgather ring over
+    the whole host (every rank runs the same calls: lockstep across the groups)."""
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    groups = None
+    reference = copy.deepcopy(model)
+    ref_groups = enable_context_parallel(reference, ULYSSES_2, rank.device)
+    x = tiny.wan_transformer_inputs(model, seed=ref_groups.dp_rank)  # one sample per group
+    ref = reference(**x)[0]
+    handle = apply_offload(types.SimpleNamespace(transformer=model), _config("allgather"))
+    groups = enable_context_parallel(model, ULYSSES_2, rank.device)
+    equal = all(torch.equal(model(**x)[0], ref) for _ in range(2))
+    handle.remove()
+    return {"equal": equal, "dp": [groups.dp_rank, groups.dp_size], "cp": dist.get_process_group_ranks(groups.group)}
+
+
+@pytest.mark.parametrize("world", [4])
+def test_two_groups_of_two(world):
+    results = run_ranks(data_and_context_parallel, world)
+    assert [r["dp"] for r in results] == [[0, 2], [0, 2], [1, 2], [1, 2]]
+    assert [r["cp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r["equal"] for r in results)
