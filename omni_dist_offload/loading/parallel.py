@@ -23,7 +23,12 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from diffusers import ModelMixin
+from diffusers.hooks.context_parallel import remove_context_parallel
+from diffusers.models._modeling_parallel import ContextParallelConfig
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..plan import pipeline_modules
 
@@ -124,9 +129,6 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
                 f"{spec.ulysses_degree} does not divide: use a degree that divides {heads}")
     if spec.ring_degree > 1:
         _check_ring_backend()
-    from torch.distributed.device_mesh import init_device_mesh
-    from diffusers.models._modeling_parallel import ContextParallelConfig
-
     mesh = init_device_mesh(device.type, (world // spec.size, spec.ring_degree, spec.ulysses_degree),
                             mesh_dim_names=("dp", "ring", "ulysses"))
     for model in dits.values():
@@ -144,8 +146,6 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
 def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
     """Undo :func:`enable_context_parallel`: remove diffusers' context-parallel hooks and forget
     the configuration (diffusers has no undo of its own)."""
-    from diffusers.hooks.context_parallel import remove_context_parallel
-
     for name, model in _dits(pipeline).items():
         if name not in groups.dits or getattr(model, "_parallel_config", None) is None:
             continue
@@ -159,8 +159,6 @@ def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
 
 def _dits(pipeline: Any) -> dict[str, nn.Module]:
     """The pipeline's transformers by attribute name (a bare transformer: ``transformer``)."""
-    from diffusers import ModelMixin
-
     if isinstance(pipeline, nn.Module):
         return {"transformer": pipeline}
     return {name: mod for name, mod in pipeline_modules(pipeline).items()
@@ -170,8 +168,6 @@ def _dits(pipeline: Any) -> dict[str, nn.Module]:
 def _check_ring_backend() -> None:
     """Ring attention merges partial attentions by their log-sum-exp, which torch's own SDPA
     backend does not return."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
     active = _AttentionBackendRegistry.get_active_backend()[0]
     backend = str(getattr(active, "value", active))
     if backend == "native":
