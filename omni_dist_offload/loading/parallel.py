@@ -24,13 +24,18 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from diffusers import ModelMixin
-from diffusers.hooks.context_parallel import remove_context_parallel
-from diffusers.models._modeling_parallel import ContextParallelConfig
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+from diffusers import __version__ as diffusers_version
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..plan import pipeline_modules
+
+try:  # diffusers' context parallelism (0.36 and later; the project is tested with 0.42)
+    from diffusers.hooks.context_parallel import remove_context_parallel
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+except ImportError:  # pragma: no cover - an older diffusers: enable_context_parallel says so
+    ContextParallelConfig = None
 
 __all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "disable_context_parallel",
            "enable_context_parallel"]
@@ -101,6 +106,9 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
     ranks of this rank's context-parallel group. Collective: every rank calls it. Checks first,
     changes nothing on an error: torch.distributed must be running with a multiple of
     ``spec.size`` ranks, and every transformer of the pipeline must have a context-parallel plan."""
+    if ContextParallelConfig is None:
+        raise ContextParallelError(
+            f"diffusers {diffusers_version} has no context parallelism: upgrade it (pip install -U diffusers)")
     if not (dist.is_available() and dist.is_initialized()):
         raise ContextParallelError(
             f"context parallelism over {spec.size} ranks needs torch.distributed: start the job with "
