@@ -34,6 +34,13 @@ from ..apply import OffloadHandle, RingSummary, resolve_device
 from ..config import OffloadConfig
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec, enable_cache, load_loras
 from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
+from ..loading.parallel import (
+    ContextParallel,
+    ParallelGroups,
+    check_ranks,
+    disable_context_parallel,
+    enable_context_parallel,
+)
 from ..loading.pipelines import (
     DTYPES,
     ModelLoadError,
@@ -144,6 +151,7 @@ class Omni:
         lora: Sequence[str | Mapping[str, Any] | LoraSpec] = (),
         cache: str | Mapping[str, Any] | CacheSpec | None = None,
         storage_dtype: str | None = None,
+        context_parallel: ContextParallel | Mapping[str, int] | None = None,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
         denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
@@ -161,7 +169,14 @@ class Omni:
         reset before every generation. Both are checked before anything loads (raising
         :class:`AdapterError`) and recorded in the output metadata. ``storage_dtype``
         (``"float8_e4m3fn"``, ``"float8_e5m2"``) stores every streamed component's block weights
-        in 8 bits on the host, upcast on the device (sets ``layer_options.<c>.storage_dtype``)."""
+        in 8 bits on the host, upcast on the device (sets ``layer_options.<c>.storage_dtype``).
+        ``context_parallel``: ``{"ulysses_degree": 2, "ring_degree": 1}`` splits each sample of
+        the DiTs across that many ranks with diffusers' context parallelism (after offloading;
+        under torchrun, in groups of consecutive ranks: :attr:`parallel`); every rank of a group
+        must then generate the same prompt with the same seed together (``dp.py`` does)."""
+        spec = ContextParallel.parse(context_parallel)
+        if spec is not None:
+            check_ranks(spec)  # before anything loads
         self.compile = resolve_compile(compile)
         self.loras = [LoraSpec.parse(x) for x in ([lora] if isinstance(lora, (str, Mapping)) else lora)]
         for spec in self.loras:
@@ -179,6 +194,14 @@ class Omni:
         self.cold_start = loaded.cold_start
         """Whether the streamed components were cold-started from their safetensors files."""
         self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
+        self.parallel: ParallelGroups | None = None
+        """Context parallelism's groups, when ``context_parallel`` split the DiTs."""
+        if spec is not None:
+            try:
+                self.parallel = enable_context_parallel(self.pipeline, spec, self.device)
+            except BaseException:
+                self.close()
+                raise
         # After offloading, as users do: the ring adopts the adapters ([Note: tenants]).
         load_loras(self.pipeline, self.loras)
         self._cached = enable_cache(self.pipeline, self.cache) if self.cache is not None else []
@@ -208,11 +231,11 @@ class Omni:
         """Whether the ranks must run the same forwards at the same shapes together: True when
         a streamed ring moves its blocks with a collective (``weight_transfer`` is
         ``"allgather"`` after any fallback), so every rank of its weight group must enter every
-        fill. Rank-local rings (and any transfer that never waits for another rank) leave each
-        rank free to run its own work. The same on every rank: fallbacks are agreed across
-        ranks at setup. Front-ends read it to choose between waves and free work sharing
-        (``dp.py``, [Note: waves] in ``serve/service.py``)."""
-        return any(row.weight_transfer == "allgather" for row in self.summary_rows())
+        fill; and under context parallelism, whose ranks split each call between them. Rank-local
+        and shared rings leave each rank free to run its own work. The same on every rank:
+        fallbacks are agreed across ranks at setup. Front-ends read it to choose between waves
+        and free work sharing (``dp.py``, [Note: waves] in ``serve/service.py``)."""
+        return self.parallel is not None or any(row.weight_transfer == "allgather" for row in self.summary_rows())
 
     def components(self) -> dict[str, nn.Module]:
         """The pipeline's module components by attribute name."""
@@ -300,6 +323,8 @@ class Omni:
             "compile": self.compile,
             "lora": [spec.to_dict() for spec in self.loras],
             "cache": self.cache.to_dict() if self.cache is not None else None,
+            "context_parallel": {**self.parallel.spec.to_dict(), "group": self.parallel.dp_rank,
+                                 "groups": self.parallel.dp_size} if self.parallel is not None else None,
             "timings": {"setup_s": self.timings.setup_s, "load_s": self.timings.load_s,
                         "place_s": self.timings.place_s,
                         # torch.compile's own time in this call (None: not compiled, or this torch
@@ -311,7 +336,11 @@ class Omni:
 
     # -- teardown ----------------------------------------------------------------------
     def close(self) -> None:
-        """Undo the offload (streamed tensors become ordinary device tensors). Idempotent."""
+        """Undo the offload (streamed tensors become ordinary device tensors) and context
+        parallelism. Idempotent."""
+        if self.parallel is not None:
+            disable_context_parallel(self.pipeline, self.parallel)
+            self.parallel = None
         if self.handle is not None:
             self.handle.remove()
             self.handle = None

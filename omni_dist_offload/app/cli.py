@@ -31,6 +31,7 @@ import torch
 from ..config import STORAGE_DTYPES, OffloadConfig, OffloadConfigError
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.compiling import COMPILE_MODES
+from ..loading.parallel import ContextParallel, ContextParallelError
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..plan import module_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
@@ -84,6 +85,7 @@ class RunPlan:
     compile: str | None = None
     lora: list[LoraSpec] = field(default_factory=list)
     cache: CacheSpec | None = None
+    context_parallel: ContextParallel | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +131,11 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="store the streamed block weights in 8 bits on the host and upcast them "
                         "on the device, as diffusers' layerwise casting stores them (sets storage_dtype "
                         "for every streamed component in the offload config)")
+    parser.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
+                        help="under torchrun: split each sample of the DiT across N ranks with diffusers' "
+                        "context parallelism (Ulysses attention); groups of N ranks run one prompt each")
+    parser.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
+                        help="the same with ring attention (needs a flash, cuDNN or sage attention backend)")
     parser.add_argument("--device", default=None,
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -185,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return _COMMAND_FUNCS[plan.command](plan)
-    except (OffloadConfigError, GenerationOptionError, AdapterError) as exc:
+    except (OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}", every_rank=False)
         return 2
     except ModelLoadError as exc:
@@ -218,6 +225,10 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         cache = CacheSpec.parse(ns.cache) if ns.cache is not None else None
     except AdapterError as exc:
         raise UsageError(str(exc)) from None
+    context_parallel = ContextParallel.parse({"ulysses_degree": ns.ulysses_degree, "ring_degree": ns.ring_degree})
+    if context_parallel is not None and ns.command == "serve":
+        raise UsageError("serve runs each request on one rank (or one wave of ranks), not split across "
+                         "ranks: drop --ulysses-degree/--ring-degree.")
     generating = ns.command == "generate"
     if generating:
         try:
@@ -238,7 +249,7 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False),
         serve=_serve_options(ns) if ns.command == "serve" else None,
         cold_start=not getattr(ns, "no_cold_start", False), compile=getattr(ns, "compile", None),
-        lora=loras, cache=cache)
+        lora=loras, cache=cache, context_parallel=context_parallel)
 
 
 def _prompts(ns: argparse.Namespace) -> list[str]:
@@ -335,7 +346,8 @@ _COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
 
 def _load(plan: RunPlan) -> Omni:
     return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress,
-                cold_start=plan.cold_start, compile=plan.compile, lora=plan.lora, cache=plan.cache)
+                cold_start=plan.cold_start, compile=plan.compile, lora=plan.lora, cache=plan.cache,
+                context_parallel=plan.context_parallel)
 
 
 # -- the plan table ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ runs alone.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -137,6 +138,14 @@ def run_prompts(
     if ctx.world_size > 1 and not omni.lockstep:
         return run_free(omni, prompts, base_seed, ctx, sampling=sampling, output_dir=output_dir,
                         video_format=video_format, fps=fps)
+    groups = omni.parallel
+    if groups is not None:  # one prompt per group of ranks: data parallel across, context within
+        jobs = plan_jobs(prompts, base_seed, groups.dp_rank, groups.dp_size)
+        logger.info("%d prompt(s) on %d group(s) of %d ranks, each splitting its sample (context parallel): "
+                    "%d wave(s), this group runs prompts %s", len(prompts), groups.dp_size, groups.cp_size,
+                    len(jobs), [j.index for j in jobs if not j.padding])
+        return run_jobs(omni, jobs, ctx, sampling=sampling, output_dir=output_dir, video_format=video_format,
+                        fps=fps, writes=groups.writes)
     jobs = plan_jobs(prompts, base_seed, ctx.rank, ctx.world_size)
     if ctx.world_size > 1:
         logger.info("%d prompt(s) on %d ranks in lockstep (a ring gathers its weights across ranks): "
@@ -155,15 +164,17 @@ def run_jobs(
     output_dir: Path,
     video_format: VideoFormat = "auto",
     fps: int | None = None,
+    writes: bool = True,
 ) -> RunReport:
     """Lockstep: generate this rank's jobs in order, write real outputs, discard padding, and
-    total up."""
+    total up. ``writes=False``: this rank shares its group's samples (context parallel) and the
+    group's first rank writes them."""
     out = _Output(sampling, output_dir, video_format, fps)
     report = RunReport(kind=_output_kind(omni))
     start = time.perf_counter()
     for job in jobs:
         where = f"wave {job.wave + 1}/{len(jobs)}: " if job.wave is not None else ""
-        _generate(omni, job, ctx, out, report, where)
+        _generate(omni, job if writes else dataclasses.replace(job, padding=True), ctx, out, report, where)
     report.elapsed_s = time.perf_counter() - start
     report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
     return report
@@ -229,7 +240,8 @@ def _generate(omni: Omni, job: PromptJob, ctx: DistContext, out: _Output, report
     report.kind = result.kind
     report.compile_s += result.metadata["timings"].get("compile_s") or 0.0
     if job.padding:
-        logger.info("%spadding call done (%.1f s), output discarded", where, time.perf_counter() - start)
+        logger.info("%spadding call, or a share of a sample another rank of the group writes, done (%.1f s)",
+                    where, time.perf_counter() - start)
         return
     result.metadata.update(index=job.index, rank=ctx.rank, world_size=ctx.world_size)
     saved = result.save(out.output_dir, video_format=out.video_format)

@@ -37,7 +37,7 @@ try:  # diffusers' context parallelism (0.36 and later; the project is tested wi
 except ImportError:  # pragma: no cover - an older diffusers: enable_context_parallel says so
     ContextParallelConfig = None
 
-__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "disable_context_parallel",
+__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "check_ranks", "disable_context_parallel",
            "enable_context_parallel"]
 
 
@@ -106,18 +106,8 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
     ranks of this rank's context-parallel group. Collective: every rank calls it. Checks first,
     changes nothing on an error: torch.distributed must be running with a multiple of
     ``spec.size`` ranks, and every transformer of the pipeline must have a context-parallel plan."""
-    if ContextParallelConfig is None:
-        raise ContextParallelError(
-            f"diffusers {diffusers_version} has no context parallelism: upgrade it (pip install -U diffusers)")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ContextParallelError(
-            f"context parallelism over {spec.size} ranks needs torch.distributed: start the job with "
-            f"torchrun --nproc_per_node {spec.size} (or a multiple of it)")
+    check_ranks(spec)
     world = dist.get_world_size()
-    if world % spec.size:
-        raise ContextParallelError(
-            f"context parallelism over {spec.size} ranks (ulysses_degree {spec.ulysses_degree} x ring_degree "
-            f"{spec.ring_degree}) needs a multiple of {spec.size} ranks; the job has {world}")
     dits = _dits(pipeline)
     if not dits:
         raise ContextParallelError(
@@ -149,6 +139,23 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
     cp = next(iter(dits.values()))._parallel_config.context_parallel_config._flattened_mesh
     return ParallelGroups(spec, dp_rank=rank // spec.size, dp_size=world // spec.size, cp_rank=rank % spec.size,
                           cp_size=spec.size, group=cp.get_group(), dits=tuple(dits))
+
+
+def check_ranks(spec: ContextParallel) -> None:
+    """What can be checked before a model loads: diffusers has context parallelism, and the job
+    runs under torch.distributed with a multiple of ``spec.size`` ranks."""
+    if ContextParallelConfig is None:
+        raise ContextParallelError(
+            f"diffusers {diffusers_version} has no context parallelism: upgrade it (pip install -U diffusers)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ContextParallelError(
+            f"context parallelism over {spec.size} ranks needs torch.distributed: start the job with "
+            f"torchrun --nproc_per_node {spec.size} (or a multiple of it)")
+    world = dist.get_world_size()
+    if world % spec.size:
+        raise ContextParallelError(
+            f"context parallelism over {spec.size} ranks (ulysses_degree {spec.ulysses_degree} x ring_degree "
+            f"{spec.ring_degree}) needs a multiple of {spec.size} ranks; the job has {world}")
 
 
 def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:

@@ -144,3 +144,16 @@ def test_setup_shows_a_bar_per_streamed_component(capsys) -> None:
     assert "transformer: filling and page-locking blocks" in err and "text_encoder: filling" in err
     Omni("tiny-wan", config, device="cpu", progress=False).close()
     assert "filling and page-locking" not in capsys.readouterr().err
+
+
+def test_context_parallel_is_checked_before_anything_loads():
+    from omni_dist_offload.loading.parallel import ContextParallel, ContextParallelError
+
+    assert ContextParallel.parse({"ulysses_degree": 1}) is None  # nothing to split
+    assert ContextParallel.parse({"ulysses_degree": 2}).size == 2
+    for bad, words in (({"ulysses": 2}, "keys"), ({"ulysses_degree": 0}, "positive"),
+                       ({"ring_degree": True}, "positive")):
+        with pytest.raises(ContextParallelError, match=words):
+            ContextParallel.parse(bad)
+    with pytest.raises(ContextParallelError, match="torchrun --nproc_per_node 2"):
+        Omni("tiny-wan", context_parallel={"ulysses_degree": 2})  # one process: refused before loading
