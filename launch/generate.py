@@ -1,10 +1,12 @@
 """torchrun entry point: data-parallel generation with a layerwise-offloaded pipeline.
 
 One process per GPU. Prompts (``--prompt``, repeatable, or ``--prompts-file``, one a line) are
-split across the ranks in waves of one prompt per rank; prompt k gets seed ``--seed`` + k and is
-written as ``<output-dir>/<k>.{png,mp4,gif}`` with a ``<k>.json`` sidecar by the rank that made
-it. All ranks run the same number of pipeline calls with the same sizes and steps (the last wave
-is padded with repeats whose outputs are dropped), as the ``allgather`` weight transfer needs.
+shared across the ranks; prompt k gets seed ``--seed`` + k and is written as
+``<output-dir>/<k>.{png,mp4,gif}`` with a ``<k>.json`` sidecar by the rank that made it. With
+rank-local or shared weights each rank takes the next prompt when free; under ``allgather`` all
+ranks run the same pipeline calls in waves of one prompt per rank (the last padded with repeats
+whose outputs are dropped); with ``--ulysses-degree``/``--ring-degree`` each group of that many
+ranks splits one prompt's sample (context parallelism), in waves of one prompt per group.
 Rank 0 shows progress and ends with a line reporting images or videos per minute. Every flag of
 ``omni-offload generate`` works here; with none, the built-in tiny-wan runs.
 
@@ -25,6 +27,10 @@ Rank 0 shows progress and ends with a line reporting images or videos per minute
     # two hosts of 8 GPUs: run on each, with --node-rank 0 on 10.0.0.1 and 1 on the other
     torchrun --nnodes 2 --node-rank 0 --nproc_per_node 8 --master-addr 10.0.0.1 \\
         --master-port 29500 launch/generate.py --prompts-file prompts.txt
+
+    # one sample over two GPUs (diffusers' context parallelism): groups of 2 ranks, a prompt each
+    torchrun --nproc_per_node 4 launch/generate.py --model Wan-AI/Wan2.1-T2V-14B-Diffusers \\
+        --ulysses-degree 2 --height 720 --width 1280 --num-frames 81 --prompts-file prompts.txt
 
     # CPU smoke run: two processes (gloo), built-in tiny-wan, four prompts
     python -m torch.distributed.run --nproc_per_node 2 launch/generate.py \\
