@@ -111,7 +111,14 @@ def data_and_context_parallel(rank: Rank) -> dict:
     groups = enable_context_parallel(model, ULYSSES_2, rank.device)
     equal = all(torch.equal(model(**x)[0], ref) for _ in range(2))
     handle.remove()
-    return {"equal": equal, "dp": [groups.dp_rank, groups.dp_size], "cp": dist.get_process_group_ranks(groups.group)}
+    # The weight group may be the context-parallel group itself: then the groups need not keep
+    # in step with each other (group 1 runs one forward more).
+    handle = apply_offload(types.SimpleNamespace(transformer=model), _config("allgather"), process_group=groups.group)
+    own_group = all(torch.equal(model(**x)[0], ref) for _ in range(1 + groups.dp_rank))
+    weight_ranks = list(handle.rings[0].transfer.group.ranks)
+    handle.remove()
+    return {"equal": equal, "own_group": own_group, "weight_ranks": weight_ranks,
+            "dp": [groups.dp_rank, groups.dp_size], "cp": dist.get_process_group_ranks(groups.group)}
 
 
 @pytest.mark.parametrize("world", [4])
@@ -119,4 +126,5 @@ def test_two_groups_of_two(world):
     results = run_ranks(data_and_context_parallel, world)
     assert [r["dp"] for r in results] == [[0, 2], [0, 2], [1, 2], [1, 2]]
     assert [r["cp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert all(r["equal"] for r in results)
+    assert all(r["equal"] and r["own_group"] for r in results)
+    assert [r["weight_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
