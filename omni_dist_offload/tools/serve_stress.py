@@ -1,9 +1,11 @@
 """Load and abuse check for ``omni-offload serve``: many concurrent requests, then thousands of
-stalled uploads while normal requests keep coming.
+stalled uploads while normal requests keep coming; and, on its own, a throughput measurement
+with mixed image sizes.
 
 The tool starts the server itself (``python -m omni_dist_offload serve --model tiny-flux`` on a
-free loopback port, its output in a log file of a temporary folder), or drives one already
-running (``--url``). It only ever sends to 127.0.0.1.
+free loopback port, its output in a log file of a temporary folder; with ``--ranks N`` under
+``torchrun --standalone --nproc_per_node N``), or drives one already running (``--url``). It only
+ever sends to 127.0.0.1.
 
 * load: ``--requests`` image requests from ``--in-flight`` concurrent clients. Every answer must
   be a 200 carrying the seed that was sent; the server's RSS at the end may be at most
@@ -15,10 +17,17 @@ running (``--url``). It only ever sends to 127.0.0.1.
   Every probe must be a 200, their p95 at most ``--p95-factor`` times the unloaded one; the
   server's log may grow less than ``--max-log-bytes``; its RSS ``--settle`` seconds after the
   stalled connections closed may be at most ``--rss-tolerance`` above its RSS before.
+* throughput (``--phase throughput``, not part of ``both``): ``--warmup`` unmeasured requests
+  (default 2 per rank), then ``--requests`` requests from ``--in-flight`` concurrent clients.
+  Request i asks for the size ``--sizes[i % len(sizes)]`` with seed i, so two runs send the same
+  requests in the same order. Every answer must be a 200 carrying its seed and size. It reports
+  the wall time, images per minute, p50/p95 latency per size, and from ``/metrics`` the waves,
+  padded slots and ``omni_serve_lockstep``: free ranks against lockstep waves on the same
+  requests (see "Several GPUs" in docs/serving.md).
 
-A server the tool started must then stop on SIGTERM with status 0 within 30 s. The last line is
-``serve_stress PASS`` or ``serve_stress FAIL`` with the checks that failed and the figures; the
-exit status is 1 on FAIL.
+A server the tool started must then stop on SIGTERM with status 0 within 30 s (under torchrun the
+SIGTERM goes to rank 0, which stops the others). The last line is ``serve_stress PASS`` or
+``serve_stress FAIL`` with the checks that failed and the figures; the exit status is 1 on FAIL.
 
     python -m omni_dist_offload.tools.serve_stress                                  # both phases
     python -m omni_dist_offload.tools.serve_stress --requests 200 --in-flight 20 --stalled 2000 --hold 10
@@ -26,9 +35,20 @@ exit status is 1 on FAIL.
     python -m omni_dist_offload.tools.serve_stress --serve-flag=--read-timeout=5 --json stress.json
     python -m omni_dist_offload.tools.serve_stress --url http://127.0.0.1:8000 --pid 4242 --log serve.log
 
+Free ranks (``shared`` weights) against allgather's padded waves, two ranks, the same requests::
+
+    python -m omni_dist_offload.tools.serve_stress --phase throughput --ranks 2 --requests 48 \
+        --in-flight 8 --steps 4 --sizes 64x64,128x128 --json free.json -- --diffusion-offload-config \
+        '{"mode":"layer","components":["dit"],"layer_options":{"dit":{"weight_transfer":"shared"}}}'
+    python -m omni_dist_offload.tools.serve_stress --phase throughput --ranks 2 --requests 48 \
+        --in-flight 8 --steps 4 --sizes 64x64,128x128 --json waves.json -- --diffusion-offload-config \
+        '{"mode":"layer","components":["dit"],"layer_options":{"dit":{"weight_transfer":"allgather"}}}'
+
 Flags after ``--`` (or each ``--serve-flag=...``) go to ``omni-offload serve`` after the tool's own,
 so they may also replace ``--diffusion-offload-config``. The server gets ``OMP_NUM_THREADS=1``
 unless the environment sets it: the tiny presets are dominated by thread-pool overhead otherwise.
+With ``--ranks`` above 1 it also gets ``OMNI_OFFLOAD_ALLOW_GLOO=1`` unless set (allgather over
+gloo, for CPU runs; without effect on GPUs), and the RSS figures are rank 0's.
 With ``--url`` the RSS checks need ``--pid`` and the log check needs ``--log``; without them they
 are skipped, and other clients of that server make the metrics check fail.
 """
@@ -65,11 +85,14 @@ from typing import Literal, NamedTuple
 from ..runtime.proc import rss_mib
 from ..runtime.flags import non_negative_int, positive_int
 
-__all__ = ["AbuseFigures", "LoadFigures", "StressOptions", "StressResult", "main", "run_stress"]
+__all__ = ["AbuseFigures", "LoadFigures", "SizeFigures", "StressOptions", "StressResult", "ThroughputFigures",
+           "main", "run_stress"]
 
 IMAGES = "/v1/images/generations"
 DEFAULT_OFFLOAD_CONFIG = '{"mode":"layer","components":["dit","text_encoder"]}'
 _PROMPT = "a red fox in the snow"
+# ``transfer.groups.ALLOW_GLOO_ENV``, spelled out: importing it would import torch into the tool.
+_ALLOW_GLOO_ENV = "OMNI_OFFLOAD_ALLOW_GLOO"
 _MIB = 2**20
 _HEALTH_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 30.0
@@ -81,6 +104,8 @@ _UNLOADED_REQUESTS = 20
 _STALLED_LENGTH = 100_000
 # Probe seeds stay clear of the load phase's 0..requests-1, so a swapped answer cannot match.
 _PROBE_SEED = 1 << 40
+# Warm-up seeds of the throughput phase, clear of both.
+_WARMUP_SEED = 1 << 41
 _NOT_OK_SHOWN = 10
 
 
@@ -88,9 +113,11 @@ _NOT_OK_SHOWN = 10
 class StressOptions:
     """One run of the tool."""
 
-    phase: Literal["load", "abuse", "both"] = "both"
+    phase: Literal["load", "abuse", "both", "throughput"] = "both"
     model: str = "tiny-flux"
     """The model the started server serves (an image model)."""
+    ranks: int = 1
+    """Ranks of the started server: above 1 it runs under torchrun."""
     serve_flags: tuple[str, ...] = ()
     """More flags for ``omni-offload serve``, after the tool's own."""
     url: str | None = None
@@ -115,6 +142,10 @@ class StressOptions:
     settle_s: float = 5.0
     p95_factor: float = 3.0
     max_log_bytes: int = 1 << 20
+    sizes: tuple[str, ...] = ("64x64", "128x128")
+    """Throughput: ``WIDTHxHEIGHT`` of the requests, in turn."""
+    warmup: int | None = None
+    """Throughput: unmeasured requests first (None: 2 per rank of the server)."""
 
 
 @dataclass(slots=True)
@@ -173,10 +204,58 @@ class AbuseFigures:
 
 
 @dataclass(slots=True)
+class SizeFigures:
+    """The throughput phase's requests of one size. Latencies in milliseconds."""
+
+    requests: int = 0
+    ok: int = 0
+    """Answered 200 with the seed and size sent."""
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+
+
+@dataclass(slots=True)
+class ThroughputFigures:
+    """The throughput phase, its measured requests (not the warm-up). Latencies in milliseconds."""
+
+    requests: int = 0
+    warmup: int = 0
+    warmup_codes: dict[str, int] = field(default_factory=dict)
+    codes: dict[str, int] = field(default_factory=dict)
+    """Answers by status; ``error``: no answer (connection failed, timed out)."""
+    wrong_seed: int = 0
+    """200s whose ``data[0].seed`` is not the seed sent."""
+    wrong_size: int = 0
+    """200s whose ``data[0].size`` is not the size sent."""
+    seconds: float = 0.0
+    images_per_min: float = 0.0
+    """Of the 200s."""
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    sizes: dict[str, SizeFigures] = field(default_factory=dict)
+    """By size, in the order of ``--sizes``."""
+    world_size: float | None = None
+    """``omni_serve_world_size``: ranks that generate."""
+    lockstep: float | None = None
+    """``omni_serve_lockstep``: 1 padded waves, 0 free ranks."""
+    waves_delta: float | None = None
+    """Rise of ``omni_serve_waves_total`` (free ranks: one a slot)."""
+    padded_slots_delta: float | None = None
+    """Rise of ``omni_serve_padded_slots_total``."""
+    requests_200_delta: float | None = None
+    image_outputs_delta: float | None = None
+    first_error: str | None = None
+    host_load: tuple[float, float] | None = None
+    """The host's 1-minute load average before and after the measured requests: other work on
+    the host (a CPU run) shows here."""
+
+
+@dataclass(slots=True)
 class StressResult:
     options: StressOptions
     load: LoadFigures | None = None
     abuse: AbuseFigures | None = None
+    throughput: ThroughputFigures | None = None
     server_exit: int | None = None
     """Exit status of the server the tool started, after SIGTERM (None: not started here, or
     killed because it did not stop)."""
@@ -205,6 +284,8 @@ class _Answer(NamedTuple):
     seed: int | None
     """``data[0].seed`` of a 200."""
     error: str | None
+    size: str | None = None
+    """``data[0].size`` of a 200."""
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -223,21 +304,24 @@ def _http(target: _Target, method: str, path: str, body: bytes | None, timeout: 
         conn.close()
 
 
-def _generate(target: _Target, seed: int, opts: StressOptions) -> _Answer:
-    body = json.dumps({"prompt": _PROMPT, "seed": seed, "num_inference_steps": opts.steps}).encode()
+def _generate(target: _Target, seed: int, opts: StressOptions, size: str | None = None) -> _Answer:
+    """One image request; ``size`` None leaves the size to the model."""
+    fields = {"prompt": _PROMPT, "seed": seed, "num_inference_steps": opts.steps}
+    body = json.dumps(fields if size is None else {**fields, "size": size}).encode()
     start = time.perf_counter()
     try:
         status, raw = _http(target, "POST", IMAGES, body, opts.timeout_s)
     except (OSError, http.client.HTTPException) as exc:
         return _Answer(0, time.perf_counter() - start, None, f"{type(exc).__name__}: {exc}")
     seconds = time.perf_counter() - start
-    seed_back = None
+    seed_back = size_back = None
     if status == 200:
         try:
-            seed_back = json.loads(raw)["data"][0]["seed"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            item = json.loads(raw)["data"][0]
+            seed_back, size_back = item["seed"], item.get("size")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             pass
-    return _Answer(status, seconds, seed_back, None if status else "no status")
+    return _Answer(status, seconds, seed_back, None if status else "no status", size_back)
 
 
 def _metrics_text(target: _Target, opts: StressOptions) -> str:
@@ -265,22 +349,35 @@ def _free_port() -> int:
 
 
 class _ServerProcess:
-    """``omni-offload serve`` as a subprocess, its output in ``workdir/serve.log``."""
+    """``omni-offload serve`` as a subprocess (several ranks: under torchrun), its output in
+    ``workdir/serve.log``. It runs in a session of its own, so that a server that does not stop
+    is killed with every rank."""
 
     def __init__(self, opts: StressOptions, workdir: Path) -> None:
         self.port = _free_port()
         self.log = workdir / "serve.log"
-        self.command = [sys.executable, "-m", "omni_dist_offload", "serve", "--model", opts.model,
-                        "--port", str(self.port), "--diffusion-offload-config", DEFAULT_OFFLOAD_CONFIG,
-                        *opts.serve_flags]
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.ranks)]
+        self.command = [sys.executable, *(launcher if opts.ranks > 1 else []), "-m", "omni_dist_offload",
+                        "serve", "--model", opts.model, "--port", str(self.port),
+                        "--diffusion-offload-config", DEFAULT_OFFLOAD_CONFIG, *opts.serve_flags]
+        self.rank0_pid: int | None = None
+        """Under torchrun: rank 0's process, which answers HTTP (found once it is ready)."""
         # The server runs the code this tool was imported from, installed or not.
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         env.setdefault("OMP_NUM_THREADS", "1")
+        if opts.ranks > 1:  # allgather over gloo is refused unless allowed; CUDA ranks ignore it
+            env.setdefault(_ALLOW_GLOO_ENV, "1")
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(self.command, cwd=workdir, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.ranks = opts.ranks
+
+    @property
+    def pid(self) -> int:
+        """The process that serves HTTP, for its RSS: rank 0 under torchrun, once found."""
+        return self.rank0_pid or self.proc.pid
 
     def wait_ready(self, target: _Target, timeout_s: float) -> None:
         """Returns once ``GET /health`` answers 200; ``RuntimeError`` if it never does."""
@@ -291,6 +388,8 @@ class _ServerProcess:
                                    f"was ready; its log ends:\n{_tail(self.log)}")
             try:
                 if _http(target, "GET", "/health", None, 2.0)[0] == 200:
+                    if self.ranks > 1:
+                        self.rank0_pid = _rank0_pid(self.proc.pid)
                     return
             except (OSError, http.client.HTTPException):
                 pass
@@ -299,15 +398,33 @@ class _ServerProcess:
                            f"{_tail(self.log)}")
 
     def stop(self) -> int | None:
-        """SIGTERM; the exit status, or None if it had to be killed."""
+        """SIGTERM (under torchrun to rank 0, which stops the other ranks: torchrun then exits 0,
+        where a SIGTERM to torchrun itself makes it exit 1); the exit status, or None if it had
+        to be killed."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:  # rank 0 gone already: torchrun ends the job itself
+                pass
         try:
             return self.proc.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # every rank, not torchrun alone
             self.proc.wait()
             return None
+
+
+def _rank0_pid(launcher: int) -> int | None:
+    """The child of torchrun whose environment says ``RANK=0`` (Linux); None if none is found."""
+    try:
+        children = [pid for task in Path(f"/proc/{launcher}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        for pid in children:
+            if b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return int(pid)
+    except OSError:
+        pass
+    return None
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -395,6 +512,61 @@ def _percentile_ms(seconds: Sequence[float], q: float) -> float | None:
         return None
     ordered = sorted(seconds)
     return 1e3 * ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+# -- throughput ------------------------------------------------------------------------------
+def run_throughput(target: _Target, opts: StressOptions) -> ThroughputFigures:
+    """The warm-up, then ``opts.requests`` requests, ``opts.in_flight`` at a time: request i asks
+    for ``opts.sizes[i % len(opts.sizes)]`` with seed i. The metrics are read after the warm-up."""
+    warmup = opts.warmup if opts.warmup is not None else 2 * _world_size(target)
+    fig = ThroughputFigures(requests=opts.requests, warmup=warmup)
+    # The warm-up cycles through the sizes too, so each rank has run each shape once or so.
+    fig.warmup_codes = _codes(_send(target, opts, [(_WARMUP_SEED + k, _size(opts, k)) for k in range(warmup)])[0])
+    before, load_before = _metrics_text(target, opts), os.getloadavg()[0]
+    plan = [(i, _size(opts, i)) for i in range(opts.requests)]
+    answers, fig.seconds = _send(target, opts, plan)
+    after, fig.host_load = _metrics_text(target, opts), (load_before, os.getloadavg()[0])
+    fig.codes = _codes(answers)
+    fig.wrong_seed = sum(a.status == 200 and a.seed != seed for (seed, _), a in zip(plan, answers))
+    fig.wrong_size = sum(a.status == 200 and a.size != size for (_, size), a in zip(plan, answers))
+    fig.first_error = next((a.error for a in answers if a.error), None)
+    fig.images_per_min = 60 * fig.codes.get("200", 0) / fig.seconds if fig.seconds else 0.0
+    fig.p50_ms, fig.p95_ms = (_percentile_ms([a.seconds for a in answers], q) for q in (0.50, 0.95))
+    for size in opts.sizes:
+        mine = [(seed, a) for (seed, want), a in zip(plan, answers) if want == size]
+        latencies = [a.seconds for _, a in mine]
+        fig.sizes[size] = SizeFigures(
+            requests=len(mine), ok=sum(a.status == 200 and a.seed == seed and a.size == size for seed, a in mine),
+            p50_ms=_percentile_ms(latencies, 0.50), p95_ms=_percentile_ms(latencies, 0.95))
+    fig.world_size, fig.lockstep = _metric(after, "omni_serve_world_size"), _metric(after, "omni_serve_lockstep")
+
+    def rise(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    fig.waves_delta, fig.padded_slots_delta = rise("omni_serve_waves_total"), rise("omni_serve_padded_slots_total")
+    fig.requests_200_delta = rise("omni_serve_requests_total", endpoint=IMAGES, code="200")
+    fig.image_outputs_delta = rise("omni_serve_outputs_total", kind="image")
+    return fig
+
+
+def _size(opts: StressOptions, i: int) -> str:
+    return opts.sizes[i % len(opts.sizes)]
+
+
+def _send(target: _Target, opts: StressOptions, plan: Sequence[tuple[int, str]]) -> tuple[list[_Answer], float]:
+    """``(seed, size)`` requests, ``opts.in_flight`` at a time, taken in order: (the answers in
+    that order, the wall seconds)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=opts.in_flight, thread_name_prefix="throughput") as pool:
+        answers = list(pool.map(lambda request: _generate(target, request[0], opts, request[1]), plan))
+    return answers, time.perf_counter() - start
+
+
+def _world_size(target: _Target) -> int:
+    """Ranks of the server, from ``GET /health`` (1 if it does not say)."""
+    status, raw = _http(target, "GET", "/health", None, 10.0)
+    size = json.loads(raw).get("world_size") if status == 200 else None
+    return size if isinstance(size, int) and size > 0 else 1
 
 
 # -- abuse -----------------------------------------------------------------------------------
@@ -590,6 +762,25 @@ def _judge_abuse(opts: StressOptions, fig: AbuseFigures) -> list[str]:
     return failures
 
 
+def _judge_throughput(opts: StressOptions, fig: ThroughputFigures) -> list[str]:
+    failures = []
+    if fig.warmup_codes.get("200", 0) != fig.warmup:
+        failures.append(f"throughput: warm-up requests not all 200 ({_fmt_codes(fig.warmup_codes)})")
+    not_ok = fig.requests - fig.codes.get("200", 0)
+    if not_ok:
+        failures.append(f"throughput: {not_ok} of {fig.requests} requests not 200 ({_fmt_codes(fig.codes)})")
+    for what, wrong in (("seed", fig.wrong_seed), ("size", fig.wrong_size)):
+        if wrong:
+            failures.append(f"throughput: {wrong} answers with a {what} other than the one sent")
+    for what, delta in (("requests_total{code=200}", fig.requests_200_delta),
+                        ("outputs_total{kind=image}", fig.image_outputs_delta)):
+        if delta != fig.requests:
+            failures.append(f"throughput: metric omni_serve_{what} rose by {delta:g}, not {fig.requests}")
+    if opts.url is None and fig.world_size != opts.ranks:
+        failures.append(f"throughput: the server runs {fig.world_size:g} rank(s), not --ranks {opts.ranks}")
+    return failures
+
+
 def _growth(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None or before <= 0 else after / before - 1
 
@@ -647,6 +838,23 @@ def abuse_lines(opts: StressOptions, fig: AbuseFigures) -> list[str]:
     ]
 
 
+def throughput_lines(opts: StressOptions, fig: ThroughputFigures) -> list[str]:
+    mode = "padded waves" if fig.lockstep == 1 else "free ranks" if fig.lockstep == 0 else f"lockstep {fig.lockstep}"
+    return [
+        (f"throughput: {fig.requests} requests (after {fig.warmup} warm-up), {opts.in_flight} in flight, "
+         f"{opts.steps} step(s), sizes {','.join(opts.sizes)}, {fig.world_size:g} rank(s), {mode}: "
+         f"{_fmt_codes(fig.codes)}; wrong seed {fig.wrong_seed}, wrong size {fig.wrong_size}; "
+         f"{fig.seconds:.2f} s, {fig.images_per_min:.1f} images/min"),
+        "throughput: latency " + "; ".join(
+            f"{size} ({s.requests}) p50 {_ms(s.p50_ms)}, p95 {_ms(s.p95_ms)}" for size, s in fig.sizes.items())
+        + f"; all p50 {_ms(fig.p50_ms)}, p95 {_ms(fig.p95_ms)}",
+        (f"throughput: metrics waves +{fig.waves_delta:g}, padded slots +{fig.padded_slots_delta:g}, "
+         f"lockstep {fig.lockstep:g}, requests_total{{code=200}} +{fig.requests_200_delta:g}, "
+         f"outputs_total{{kind=image}} +{fig.image_outputs_delta:g}; host load {fig.host_load[0]:.2f} "
+         f"before, {fig.host_load[1]:.2f} after"),
+    ]
+
+
 def verdict_line(result: StressResult) -> str:
     parts = []
     if result.load is not None:
@@ -658,6 +866,12 @@ def verdict_line(result: StressResult) -> str:
         parts.append(f"abuse {fig.stalled_connected} stalled for {fig.held_s:.0f} s, probes "
                      f"{fig.probe_codes.get('200', 0)}/{fig.probes} x 200, p95 {_ms(fig.probe_p95_ms)} "
                      f"(unloaded {_ms(fig.unloaded_p95_ms)})")
+    if result.throughput is not None:
+        fig = result.throughput
+        p95 = ", ".join(f"{size} {_ms(s.p95_ms)}" for size, s in fig.sizes.items())
+        parts.append(f"throughput {fig.codes.get('200', 0)}/{fig.requests} x 200 in {fig.seconds:.2f} s, "
+                     f"{fig.images_per_min:.1f} images/min, waves {fig.waves_delta:g}, padded slots "
+                     f"{fig.padded_slots_delta:g}, lockstep {fig.lockstep:g}, p95 {p95}")
     if result.options.url is None:
         parts.append(f"server exit {result.server_exit}")
     figures = "; ".join(parts)
@@ -678,6 +892,7 @@ def run_stress(opts: StressOptions, say: Callable[[str], None] = lambda line: No
             say(f"starting: {' '.join(server.command)}")
             target = _Target(server.port, server.proc.pid, server.log, opts.api_key)
             server.wait_ready(target, _HEALTH_TIMEOUT_S)
+            target = _Target(server.port, server.pid, server.log, opts.api_key)
         else:
             target = _Target(_loopback_port(opts.url), opts.pid, opts.log, opts.api_key)
         _check_image_server(target)
@@ -699,6 +914,8 @@ def run_stress(opts: StressOptions, say: Callable[[str], None] = lambda line: No
         result.failures.extend(_judge_load(opts, result.load))
     if result.abuse is not None:
         result.failures.extend(_judge_abuse(opts, result.abuse))
+    if result.throughput is not None:
+        result.failures.extend(_judge_throughput(opts, result.throughput))
     if workdir is not None:
         if result.passed:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -719,6 +936,11 @@ def _run_phases(target: _Target, opts: StressOptions, result: StressResult, say:
             f"{opts.probe_interval_s:g} s ...")
         result.abuse = run_abuse(target, opts)
         for line in abuse_lines(opts, result.abuse):
+            say(line)
+    if opts.phase == "throughput":
+        say(f"throughput: {opts.requests} requests of sizes {','.join(opts.sizes)}, {opts.in_flight} in flight ...")
+        result.throughput = run_throughput(target, opts)
+        for line in throughput_lines(opts, result.throughput):
             say(line)
 
 
@@ -757,12 +979,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _sizes(text: str) -> tuple[str, ...]:
+    sizes = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*([1-9][0-9]*)x([1-9][0-9]*)\s*", part)
+        if match is None:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a size: give WIDTHxHEIGHT[,WIDTHxHEIGHT...], "
+                                             f"e.g. 64x64,128x128")
+        sizes.append(f"{int(match[1])}x{int(match[2])}")
+    return tuple(sizes)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.serve_stress", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = StressOptions()
-    p.add_argument("--phase", default=d.phase, choices=["load", "abuse", "both"])
+    p.add_argument("--phase", default=d.phase, choices=["load", "abuse", "both", "throughput"],
+                   help="both: load then abuse; throughput runs alone (default: %(default)s)")
     p.add_argument("--model", default=d.model, help="image model the started server serves (default: %(default)s)")
+    p.add_argument("--ranks", type=positive_int, default=d.ranks,
+                   help="ranks of the started server; above 1 under torchrun (default: %(default)s)")
     p.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
                    help="one more flag for omni-offload serve (repeat; write --serve-flag=--read-timeout=5)")
     p.add_argument("--url", default=None, help="drive a running server at http://127.0.0.1:PORT instead")
@@ -786,6 +1022,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probe p95 may be this many times the unloaded p95")
     p.add_argument("--max-log-bytes", type=positive_int, default=d.max_log_bytes,
                    help="the server's log must grow less than this during the abuse phase")
+    p.add_argument("--sizes", type=_sizes, default=d.sizes, metavar="WxH[,WxH...]",
+                   help=f"throughput: the requests' sizes, in turn (default: {','.join(d.sizes)})")
+    p.add_argument("--warmup", type=non_negative_int, default=d.warmup, metavar="K",
+                   help="throughput: unmeasured requests first (default: 2 per rank of the server)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every figure here")
     return p
 
@@ -801,7 +1041,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --pid and --log describe a server given with --url; without --url the tool "
               "starts its own and knows both.", file=sys.stderr)
         return 2
-    opts = StressOptions(phase=args.phase, model=args.model, serve_flags=(*args.serve_flag, *extra),
+    if args.url is not None and args.ranks > 1:
+        print("error: --ranks says how many ranks to start the server with; a server given with --url "
+              "runs the ranks it was started with.", file=sys.stderr)
+        return 2
+    opts = StressOptions(phase=args.phase, model=args.model, ranks=args.ranks, sizes=args.sizes, warmup=args.warmup,
+                         serve_flags=(*args.serve_flag, *extra),
                          url=args.url, pid=args.pid, log=args.log, api_key=args.api_key,
                          requests=args.requests, in_flight=args.in_flight, steps=args.steps,
                          timeout_s=args.timeout, rss_tolerance=args.rss_tolerance, stalled=args.stalled,
