@@ -174,9 +174,9 @@ class Omni:
         the DiTs across that many ranks with diffusers' context parallelism (after offloading;
         under torchrun, in groups of consecutive ranks: :attr:`parallel`); every rank of a group
         must then generate the same prompt with the same seed together (``dp.py`` does)."""
-        spec = ContextParallel.parse(context_parallel)
-        if spec is not None:
-            check_ranks(spec)  # before anything loads
+        split = ContextParallel.parse(context_parallel)
+        if split is not None:
+            check_ranks(split)  # before anything loads
         self.compile = resolve_compile(compile)
         self.loras = [LoraSpec.parse(x) for x in ([lora] if isinstance(lora, (str, Mapping)) else lora)]
         for spec in self.loras:
@@ -196,9 +196,9 @@ class Omni:
         self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
         self.parallel: ParallelGroups | None = None
         """Context parallelism's groups, when ``context_parallel`` split the DiTs."""
-        if spec is not None:
+        if split is not None:
             try:
-                self.parallel = enable_context_parallel(self.pipeline, spec, self.device)
+                self.parallel = enable_context_parallel(self.pipeline, split, self.device)
             except BaseException:
                 self.close()
                 raise
