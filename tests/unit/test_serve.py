@@ -22,6 +22,7 @@ pytest.importorskip("prometheus_client")
 
 from omni_dist_offload import Omni  # noqa: E402
 from omni_dist_offload.app.cli import main  # noqa: E402
+from omni_dist_offload.tools.serve_stress import main as stress_main  # noqa: E402
 from omni_dist_offload.runtime.dist import DistContext  # noqa: E402
 from omni_dist_offload.app.serve.service import (  # noqa: E402
     ModelLimits,
@@ -743,3 +744,28 @@ def test_serve_sh_runs_the_serve_command_under_torchrun(tmp_path) -> None:
     assert proc.stdout.splitlines() == [
         "ARGS --nproc_per_node 2 --standalone -m omni_dist_offload serve --model tiny-flux",
         "NCCL_NVLS_ENABLE=0"]
+
+
+def test_serve_stress_throughput_sends_each_size_in_turn_and_adds_up(flux, tmp_path, capsys) -> None:
+    """serve_stress's throughput phase, driving this module's server (--url)."""
+    out = tmp_path / "figures.json"
+    rc = stress_main(["--url", f"http://127.0.0.1:{flux.port}", "--phase", "throughput", "--requests", "5", "--in-flight", "2", "--sizes", "16x16,32x16",
+               "--warmup", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert printed.splitlines()[-1].startswith("serve_stress PASS: throughput 5/5 x 200 in ")
+
+    figures = json.loads(out.read_text())
+    assert figures["passed"]
+    assert figures["load"] is None and figures["abuse"] is None  # throughput runs alone
+    fig = figures["throughput"]
+    assert (fig["requests"], fig["warmup"], fig["warmup_codes"], fig["codes"]) == (5, 1, {"200": 1}, {"200": 5})
+    assert fig["wrong_seed"] == fig["wrong_size"] == 0
+    # Request i asks for size i % 2: three of the first size, two of the second, in --sizes order.
+    assert list(fig["sizes"]) == ["16x16", "32x16"]
+    assert [(s["requests"], s["ok"]) for s in fig["sizes"].values()] == [(3, 3), (2, 2)]
+    assert all(0 < s["p50_ms"] <= s["p95_ms"] for s in fig["sizes"].values())
+    assert fig["seconds"] > 0 and fig["images_per_min"] == pytest.approx(60 * 5 / fig["seconds"])
+    # One rank, rank-local: every slot is a wave of one, none padded; the warm-up is not counted.
+    assert (fig["world_size"], fig["lockstep"], fig["waves_delta"], fig["padded_slots_delta"]) == (1, 0, 5, 0)
+    assert fig["requests_200_delta"] == fig["image_outputs_delta"] == 5
