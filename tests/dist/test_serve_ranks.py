@@ -1,5 +1,5 @@
-"""``omni-offload serve`` on two ranks under torchrun (gloo): with rank-local weights each rank
-takes the next request when free (any size, no padding); with allgather weights the ranks run
+"""``omni-offload serve`` on two ranks under torchrun (gloo): with one shared host copy of the
+weights each rank takes the next request when free (any size, no padding); with allgather weights the ranks run
 padded waves in lockstep; SIGTERM stops every rank either way. One rank: unit/test_serve.py."""
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from serving import IMAGES, Server, call, decode, metric, reference  # noqa: E40
 
 ALLGATHER = ('{"mode":"layer","components":["dit","text_encoder"],'
              '"layer_options":{"dit":{"weight_transfer":"allgather"}}}')
+SHARED = ('{"mode":"layer","components":["dit","text_encoder"],'
+          '"layer_options":{"dit":{"weight_transfer":"shared"},"text_encoder":{"weight_transfer":"shared"}}}')
 
 
 def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path) -> None:
-    server = Server(tmp_path, "tiny-flux", ranks=2)  # the tests' config streams rank-local
+    # One host copy of the weights for both ranks (shared), each rank taking the next request.
+    server = Server(tmp_path, "tiny-flux", "--diffusion-offload-config", SHARED, ranks=2)
     try:
         seeds, sizes = list(range(100, 108)), ["16x16", "32x16"] * 4
         with ThreadPoolExecutor(8) as pool:
@@ -37,6 +40,7 @@ def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path)
         text = call(server.port, "/metrics")[1]
         assert metric(text, "omni_serve_outputs_total", kind="image") == 8
         assert (metric(text, "omni_serve_lockstep"), metric(text, "omni_serve_ranks_serving")) == (0, 2)
+        assert ", shared, " in server.output() and "not used" not in server.output()  # one host copy
         # Each slot is a wave of one, never padded.
         assert (metric(text, "omni_serve_waves_total"), metric(text, "omni_serve_padded_slots_total")) == (8, 0)
         out = server.output()
@@ -46,7 +50,7 @@ def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path)
 
         # SIGTERM while both ranks run a slow slot and more wait: the running ones finish, the
         # queued ones get 503, every rank (and torchrun) exits 0.
-        slow = {"prompt": "a red fox", "num_inference_steps": 40, "size": "64x64"}
+        slow = {"prompt": "a red fox", "num_inference_steps": 12, "size": "64x64"}
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(call, server.port, IMAGES, {**slow, "seed": s}) for s in range(6)]
             deadline = time.monotonic() + 60
