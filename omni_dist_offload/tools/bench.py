@@ -800,7 +800,8 @@ def transfer_case(mib: float, chunks_mib: list[float], *, device: torch.device, 
     groups = GroupSession(600.0)
     group, reason = groups.resolve(facts, device, None)
     if group is None:
-        results[0]["allgather"] = f"not run: {reason}"
+        results[0].update(allgather=f"not run: {reason}", ratio_to_rank_local=1.0)
+        full.release()
         groups.close()
         return results
     gathers = ["nccl"] + (["copy-engine"] if group.peer_copy_reason is None else [])
