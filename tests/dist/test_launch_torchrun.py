@@ -121,10 +121,12 @@ def test_context_parallel_splits_each_sample_over_the_two_ranks(tmp_path, one_ra
 
 
 def free_split(rank: Rank, out_dir: str) -> dict:
-    """Five prompts, rank-local weights: rank 0's first call waits until the other four are
+    """Five prompts, one shared host copy of the weights: rank 0's first call waits until the other four are
     written, so rank 1 must take them all; then the static split a run without a store falls
     back to."""
-    omni = Omni("tiny-flux", {"mode": "layer", "components": ["dit"]}, progress=False)
+    omni = Omni("tiny-flux", {"mode": "layer", "components": ["dit"],
+                              "layer_options": {"dit": {"weight_transfer": "shared"}}}, progress=False)
+    assert omni.summary()[0]["weight_transfer"] == "shared" and not omni.lockstep
     ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
     generate, ran = omni.generate, []
 
