@@ -54,7 +54,6 @@ from .sharedmem import (
     SharedMemoryError,
     SharedSegment,
     available_host_bytes,
-    populate,
     receive,
 )
 from .transfer.casting import CastingTransfer
@@ -973,11 +972,11 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     parked: list[Sequence[torch.Tensor] | None] = []
     resident: dict[int, torch.Tensor] = {}
     error: BaseException | None = None
-    # Threads allocate this rank's pages ahead of the writes (see sharedmem.populate), in 64 MiB
+    # Threads allocate this rank's pages ahead of the writes (SharedSegment.populate), in 64 MiB
     # pieces, a few per rank so that a host's ranks together use about its cores.
     threads = max(1, min(_POPULATE_THREADS, (os.cpu_count() or 1) // shared.layout.ranks))
     pool = ThreadPoolExecutor(threads, thread_name_prefix="omni-offload-populate")
-    ready = {i: [pool.submit(populate, piece) for piece in shared.view(i).split(_POPULATE_PIECE)]
+    ready = {i: [pool.submit(shared.segment.populate, piece) for piece in shared.view(i).split(_POPULATE_PIECE)]
              for i in range(len(layouts)) if owner[i] == shared.me}
     try:
         for layout in layouts:

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
-           "job_name", "populate", "receive", "shared_memory_reason"]
+           "job_name", "receive", "shared_memory_reason"]
 
 _PAGE = 4096
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -125,6 +125,21 @@ class SharedSegment:
         end = (offset + nbytes) // _PAGE * _PAGE
         if end > start:
             _libc().fallocate(self.fd, _FALLOC_PUNCH_HOLE, start, end - start)
+
+    def populate(self, view: torch.Tensor) -> None:
+        """Allocate the pages under ``view`` (a range of this mapping) and map them writable, in
+        two calls instead of a page fault per page. Shared memory comes in 4 KiB pages unless the
+        host turns on huge pages for it (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``):
+        filled through faults it runs at a fraction of private memory's speed. ``fallocate``
+        allocates the file's pages in bulk, ``MADV_POPULATE_WRITE`` maps them. Advice only: where
+        either is missing, the faults do the work."""
+        if not view.numel():
+            return
+        offset = view.data_ptr() - self.tensor.data_ptr()
+        start = offset // _PAGE * _PAGE
+        end = -(-(offset + view.numel()) // _PAGE) * _PAGE
+        _libc().fallocate(self.fd, 0, start, end - start)
+        _libc().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(view.numel()), _MADV_POPULATE_WRITE)
 
     def allocated_bytes(self) -> int:
         """Bytes of host memory the file holds now (pages written and not punched)."""
@@ -225,17 +240,6 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
             break
         data += chunk
     return data
-
-
-def populate(view: torch.Tensor) -> None:
-    """Allocate the pages under ``view`` (a range of a shared mapping) and map them writable in
-    one call, without a page fault per page. Shared memory comes in 4 KiB pages unless the host
-    turns on huge pages for it (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``): filling
-    it through faults runs at a fraction of the speed of filling private memory, and populating
-    ranges from several threads first wins part of that back. Advice only: a kernel without
-    ``MADV_POPULATE_WRITE`` leaves the pages to the faults."""
-    if view.numel():
-        _libc().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(view.numel()), _MADV_POPULATE_WRITE)
 
 
 @dataclass(frozen=True, slots=True)
