@@ -1,9 +1,12 @@
 """Data-parallel generation under torchrun on CPU (gloo): two ranks write the same outputs as
-one, with rank-local weights (each rank takes the next prompt when free) and with allgather (a
-padded wave in lockstep); the free split itself on two ranks."""
+one, with rank-local weights (each rank takes the next prompt when free; through the real
+torchrun and launch script) and with allgather (a padded wave in lockstep) or context
+parallelism (the CLI on forked ranks); the free split itself on two ranks."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -80,38 +83,43 @@ def test_torchrun_two_ranks_four_prompts_match_one_rank(tmp_path, one_rank) -> N
         assert np.array_equal(read_frames(one_rank / f"{k:05d}.gif"), videos[k]), k
 
 
-def test_torchrun_allgather_runs_the_padded_wave_in_lockstep(tmp_path, one_rank) -> None:
-    proc = _torchrun(tmp_path / "two", *_prompt_flags(PROMPTS[:3]), "--diffusion-offload-config",
-                     ALLGATHER, env={"OMNI_OFFLOAD_ALLOW_GLOO": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "generated 3 videos in" in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
-        f"{k:05d}.{ext}" for k in range(3) for ext in ("gif", "json")]
-    summary = json.loads((tmp_path / "two" / "00001.json").read_text())["offload_summary"]
+def cli_on_rank(rank: Rank, out_dir: str, flags: list[str]) -> list:
+    """``omni-offload generate FLAGS`` on this rank (torchrun's environment, the process group
+    already up: the CLI joins it); its exit status and what it printed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            rc = main([*FLAGS, *flags, "--output-dir", out_dir, "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    return [rc, printed.getvalue()]
+
+
+def test_allgather_runs_the_padded_wave_in_lockstep(tmp_path, one_rank) -> None:
+    out_dir = tmp_path / "two"
+    results = run_ranks(cli_on_rank, 2, args=(str(out_dir), [*_prompt_flags(PROMPTS[:3]),
+                                                            "--diffusion-offload-config", ALLGATHER]),
+                        broken_group=True)
+    assert [rc for rc, _ in results] == [0, 0]
+    assert "generated 3 videos in" in results[0][1]
+    assert sorted(p.name for p in out_dir.iterdir()) == [f"{k:05d}.{ext}" for k in range(3) for ext in ("gif", "json")]
+    summary = json.loads((out_dir / "00001.json").read_text())["offload_summary"]
     assert {(r["category"], r["weight_transfer"]) for r in summary} == {
         ("dit", "allgather"), ("text_encoder", "allgather")}
     for k in range(3):  # gathered weights are the same bytes: outputs equal the one-rank run
-        assert np.array_equal(read_frames(one_rank / f"{k:05d}.gif"),
-                              read_frames(tmp_path / "two" / f"{k:05d}.gif")), k
-
-
-def context_parallel_cli(rank: Rank, out_dir: str) -> int:
-    """``omni-offload generate --ulysses-degree 2`` on this rank (torchrun's environment, the
-    process group already up: the CLI joins it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return main([*FLAGS, *_prompt_flags(PROMPTS[:2]), "--ulysses-degree", "2", "--diffusion-offload-config",
-                     ALLGATHER, "--output-dir", out_dir, "--no-progress"])
-    finally:
-        torch.set_num_threads(threads)
+        assert np.array_equal(read_frames(one_rank / f"{k:05d}.gif"), read_frames(out_dir / f"{k:05d}.gif")), k
 
 
 def test_context_parallel_splits_each_sample_over_the_two_ranks(tmp_path, one_rank) -> None:
     """--ulysses-degree 2: one group of two ranks runs every prompt together (allgather weights,
     diffusers' Ulysses attention); its first rank writes; outputs equal the one-rank run."""
     out_dir = tmp_path / "cp"
-    assert run_ranks(context_parallel_cli, 2, args=(str(out_dir),), broken_group=True) == [0, 0]
+    results = run_ranks(cli_on_rank, 2, args=(str(out_dir), [*_prompt_flags(PROMPTS[:2]), "--ulysses-degree", "2",
+                                                            "--diffusion-offload-config", ALLGATHER]),
+                        broken_group=True)
+    assert [rc for rc, _ in results] == [0, 0] and "generated 2 videos in" in results[0][1]
     assert sorted(p.name for p in out_dir.iterdir()) == [f"{k:05d}.{ext}" for k in range(2) for ext in ("gif", "json")]
     meta = json.loads((out_dir / "00001.json").read_text())
     assert meta["context_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "group": 0, "groups": 1}

@@ -5,7 +5,6 @@ padded waves in lockstep; SIGTERM stops every rank either way. One rank: unit/te
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,18 +47,9 @@ def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path)
         assert re.search(r"^\[rank1\] image req-\S+ done in", out, re.M)  # rank 1 generated
         assert re.search(r"^\[rank0\] image on rank 1 \(", out, re.M) and "image on rank 0 (" in out
 
-        # SIGTERM while both ranks run a slow slot and more wait: the running ones finish, the
-        # queued ones get 503, every rank (and torchrun) exits 0.
-        slow = {"prompt": "a red fox", "num_inference_steps": 12, "size": "64x64"}
-        with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(call, server.port, IMAGES, {**slow, "seed": s}) for s in range(6)]
-            deadline = time.monotonic() + 60
-            while call(server.port, "/health")[1]["queue_depth"] < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
-            codes = sorted(f.result()[0] for f in futures)
-        assert codes.count(200) >= 2 and codes[-1] == 503 and set(codes) == {200, 503}, codes
+        # SIGTERM to rank 0: it tells rank 1 over its link, and every rank (and torchrun) exits
+        # 0. (Running slots finishing and queued ones getting 503: unit/test_serve.py.)
+        assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
         assert re.search(r"^\[rank0\] stopped$", server.output(), re.M)
         assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
     finally:

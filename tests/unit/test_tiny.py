@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -184,7 +185,11 @@ def test_wan_pipeline_batched_prompts_without_max_sequence_length() -> None:
 
 
 def test_wan_14b_random_has_real_block_size():
-    pipe = tiny.wan_14b_random_pipeline(num_layers=1)
+    # The sizes are the point, not the values: skip drawing 351M random numbers (seconds on CI).
+    keep = lambda tensor, *args, **kwargs: tensor  # noqa: E731
+    with mock.patch.multiple(torch.nn.init, kaiming_uniform_=keep, uniform_=keep, normal_=keep,
+                             trunc_normal_=keep, xavier_uniform_=keep):
+        pipe = tiny.wan_14b_random_pipeline(num_layers=1)
     block = pipe.transformer.blocks[0]
     assert sum(p.numel() for p in block.parameters()) == 351_394_304  # 703 MB in bf16
     assert pipe.components["transformer"] is pipe.transformer
