@@ -88,7 +88,8 @@ class RingSummary:
     weight_transfer: str
     """What runs after any fallback: ``rank-local``, ``shared`` or ``allgather``."""
     gather: str | None
-    """What rebuilds allgather blocks: ``copy-engine``, ``nccl`` or ``gloo``; None for rank-local."""
+    """What rebuilds allgather blocks: ``copy-engine``, ``nccl`` or ``gloo``; None for rank-local
+    and shared."""
     fallback_reason: str | None
     block_bytes: int
     """Bytes of the streamed blocks' tensors as stored on the host (without alignment padding;

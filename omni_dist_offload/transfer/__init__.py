@@ -2,6 +2,7 @@
 
 * :mod:`.protocol`: :class:`WeightTransfer`, what a ring needs of a transfer, and its streams;
 * :mod:`.rank_local`: whole blocks per rank, copied over the rank's own link;
+* :mod:`.shared`: the same from one host copy the ranks of a host share (``sharedmem.py``);
 * :mod:`.allgather`: one shard per rank, rebuilt on the device by a collective all-gather;
 * :mod:`.copy_engine`: the same, rebuilt by peer copies on the copy engines (no kernel);
 * :mod:`.sharding`: how a block splits into per-rank shards;
