@@ -155,7 +155,11 @@ class OffloadHandle:
 
     def summary_rows(self) -> list[RingSummary]:
         """One typed row per streamed ring."""
-        return [RingSummary(
+        return [self._row(ring, _shared_of(ring.transfer)) for ring in self.rings]
+
+    @staticmethod
+    def _row(ring: BlockRing, shared: SharedTransfer | None) -> RingSummary:
+        return RingSummary(
             component=ring.component.name,
             category=ring.component.category,
             module_class=type(ring.component.module).__name__,
@@ -176,9 +180,9 @@ class OffloadHandle:
             kept_blocks=ring.kept_blocks(),
             found_by=ring.component.source if ring.component.source in ("built-in table", "scan") else "declared",
             storage_dtype=getattr(ring.transfer, "storage_dtype", None),
-            shared_host_bytes=_shared_of(ring.transfer).shared_bytes() if _shared_of(ring.transfer) else None,
-            host_ranks=_shared_of(ring.transfer).host_ranks if _shared_of(ring.transfer) else None,
-        ) for ring in self.rings]
+            shared_host_bytes=shared.shared_bytes() if shared is not None else None,
+            host_ranks=shared.host_ranks if shared is not None else None,
+        )
 
     def summary(self) -> list[dict[str, Any]]:
         """One dict per streamed ring (see the README for the keys)."""
@@ -596,8 +600,8 @@ def _with_shared_copies(specs: Sequence[_RingSpec], groups: GroupSession) -> lis
     a hand-over that fails on any rank makes every rank stream rank-local, with the reason."""
     out = list(specs)
     try:
-        for k, spec in enumerate(specs):
-            if spec.host is not None:
+        for k in range(len(out)):
+            if out[k].host is not None:  # not if an earlier ring's hand-over failed: it falls back too
                 out[k:] = _map_shared_copy(out[k:], groups)
     except BaseException:
         for spec in out:

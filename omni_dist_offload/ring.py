@@ -568,7 +568,7 @@ class BlockRing:
         """Per block, where it can split into a kept part and a streamed one (the offsets of its
         second to last tensors), for the planner; None for a transfer that moves whole blocks
         only (a gather: shards are cut from whole blocks)."""
-        if self.transfer.gather is not None or getattr(self.transfer, "storage_dtype", None) is not None:
+        if self.transfer.gather is not None or self._images:
             return None  # a gather, or an upcast from the stored image, moves whole blocks
         return tuple(tuple(e.offset for e in l.entries[1:] if e.offset > 0) for l in self.layouts)
 

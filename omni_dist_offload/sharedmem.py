@@ -87,6 +87,11 @@ def available_host_bytes() -> int | None:
     return min(found) if found else None
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages."""
+    return -(-nbytes // _PAGE) * _PAGE
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -121,7 +126,7 @@ class SharedSegment:
 
     def punch(self, offset: int, nbytes: int) -> None:
         """Give the pages of ``[offset, offset + nbytes)`` back to the host (they read as zeros)."""
-        start = -(-offset // _PAGE) * _PAGE
+        start = _pages(offset)
         end = (offset + nbytes) // _PAGE * _PAGE
         if end > start:
             _libc().fallocate(self.fd, _FALLOC_PUNCH_HOLE, start, end - start)
@@ -137,7 +142,7 @@ class SharedSegment:
             return
         offset = view.data_ptr() - self.tensor.data_ptr()
         start = offset // _PAGE * _PAGE
-        end = -(-(offset + view.numel()) // _PAGE) * _PAGE
+        end = _pages(offset + view.numel())
         _libc().fallocate(self.fd, 0, start, end - start)
         _libc().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(view.numel()), _MADV_POPULATE_WRITE)
 
@@ -254,20 +259,20 @@ class BlockSpans:
     @property
     def header_nbytes(self) -> int:
         """The header's pages: one byte per (block, rank), rounded up to a page."""
-        return -(-max(len(self.spans) * self.ranks, 1) // _PAGE) * _PAGE
+        return _pages(max(len(self.spans) * self.ranks, 1))
 
     @classmethod
     def plan(cls, sizes: Sequence[int | None], ranks: int) -> BlockSpans:
         """Blocks back to back after the header, each at a page boundary (so each is registered,
         and punched, in whole pages of its own)."""
-        offset = -(-max(len(sizes) * ranks, 1) // _PAGE) * _PAGE
+        offset = _pages(max(len(sizes) * ranks, 1))
         spans = []
         for size in sizes:
             if size is None:
                 spans.append(None)
                 continue
             spans.append((offset, size))
-            offset += -(-max(size, 1) // _PAGE) * _PAGE
+            offset += _pages(max(size, 1))
         return cls(tuple(spans), ranks, max(offset, _PAGE))
 
 
@@ -280,7 +285,6 @@ class SharedBlocks:
         self.me = me
         n, r = len(layout.spans), layout.ranks
         self._flags = segment.tensor[: n * r].view(n, r)
-        self._left = False
 
     def init_header(self, users: Sequence[Sequence[int]]) -> None:
         """The first rank, before anyone else maps the file: ``users[b]``, the host ranks that
@@ -309,7 +313,7 @@ class SharedBlocks:
                 return
             self._flags[block, self.me] = 0
             if not bool(self._flags[block].any()):
-                self.segment.punch(span[0], -(-span[1] // _PAGE) * _PAGE)  # its pages are its own
+                self.segment.punch(span[0], _pages(span[1]))  # its pages are its own
                 if not bool(self._flags.any()):  # no rank reads any block: the header goes too
                     self.segment.punch(0, self.layout.header_nbytes)
 

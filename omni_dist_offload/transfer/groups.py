@@ -153,9 +153,7 @@ class GroupSession:
                            allow_gloo=False, components=components, shared_reason=shared_memory_reason())
         gathered = self.all_gather(facts)
         _check_same_layout(gathered)
-        hosts: dict[str, list[_RankFacts]] = {}
-        for f in gathered:
-            hosts.setdefault(f.node, []).append(f)
+        hosts = _by_host(gathered)
         for node, ranks in hosts.items():
             if len(ranks) < 2:
                 return None, (f"host {node} runs a single rank ({ranks[0].rank}): a shared host copy "
@@ -293,9 +291,7 @@ def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> s
         members = set(dist.get_process_group_ranks(process_group))
         hosts = {"process_group": [f for f in gathered if f.rank in members]}
     else:
-        hosts = {}
-        for f in gathered:
-            hosts.setdefault(f.node, []).append(f)
+        hosts = _by_host(gathered)
     for node, ranks in hosts.items():
         if len(ranks) < 2:
             return (f"host {node} runs a single rank ({ranks[0].rank}): a weight group needs at "
@@ -312,10 +308,16 @@ def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> s
     return None
 
 
-def _host_group(gathered: list[_RankFacts], device: torch.device, timeout_s: float) -> WeightGroup:
-    hosts: dict[str, list[int]] = {}
+def _by_host(gathered: list[_RankFacts]) -> dict[str, list[_RankFacts]]:
+    """The ranks' facts by host (``GROUP_RANK``, else the host name), in rank order."""
+    hosts: dict[str, list[_RankFacts]] = {}
     for f in gathered:
-        hosts.setdefault(f.node, []).append(f.rank)
+        hosts.setdefault(f.node, []).append(f)
+    return hosts
+
+
+def _host_group(gathered: list[_RankFacts], device: torch.device, timeout_s: float) -> WeightGroup:
+    hosts = {node: [f.rank for f in ranks] for node, ranks in _by_host(gathered).items()}
     me = dist.get_rank()
     backend = "nccl" if device.type == "cuda" else "gloo"
     mine = None
