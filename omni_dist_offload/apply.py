@@ -797,9 +797,7 @@ def _device_copy(spec: _RingSpec, layout: BlockLayout, setup: _Setup, image: tor
     the source, or from the block's own tensors."""
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=setup.device)
     if image is None and layout.image is not None:  # stored in another dtype: through its image
-        image = torch.zeros(layout.image_nbytes, dtype=torch.uint8)
-        for entry, view in zip(layout.entries, layout.image_views(image), strict=True):
-            view.copy_(entry.tensor.detach())
+        image = _image_from_tensors(layout, torch.empty(layout.image_nbytes, dtype=torch.uint8))
     if image is None and spec.source is not None:
         image = torch.empty(layout.nbytes, dtype=torch.uint8)
         spec.source.fill(layout, [(0, layout.nbytes, 0)], image)
@@ -811,6 +809,26 @@ def _device_copy(spec: _RingSpec, layout: BlockLayout, setup: _Setup, image: tor
         for entry in layout.entries:
             entry.view_in(buf).copy_(entry.tensor.detach())
     return buf
+
+
+def _write_image(spec: _RingSpec, layout: BlockLayout, dst: torch.Tensor) -> None:
+    """Fill ``dst`` (host bytes, ``layout.image_nbytes``) with the block as it is stored: read
+    from the source (cold start), or from the block's own tensors."""
+    if spec.source is not None:
+        spec.source.fill(layout, [(0, layout.image_nbytes, 0)], dst)
+    else:
+        _image_from_tensors(layout, dst)
+
+
+def _image_from_tensors(layout: BlockLayout, dst: torch.Tensor) -> torch.Tensor:
+    """``dst`` filled from the block's tensors, each cast to its stored dtype where it is (a GPU
+    casts in microseconds; the same values as a cast on the host), the padding between 8-bit
+    tensors zeroed (it upcasts to zeros)."""
+    if layout.image is not None:
+        dst.zero_()
+    for entry, view in zip(layout.entries, layout.image_views(dst), strict=True):
+        view.copy_(entry.tensor.detach().to(view.dtype))
+    return dst
 
 
 @contextlib.contextmanager
@@ -854,13 +872,7 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 resident[i] = _device_copy(spec, layout, setup, None)
             else:
                 buf = HostBuffer(layout.image_nbytes)
-                if spec.source is not None:
-                    spec.source.fill(layout, [(0, layout.image_nbytes, 0)], buf.tensor)
-                else:
-                    for entry, view in zip(layout.entries, layout.image_views(buf.tensor), strict=True):
-                        # Cast where the tensor is (a GPU casts in microseconds), then move the
-                        # stored bytes: the same values as a cast on the host.
-                        view.copy_(entry.tensor.detach().to(view.dtype))
+                _write_image(spec, layout, buf.tensor)
                 if i in keep:  # resident until a measured forward is planned for: both copies
                     resident[i] = _device_copy(spec, layout, setup, buf.tensor)
                 pin.pin_later(buf, spec.component.name, layout.name)
@@ -915,11 +927,7 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
             i = layout.index
             block_image = None
             if spec.source is None:
-                block_image = image[: layout.image_nbytes]
-                if layout.image is not None:
-                    block_image.zero_()  # padding between stored tensors upcasts to zeros
-                for entry, view in zip(layout.entries, layout.image_views(block_image), strict=True):
-                    view.copy_(entry.tensor.detach().to(view.dtype))  # cast where it is (as above)
+                block_image = _image_from_tensors(layout, image[: layout.image_nbytes])
             shard = None
             if not (i in keep and settled):
                 shard = HostBuffer(shard_plan.shard_nbytes)
@@ -991,13 +999,7 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
             if owner[i] == shared.me:
                 for future in ready.pop(i):
                     future.result()
-                if spec.source is not None:
-                    spec.source.fill(layout, [(0, layout.image_nbytes, 0)], view)
-                else:
-                    if layout.image is not None:
-                        view.zero_()  # padding between stored tensors upcasts to zeros
-                    for entry, dst in zip(layout.entries, layout.image_views(view), strict=True):
-                        dst.copy_(entry.tensor.detach().to(dst.dtype))  # cast where it is (as above)
+                _write_image(spec, layout, view)
             if i in keep:  # from this rank's own tensors: the copy may not hold the block yet
                 resident[i] = _device_copy(spec, layout, setup, view if owner[i] == shared.me else None)
             if not (i in keep and settled) and shared.uses(i):
