@@ -23,12 +23,11 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from diffusers import ModelMixin
 from diffusers import __version__ as diffusers_version
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..plan import pipeline_modules
+from ..plan import OffloadPlan, is_bare_module, pipeline_modules
 
 try:  # diffusers' context parallelism (0.36 and later; the project is tested with 0.42)
     from diffusers.hooks.context_parallel import remove_context_parallel
@@ -173,11 +172,13 @@ def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
 
 
 def _dits(pipeline: Any) -> dict[str, nn.Module]:
-    """The pipeline's transformers by attribute name (a bare transformer: ``transformer``)."""
-    if isinstance(pipeline, nn.Module):
+    """The pipeline's DiTs by attribute name, as offloading names them (``transformer``,
+    ``transformer_2``, and what the pipeline's ``OffloadPlan.dit_components`` adds); a bare
+    transformer is ``transformer``."""
+    if is_bare_module(pipeline):
         return {"transformer": pipeline}
-    return {name: mod for name, mod in pipeline_modules(pipeline).items()
-            if isinstance(mod, ModelMixin) and name.startswith("transformer")}
+    plan = getattr(pipeline, "_offload_plan", None) or OffloadPlan()
+    return {name: mod for name, mod in pipeline_modules(pipeline).items() if plan.category_of(name) == "dit"}
 
 
 def _check_ring_backend() -> None:
