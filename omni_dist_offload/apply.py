@@ -47,15 +47,7 @@ from .tenants import BlockWatch
 from .trace import trace_enabled
 from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
-from .sharedmem import (
-    BlockSpans,
-    Offer,
-    SharedBlocks,
-    SharedMemoryError,
-    SharedSegment,
-    available_host_bytes,
-    receive,
-)
+from .sharedmem import CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive
 from .transfer.casting import CastingTransfer
 from .transfer.groups import ComponentFacts, GroupSession, HostRanks, WeightGroup
 from .transfer.shared import SharedTransfer
@@ -618,23 +610,22 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
     keep = set(spec.residency.resident) if spec.residency.settled and not spec.stored else set()
     users = groups.all_gather(tuple(i for i in range(len(spec.layouts)) if i not in keep))
     per_block = [tuple(j for j, r in enumerate(host.ranks) if i in users[r]) for i in range(len(spec.layouts))]
-    spans = BlockSpans.plan([l.image_nbytes if per_block[l.index] else None for l in spec.layouts], host.size)
-    offer, segment, said = None, None, None
+    layout = CopyLayout(tuple(l.image_nbytes if per_block[l.index] else None for l in spec.layouts), host.size)
+    offer, blocks, said = None, None, None
     if host.index == 0:
         free = available_host_bytes()
-        if free is not None and free < spans.nbytes:
+        if free is not None and free < layout.nbytes:
             said = ("space", f"host {host.node} has {free / 2**30:.2f} GiB of memory available, and the "
-                             f"shared host copy of {spec.component.name} needs {spans.nbytes / 2**30:.2f} GiB")
+                             f"shared host copy of {spec.component.name} needs {layout.nbytes / 2**30:.2f} GiB")
         else:
             try:
-                segment = SharedSegment.create(f"omni-offload:{host.job}:{spec.component.name}", spans.nbytes)
-                SharedBlocks(segment, spans, 0).init_header(per_block)
+                blocks = SharedBlocks.create(f"omni-offload:{host.job}:{spec.component.name}", layout, per_block)
                 offer = Offer(host.job, spec.component.name)
                 said = ("offer", (offer.address, offer.key))
             except Exception as exc:  # noqa: BLE001 - every rank falls back with this reason
-                if segment is not None:
-                    segment.close()
-                    segment = None
+                if blocks is not None:
+                    blocks.close()
+                    blocks = None
                 said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: "
                                   f"{type(exc).__name__}: {exc}")
     told = groups.all_gather(said)
@@ -655,20 +646,16 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
             # says so at once).
             wait_s = min(groups.timeout_s, _HAND_OVER_S)
             if host.index == 0:
-                serving = offer.serve(segment.fd, host.size - 1, wait_s)
+                serving = offer.serve(blocks.fds(), host.size - 1, wait_s)
             else:
-                fd = receive(*what, wait_s)
-                try:
-                    segment = SharedSegment(fd, spans.nbytes)
-                except BaseException:
-                    os.close(fd)
-                    raise
+                address, key = what
+                blocks = SharedBlocks.open(receive(address, key, layout.files, wait_s), layout, host.index)
         except Exception as exc:  # noqa: BLE001 - every rank falls back with this reason
             error = f"rank {torch.distributed.get_rank()} could not map the shared host copy: {exc}"
         failed = [e for e in groups.all_gather(error) if e is not None]
     except BaseException:
-        if segment is not None:
-            segment.close()
+        if blocks is not None:
+            blocks.close()
         raise
     finally:
         if offer is not None:
@@ -676,14 +663,14 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
         if serving is not None:
             serving.join()
     if failed:
-        if segment is not None:
-            segment.close()
+        if blocks is not None:
+            blocks.close()
         for j, other in enumerate(specs):  # every shared ring from this one on falls back
             if other.host is not None:
                 out[j] = dataclasses.replace(other, host=None, fallback_reason=failed[0])
         groups.host = None
         return out
-    out[0] = dataclasses.replace(spec, shared=SharedBlocks(segment, spans, host.index))
+    out[0] = dataclasses.replace(spec, shared=blocks)
     return out
 
 
@@ -977,19 +964,18 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     until every rank has succeeded."""
     layouts, pin, shared = spec.layouts, setup.pin, spec.shared
     keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
-    owner = _owners([shared.layout.spans[i][1] if shared.view(i) is not None else None
-                     for i in range(len(layouts))], shared.layout.ranks)
+    owner = _owners(shared.layout.sizes, shared.layout.ranks)
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     buffers: list[HostBuffer | None] = []
     originals: list[list[torch.Tensor]] = []
     parked: list[Sequence[torch.Tensor] | None] = []
     resident: dict[int, torch.Tensor] = {}
     error: BaseException | None = None
-    # Threads allocate this rank's pages ahead of the writes (SharedSegment.populate), in 64 MiB
+    # Threads allocate this rank's pages ahead of the writes (SharedBlocks.populate), in 64 MiB
     # pieces, a few per rank so that a host's ranks together use about its cores.
     threads = max(1, min(_POPULATE_THREADS, (os.cpu_count() or 1) // shared.layout.ranks))
     pool = ThreadPoolExecutor(threads, thread_name_prefix="omni-offload-populate")
-    ready = {i: [pool.submit(shared.segment.populate, piece) for piece in shared.view(i).split(_POPULATE_PIECE)]
+    ready = {i: [pool.submit(shared.populate, i, piece) for piece in shared.view(i).split(_POPULATE_PIECE)]
              for i in range(len(layouts)) if owner[i] == shared.me}
     try:
         for layout in layouts:
@@ -1052,7 +1038,7 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
 
 #: Threads per rank that allocate a shared copy's pages ahead of its writes, and the piece each
 #: allocates at a time.
-_POPULATE_THREADS = 4
+_POPULATE_THREADS = 8
 _POPULATE_PIECE = 64 * 2**20
 
 

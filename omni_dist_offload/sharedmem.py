@@ -1,19 +1,26 @@
 """One host copy of a ring's blocks, shared by every rank of the host (``weight_transfer: "shared"``).
 
-The host's first rank creates an anonymous shared-memory file (``memfd_create``: it has no name
-in any filesystem, and ``/dev/shm``'s size does not limit it), sizes it, and hands its descriptor
-to the host's other ranks over a unix socket in the abstract namespace. The socket's address and
-a random key travel to the ranks over the job's own process group; a peer gets the descriptor
-only by sending the key, so no process outside the job can (pids are not checked: ranks in other
-pid namespaces are ranks all the same). Every rank maps the file; from then on the memory
-lives exactly as long as some rank maps it or holds the descriptor: a normal exit, an exception
-or a SIGKILL of any or every rank leaves nothing behind, and no later job can find it.
+The host's first rank creates anonymous shared-memory files (``memfd_create``: they have no name
+in any filesystem, and ``/dev/shm``'s size does not limit them), one per block and one for a
+header, and hands their descriptors to the host's other ranks over a unix socket in the abstract
+namespace. The socket's address and a random key travel to the ranks over the job's own process
+group; a peer gets the descriptors only by sending the key, so no process outside the job can
+(pids are not checked: ranks in other pid namespaces are ranks all the same). Every rank maps the
+files; from then on the memory lives exactly as long as some rank maps it or holds a descriptor:
+a normal exit, an exception or a SIGKILL of any or every rank leaves nothing behind, and no later
+job can find it.
 
-The file starts with a header: one byte per (block, rank), 1 while that rank streams the block
-from the shared copy. A rank that stops using a block (it became resident there, the rank edited
-it and keeps a copy of its own, or the rank released the ring) clears its byte under a lock on
-the header; the last one out punches the block's pages out of the file, so memory no rank uses
-goes back to the host at once.
+A file per block, not one for the copy: the kernel adds pages to a shared-memory file under that
+file's locks, so ranks and threads filling one file take turns where, filling a file each, they
+do not (on an H200 host whose shared memory comes in 4 KiB pages, two processes of four threads
+writing 8 GiB: 1.7-2.0 s into one file, 1.05-1.1 s into twelve). A block's pages also go back
+to the host by emptying its file.
+
+The header holds one byte per (block, rank), 1 while that rank streams the block from the shared
+copy. A rank that stops using a block (it became resident there, the rank edited it and keeps a
+copy of its own, or the rank released the ring) clears its byte under a lock on the header; the
+last one out empties the block's file (``fallocate PUNCH_HOLE``), so memory no rank uses goes
+back to the host at once.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
+__all__ = ["CopyLayout", "Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
            "job_name", "receive", "shared_memory_reason"]
 
 _PAGE = 4096
@@ -45,6 +52,7 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _SOCKET_NAME_MAX = 107  # sun_path holds 108 bytes, the first of them NUL in the abstract namespace
 _KEY_BYTES = 32
+_FDS_PER_MESSAGE = 250  # the kernel passes at most 253 descriptors in one message (SCM_MAX_FD)
 
 
 class SharedMemoryError(RuntimeError):
@@ -132,19 +140,15 @@ class SharedSegment:
             _libc().fallocate(self.fd, _FALLOC_PUNCH_HOLE, start, end - start)
 
     def populate(self, view: torch.Tensor) -> None:
-        """Allocate the pages under ``view`` (a range of this mapping) and map them writable, in
-        two calls instead of a page fault per page. Shared memory comes in 4 KiB pages unless the
-        host turns on huge pages for it (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``):
-        filled through faults it runs at a fraction of private memory's speed. ``fallocate``
-        allocates the file's pages in bulk, ``MADV_POPULATE_WRITE`` maps them. Advice only: where
-        either is missing, the faults do the work."""
-        if not view.numel():
-            return
-        offset = view.data_ptr() - self.tensor.data_ptr()
-        start = offset // _PAGE * _PAGE
-        end = _pages(offset + view.numel())
-        _libc().fallocate(self.fd, 0, start, end - start)
-        _libc().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(view.numel()), _MADV_POPULATE_WRITE)
+        """Allocate the pages under ``view`` (a range of this mapping) and map them writable in
+        one call (``MADV_POPULATE_WRITE``) instead of a page fault per page. Shared memory comes
+        in 4 KiB pages unless the host turns on huge pages for it
+        (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``), and filled through faults it runs
+        at a fraction of private memory's speed. Advice only: where the kernel lacks it, the
+        faults do the work. (``fallocate`` would allocate them too, but under the file's lock:
+        threads populating one file would take turns.)"""
+        if view.numel():
+            _libc().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(view.numel()), _MADV_POPULATE_WRITE)
 
     def allocated_bytes(self) -> int:
         """Bytes of host memory the file holds now (pages written and not punched)."""
@@ -160,7 +164,7 @@ class SharedSegment:
 class Offer:
     """The host's first rank's side of the hand-over: a listening socket in the abstract
     namespace (it vanishes with this process, and with :meth:`close`) named after the job and a
-    random token, and the key a peer must send to get the descriptor."""
+    random token, and the key a peer must send to get the descriptors."""
 
     def __init__(self, job: str, component: str) -> None:
         name = f"omni-offload/{job}/{component}/{secrets.token_hex(8)}"[-(_SOCKET_NAME_MAX - 1):]
@@ -175,8 +179,8 @@ class Offer:
             self._sock.close()
             raise
 
-    def hand_over(self, fd: int, count: int, timeout_s: float) -> None:
-        """Send ``fd`` to ``count`` peers that present the key; any other connection is closed
+    def hand_over(self, fds: Sequence[int], count: int, timeout_s: float) -> None:
+        """Send ``fds`` to ``count`` peers that present the key; any other connection is closed
         unanswered. Raises :class:`SharedMemoryError` when fewer came within ``timeout_s``, or
         when the offer was closed first (from another thread: see :meth:`serve`)."""
         served = 0
@@ -202,14 +206,15 @@ class Offer:
                 except OSError:
                     continue
                 if hmac.compare_digest(key, self.key):
-                    socket.send_fds(conn, [b"fd"], [fd])
+                    for i in range(0, len(fds), _FDS_PER_MESSAGE):
+                        socket.send_fds(conn, [b"f"], list(fds[i : i + _FDS_PER_MESSAGE]))
                     served += 1
 
-    def serve(self, fd: int, count: int, timeout_s: float) -> threading.Thread:
+    def serve(self, fds: Sequence[int], count: int, timeout_s: float) -> threading.Thread:
         """:meth:`hand_over` on a thread of its own, so this rank can go on to hear from its
         peers whether they got it (a peer that fails does so without connecting). Stop it with
         :meth:`close`."""
-        thread = threading.Thread(target=_quietly, args=(self.hand_over, fd, count, timeout_s),
+        thread = threading.Thread(target=_quietly, args=(self.hand_over, fds, count, timeout_s),
                                   name="omni-offload-hand-over", daemon=True)
         thread.start()
         return thread
@@ -224,17 +229,29 @@ def _quietly(fn, *args) -> None:
         fn(*args)
 
 
-def receive(address: str, key: bytes, timeout_s: float) -> int:
-    """A non-first rank's side: present the key, get the descriptor."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(address)
-        sock.sendall(key)
-        _msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
-    if len(fds) != 1:
-        raise SharedMemoryError("the host's first rank sent no descriptor (the key did not match)")
-    os.set_inheritable(fds[0], False)
-    return fds[0]
+def receive(address: str, key: bytes, count: int, timeout_s: float) -> list[int]:
+    """A non-first rank's side: present the key, get ``count`` descriptors."""
+    fds: list[int] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+            sock.sendall(key)
+            while len(fds) < count:
+                msg, got, _flags, _addr = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+                fds += got
+                if not msg:
+                    break
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        if len(fds) != count:
+            raise SharedMemoryError(f"the host's first rank sent {len(fds)} of {count} descriptors "
+                                    "(the key did not match, or it stopped)")
+        return fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
@@ -248,104 +265,151 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockSpans:
-    """Where each block of a ring sits in its shared file: ``(offset, nbytes)``, or None for a
-    block no rank of the host streams; the header's size comes first."""
+class CopyLayout:
+    """What a ring's shared copy holds: each block's bytes, or None for a block no rank of the
+    host streams, and how many ranks the header keeps a byte for."""
 
-    spans: tuple[tuple[int, int] | None, ...]
+    sizes: tuple[int | None, ...]
     ranks: int
-    nbytes: int
 
     @property
     def header_nbytes(self) -> int:
         """The header's pages: one byte per (block, rank), rounded up to a page."""
-        return _pages(max(len(self.spans) * self.ranks, 1))
+        return _pages(max(len(self.sizes) * self.ranks, 1))
 
-    @classmethod
-    def plan(cls, sizes: Sequence[int | None], ranks: int) -> BlockSpans:
-        """Blocks back to back after the header, each at a page boundary (so each is registered,
-        and punched, in whole pages of its own)."""
-        offset = _pages(max(len(sizes) * ranks, 1))
-        spans = []
-        for size in sizes:
-            if size is None:
-                spans.append(None)
-                continue
-            spans.append((offset, size))
-            offset += _pages(max(size, 1))
-        return cls(tuple(spans), ranks, max(offset, _PAGE))
+    @property
+    def nbytes(self) -> int:
+        """Host memory the copy takes: the header and every block, in whole pages."""
+        return self.header_nbytes + sum(_pages(max(s, 1)) for s in self.sizes if s is not None)
+
+    @property
+    def files(self) -> int:
+        """Descriptors a peer receives: the header's, then one per block the copy holds."""
+        return 1 + sum(s is not None for s in self.sizes)
 
 
 class SharedBlocks:
-    """One ring's blocks in a shared file, as seen from rank ``me`` (0 .. ranks - 1 on the host)."""
+    """One ring's blocks in shared files (a header and a file per block), as seen from rank
+    ``me`` (0 .. ranks - 1 on the host)."""
 
-    def __init__(self, segment: SharedSegment, layout: BlockSpans, me: int) -> None:
-        self.segment = segment
+    def __init__(self, header: SharedSegment, files: Sequence[SharedSegment | None], layout: CopyLayout,
+                 me: int) -> None:
+        self.header = header
+        self.files = list(files)
         self.layout = layout
         self.me = me
-        n, r = len(layout.spans), layout.ranks
-        self._flags = segment.tensor[: n * r].view(n, r)
+        n, r = len(layout.sizes), layout.ranks
+        self._flags = header.tensor[: n * r].view(n, r)
 
-    def init_header(self, users: Sequence[Sequence[int]]) -> None:
-        """The first rank, before anyone else maps the file: ``users[b]``, the host ranks that
-        stream block ``b`` from it."""
-        self._flags.zero_()
-        for b, who in enumerate(users):
-            for r in who:
-                self._flags[b, r] = 1
+    @classmethod
+    def create(cls, name: str, layout: CopyLayout, users: Sequence[Sequence[int]]) -> SharedBlocks:
+        """The host's first rank: new files, readable and writable by this user only, and the
+        header saying that ``users[b]`` (host ranks) stream block ``b``."""
+        made: list[SharedSegment] = []
+        try:
+            made.append(SharedSegment.create(f"{name}:header", layout.header_nbytes))
+            files = [None if size is None else SharedSegment.create(f"{name}:{b}", max(size, 1))
+                     for b, size in enumerate(layout.sizes)]
+            made += [f for f in files if f is not None]
+            blocks = cls(made[0], files, layout, 0)
+            blocks._flags.zero_()
+            for b, who in enumerate(users):
+                for r in who:
+                    blocks._flags[b, r] = 1
+            return blocks
+        except BaseException:
+            for segment in made:
+                segment.close()
+            raise
+
+    @classmethod
+    def open(cls, fds: Sequence[int], layout: CopyLayout, me: int) -> SharedBlocks:
+        """A peer: map the descriptors :meth:`fds` sent (this object owns them from here, and
+        closes them all if mapping fails)."""
+        made: list[SharedSegment] = []
+        try:
+            if len(fds) != layout.files:
+                raise SharedMemoryError(f"got {len(fds)} descriptors for a copy of {layout.files} files")
+            made.append(SharedSegment(fds[0], layout.header_nbytes))
+            files: list[SharedSegment | None] = []
+            for size in layout.sizes:
+                if size is not None:
+                    made.append(SharedSegment(fds[len(made)], max(size, 1)))
+                files.append(made[-1] if size is not None else None)
+            return cls(made[0], files, layout, me)
+        except BaseException:
+            for segment in made:
+                segment.close()
+            for fd in fds[len(made):]:
+                os.close(fd)
+            raise
+
+    def fds(self) -> list[int]:
+        """The descriptors to hand to a peer, in the order :meth:`open` maps them."""
+        return [self.header.fd] + [f.fd for f in self.files if f is not None]
 
     def view(self, block: int) -> torch.Tensor | None:
-        span = self.layout.spans[block]
-        return None if span is None else self.segment.tensor[span[0] : span[0] + span[1]]
+        file = self.files[block]
+        return None if file is None else file.tensor[: self.layout.sizes[block]]
+
+    def populate(self, block: int, view: torch.Tensor) -> None:
+        """Allocate the pages of ``view``, a range of :meth:`view` of ``block``."""
+        self.files[block].populate(view)
 
     def uses(self, block: int) -> bool:
         """Whether this rank streams ``block`` from the shared copy."""
-        return self.layout.spans[block] is not None and bool(self._flags[block, self.me])
+        return self.files[block] is not None and bool(self._flags[block, self.me])
 
     def leave(self, block: int) -> None:
         """This rank no longer reads ``block`` here (it has unregistered its pages); the last
         rank to leave gives the pages back."""
-        span = self.layout.spans[block]
-        if span is None or self.segment.fd < 0:
+        file = self.files[block]
+        if file is None or file.fd < 0:
             return
         with self._locked():
             if not self._flags[block, self.me]:
                 return
             self._flags[block, self.me] = 0
             if not bool(self._flags[block].any()):
-                self.segment.punch(span[0], _pages(span[1]))  # its pages are its own
+                file.punch(0, _pages(file.nbytes))
                 if not bool(self._flags.any()):  # no rank reads any block: the header goes too
-                    self.segment.punch(0, self.layout.header_nbytes)
+                    self.header.punch(0, self.header.nbytes)
 
     def leave_all(self) -> None:
-        for b in range(len(self.layout.spans)):
+        for b in range(len(self.files)):
             self.leave(b)
 
     def share_bytes(self) -> int:
         """This rank's share of the live copy: each block it streams from here, divided by the
         number of ranks that do."""
         share = 0.0
-        for b, span in enumerate(self.layout.spans):
-            if span is not None and self._flags[b, self.me]:
-                share += span[1] / int(self._flags[b].sum())
+        for b, size in enumerate(self.layout.sizes):
+            if size is not None and self._flags[b, self.me]:
+                share += size / int(self._flags[b].sum())
         return round(share)
 
     def live_bytes(self) -> int:
         """Bytes of the blocks some rank of the host still streams from the shared copy."""
-        return sum(span[1] for b, span in enumerate(self.layout.spans)
-                   if span is not None and bool(self._flags[b].any()))
+        return sum(size for b, size in enumerate(self.layout.sizes)
+                   if size is not None and bool(self._flags[b].any()))
+
+    def allocated_bytes(self) -> int:
+        """Host memory the files hold now (pages written and not given back)."""
+        return sum(f.allocated_bytes() for f in [self.header, *self.files] if f is not None and f.fd >= 0)
 
     def close(self) -> None:
-        """Leave every block, then close the descriptor. Idempotent."""
-        if self.segment.fd >= 0:
+        """Leave every block, then close the descriptors. Idempotent."""
+        if self.header.fd >= 0:
             self.leave_all()
-            self.segment.close()
+            for file in [*self.files, self.header]:
+                if file is not None:
+                    file.close()
 
     @contextlib.contextmanager
     def _locked(self):
-        header = len(self.layout.spans) * self.layout.ranks
-        fcntl.lockf(self.segment.fd, fcntl.LOCK_EX, header, 0)
+        header = len(self.layout.sizes) * self.layout.ranks
+        fcntl.lockf(self.header.fd, fcntl.LOCK_EX, header, 0)
         try:
             yield
         finally:
-            fcntl.lockf(self.segment.fd, fcntl.LOCK_UN, header, 0)
+            fcntl.lockf(self.header.fd, fcntl.LOCK_UN, header, 0)

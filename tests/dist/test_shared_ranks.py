@@ -13,6 +13,7 @@ import time
 import types
 from datetime import timedelta
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import torch
@@ -37,10 +38,10 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def _segments_mapped(ignore: int = -1) -> list[str]:
+def _segments_mapped(ignore: Sequence[int] = ()) -> list[str]:
     """This process's descriptors (but ``ignore``) and mappings of shared host copies."""
     gc.collect()
-    found = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if int(fd) != ignore
+    found = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if int(fd) not in ignore
              and os.path.exists(f"/proc/self/fd/{fd}") and "omni-offload" in os.readlink(f"/proc/self/fd/{fd}")]
     found += [line for line in Path("/proc/self/maps").read_text().splitlines() if "omni-offload" in line]
     return found
@@ -105,7 +106,7 @@ def memory_and_edits(rank: Rank) -> dict:
     handle = apply_offload(model, shared_config())
     ring = handle.rings[0]
     blocks = ring.transfer.blocks
-    out = {"pss": _pss_shmem() - before, "allocated": blocks.segment.allocated_bytes(),
+    out = {"pss": _pss_shmem() - before, "allocated": blocks.allocated_bytes(),
            "summary": handle.summary()[0], "equal": torch.equal(model(x), ref)}
     dist.barrier()
     # Rank 1 edits block 0 (as fusing an adapter does): it gets a copy of its own; rank 0 keeps
@@ -119,14 +120,15 @@ def memory_and_edits(rank: Rank) -> dict:
     out["edit_equal"] = torch.equal(model(x), edited(x))
     out["after_edit"] = handle.summary()[0]
     dist.barrier()
-    watch = os.dup(blocks.segment.fd)
+    watch = [os.dup(fd) for fd in blocks.fds()]
     handle.remove()
     del ring, blocks
     out["equal_after_remove"] = torch.equal(model(x), edited(x))
     out["left_after_remove"] = _segments_mapped(ignore=watch)
     dist.barrier()  # every rank has removed: every page went back to the host
-    out["allocated_at_end"] = os.fstat(watch).st_blocks * 512
-    os.close(watch)
+    out["allocated_at_end"] = sum(os.fstat(fd).st_blocks * 512 for fd in watch)
+    for fd in watch:
+        os.close(fd)
     return out
 
 
@@ -224,16 +226,16 @@ def all_killed(rank: Rank) -> None:
     handle = apply_offload(model, shared_config())
     with torch.no_grad():
         model(torch.randn(2, 64))
-    segment = handle.rings[0].transfer.blocks.segment
-    rank.report({"inode": os.fstat(segment.fd).st_ino, "mapped": len(_segments_mapped())})
+    fds = handle.rings[0].transfer.blocks.fds()
+    rank.report({"inodes": sorted(os.fstat(fd).st_ino for fd in fds), "mapped": len(_segments_mapped())})
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_sigkill_of_every_rank_leaves_no_shared_memory():
     results = run_ranks(all_killed, 2, broken_group=True)
-    inode = results[0]["inode"]
-    assert results[1]["inode"] == inode and results[0]["mapped"] > 0
+    inodes = set(results[0]["inodes"])
+    assert results[1]["inodes"] == results[0]["inodes"] and len(inodes) == 5 and results[0]["mapped"] > 0
     holders = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -243,7 +245,8 @@ def test_sigkill_of_every_rank_leaves_no_shared_memory():
             fds = [os.stat(fd).st_ino for fd in (proc / "fd").iterdir() if "memfd:omni-offload" in os.readlink(fd)]
         except OSError:
             continue
-        if any("omni-offload" in line and f" {inode} " in line for line in maps.splitlines()) or inode in fds:
+        if any("omni-offload" in line and int(line.split()[4]) in inodes for line in maps.splitlines()) \
+                or inodes & set(fds):
             holders.append(proc.name)
     assert holders == []
     assert "@omni-offload/" not in Path("/proc/net/unix").read_text()
@@ -281,12 +284,12 @@ def residency_and_storage(rank: Rank) -> dict:
     handle = apply_offload(model, shared_config(resident_blocks=[1, 4]))
     ring = handle.rings[0]
     out["fixed"] = handle.summary()[0]
-    out["fixed_allocated"] = ring.transfer.blocks.segment.allocated_bytes()
+    out["fixed_allocated"] = ring.transfer.blocks.allocated_bytes()
     dist.barrier()
     ring.apply_plan({0, 1, 4}, 2, settle=True)  # what the planner does after a measured forward
     dist.barrier()
     out["planned"] = handle.summary()[0]
-    out["planned_allocated"] = ring.transfer.blocks.segment.allocated_bytes()
+    out["planned_allocated"] = ring.transfer.blocks.allocated_bytes()
     out["equal"] = torch.equal(model(x), ref)
     dist.barrier()  # both have read their summaries before either releases the copy
     handle.remove()

@@ -4,6 +4,8 @@ dist/test_shared_ranks.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from omni_dist_offload import apply_offload
 from omni_dist_offload.apply import _owners
 from omni_dist_offload.sharedmem import (
-    BlockSpans,
+    CopyLayout,
     Offer,
     SharedBlocks,
     SharedMemoryError,
@@ -20,6 +22,7 @@ from omni_dist_offload.sharedmem import (
     receive,
     shared_memory_reason,
 )
+from omni_dist_offload.tools import hostfill
 from toys import ToyDiT
 
 pytestmark = pytest.mark.skipif(shared_memory_reason() is not None, reason=str(shared_memory_reason()))
@@ -40,15 +43,16 @@ def test_without_torchrun_streams_rank_local_and_says_why():
     handle.remove()
 
 
-def _hand_over(key: bytes | None, timeout_s: float) -> tuple[BaseException | None, int | BaseException]:
-    """Offer a file and collect it from a thread that presents ``key`` (None: the right one)."""
-    segment = SharedSegment.create("omni-offload:test", 8192)
+def _hand_over(key: bytes | None, timeout_s: float, files: int = 3) -> tuple[BaseException | None, list[int] | BaseException]:
+    """Offer ``files`` files and collect them from a thread that presents ``key`` (None: the
+    right one)."""
+    segments = [SharedSegment.create(f"omni-offload:test:{i}", 8192) for i in range(files)]
     offer = Offer("test", "dit")
-    got: list[int | BaseException] = []
+    got: list[list[int] | BaseException] = []
 
     def collect() -> None:
         try:
-            got.append(receive(offer.address, key if key is not None else offer.key, 5.0))
+            got.append(receive(offer.address, key if key is not None else offer.key, files, 5.0))
         except BaseException as exc:  # noqa: BLE001 - handed back to the test
             got.append(exc)
 
@@ -56,51 +60,84 @@ def _hand_over(key: bytes | None, timeout_s: float) -> tuple[BaseException | Non
     thread.start()
     error = None
     try:
-        offer.hand_over(segment.fd, 1, timeout_s)
+        offer.hand_over([s.fd for s in segments], 1, timeout_s)
     except BaseException as exc:  # noqa: BLE001 - handed back to the test
         error = exc
     finally:
         offer.close()
         thread.join()
-    if isinstance(got[0], int):
-        other = SharedSegment(got[0], 8192)
-        segment.tensor[4096:4100] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-        assert other.tensor[4096:4100].tolist() == [1, 2, 3, 4]  # the same memory, mapped twice
-        other.close()
-    segment.close()
+    if isinstance(got[0], list):
+        for i, (segment, fd) in enumerate(zip(segments, got[0], strict=True)):
+            other = SharedSegment(fd, 8192)
+            segment.tensor[4096:4100] = torch.tensor([1, 2, 3, i % 256], dtype=torch.uint8)
+            assert other.tensor[4096:4100].tolist() == [1, 2, 3, i % 256]  # the same memory, mapped twice
+            other.close()
+    for segment in segments:
+        segment.close()
     return error, got[0]
 
 
-def test_hand_over_gives_the_descriptor_to_the_key_only():
+def test_hand_over_gives_the_descriptors_to_the_key_only():
     error, got = _hand_over(None, 5.0)
-    assert error is None and isinstance(got, int)
+    assert error is None and len(got) == 3
+    # More descriptors than one message carries arrive all the same, in order.
+    error, got = _hand_over(None, 5.0, files=300)
+    assert error is None and len(got) == 300
     # A process without the key (it travels over the job's process group) is turned away.
     error, got = _hand_over(b"x" * 32, 0.5)
     assert isinstance(error, SharedMemoryError) and "did not collect" in str(error)
-    assert isinstance(got, BaseException)
+    assert isinstance(got, SharedMemoryError) and "sent 0 of 3" in str(got)
 
 
 def test_header_shares_and_the_last_rank_out_gives_pages_back():
-    spans = BlockSpans.plan([10_000, None, 5_000], ranks=2)
-    assert spans.spans[1] is None and all(s[0] % 4096 == 0 for s in spans.spans if s is not None)
-    segment = SharedSegment.create("omni-offload:test", spans.nbytes)
-    ranks = [SharedBlocks(segment, spans, 0), SharedBlocks(segment, spans, 1)]
-    ranks[0].init_header([(0, 1), (), (0,)])
-    segment.tensor.fill_(7)
-    ranks[0].init_header([(0, 1), (), (0,)])
+    layout = CopyLayout((10_000, None, 5_000), ranks=2)
+    assert layout.files == 3 and layout.nbytes == 4096 + 12_288 + 8192
+    first = SharedBlocks.create("omni-offload:test", layout, [(0, 1), (), (0,)])
+    other = SharedBlocks.open([os.dup(fd) for fd in first.fds()], layout, 1)
+    ranks = [first, other]
+    for b in (0, 2):
+        first.view(b).fill_(7)
+    assert other.view(0).sum().item() == 7 * 10_000 and other.view(1) is None  # one copy, two mappings
     assert ranks[0].share_bytes() == 5_000 + 5_000 and ranks[1].share_bytes() == 5_000
     assert ranks[0].live_bytes() == 15_000 and ranks[1].uses(0) and not ranks[1].uses(2)
-    full = segment.allocated_bytes()
+    full = first.allocated_bytes()
+    assert full == layout.nbytes
     ranks[1].leave(0)  # rank 0 still reads block 0: nothing goes
-    assert segment.allocated_bytes() == full and ranks[0].share_bytes() == 15_000
+    assert first.allocated_bytes() == full and ranks[0].share_bytes() == 15_000
     ranks[0].leave(0)  # the last reader of block 0: its pages go
-    assert segment.allocated_bytes() == full - 12_288 and ranks[0].live_bytes() == 5_000
+    assert first.allocated_bytes() == full - 12_288 and ranks[0].live_bytes() == 5_000
     ranks[0].leave_all()
-    assert segment.allocated_bytes() == 0  # the header too, once no rank reads anything
-    segment.close()
+    assert first.allocated_bytes() == 0  # the header too, once no rank reads anything
+    other.close()
+    first.close()
+    first.close()  # idempotent
+
+
+def test_a_peer_that_gets_the_wrong_files_closes_them_all():
+    layout = CopyLayout((10_000, 5_000), ranks=2)
+    first = SharedBlocks.create("omni-offload:test", layout, [(0, 1), (0, 1)])
+    fds = [os.dup(fd) for fd in first.fds()[:2]]
+    with pytest.raises(SharedMemoryError, match="got 2 descriptors for a copy of 3 files"):
+        SharedBlocks.open(fds, layout, 1)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    first.close()
 
 
 def test_blocks_split_evenly_by_bytes():
     owner = _owners([10, 10, None, 10, 30, 10], 2)
     load = [sum(s for s, o in zip([10, 10, 0, 10, 30, 10], owner) if o == r) for r in range(2)]
     assert owner[2] is None and load == [30, 40] or load == [40, 30]
+
+
+def test_hostfill_measures_each_kind_of_host_memory(capsys):
+    assert hostfill.main(["--gib", "0.03", "--procs", "2", "--threads", "2"]) == 0
+    facts, *rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "shmem_enabled" in facts
+    assert [(r["kind"], r["how"]) for r in rows] == [("private", "faults")] + [
+        (k, h) for k in ("shared-one-file", "shared-file-per-block") for h in ("faults", "populate", "fallocate")]
+    block = int(0.03 * 2**30) // 12 // 4096 * 4096
+    for r in rows:
+        assert r["gib"] == round(12 * block / 2**30, 3) and r["seconds"] > 0
+        assert (r["procs"], r["threads"]) == ((1, 4) if r["kind"] == "private" else (2, 2))
