@@ -13,7 +13,7 @@ job can find it.
 A file per block, not one for the copy: the kernel adds pages to a shared-memory file under that
 file's locks, so ranks and threads filling one file take turns where, filling a file each, they
 do not (on an H200 host whose shared memory comes in 4 KiB pages, two processes of four threads
-writing 8 GiB: 1.7-2.0 s into one file, 1.05-1.1 s into twelve). A block's pages also go back
+writing 8 GiB: 1.6-1.9 s into one file, 0.9-1.1 s into twelve; ``tools/hostfill.py``). A block's pages also go back
 to the host by emptying its file.
 
 The header holds one byte per (block, rank), 1 while that rank streams the block from the shared
