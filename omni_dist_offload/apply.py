@@ -956,12 +956,13 @@ def _undo_fill(pin: HostPinner, layouts: Sequence[BlockLayout], originals: Seque
 def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     """shared: whole blocks in the host copy the ranks of this host share. This rank writes its
     part of the blocks (an even split by bytes; with a source, read straight from the
-    checkpoint) and page-locks them as they are written; once every rank says its part is
-    written (a collective), it page-locks its mapping of the others' blocks: pages that exist
-    already only need mapping, where locking a page before its writer touched it would allocate
-    it here, contending with the writer. Between uses a block's tensors view the shared copy
-    (placeholders for 8-bit images); their original storage is returned for the caller to keep
-    until every rank has succeeded."""
+    checkpoint) and page-locks them as they are written. It page-locks its mapping of another
+    rank's block once the header says that block is written (checked after each block of its
+    own, and for the rest once every rank says its part is written, a collective): pages that
+    exist already only need mapping, where locking a page before its writer touched it would
+    allocate it here, contending with the writer. Between uses a block's tensors view the
+    shared copy (placeholders for 8-bit images); their original storage is returned for the
+    caller to keep until every rank has succeeded."""
     layouts, pin, shared = spec.layouts, setup.pin, spec.shared
     keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
     owner = _owners(shared.layout.sizes, shared.layout.ranks)
@@ -977,6 +978,13 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     pool = ThreadPoolExecutor(threads, thread_name_prefix="omni-offload-populate")
     ready = {i: [pool.submit(shared.populate, i, piece) for piece in shared.view(i).split(_POPULATE_PIECE)]
              for i in range(len(layouts)) if owner[i] == shared.me}
+    others: list[int] = []  # other ranks' blocks this rank streams, not yet handed to the pinner
+
+    def pin_written_others() -> None:
+        for i in [i for i in others if shared.written(i)]:
+            others.remove(i)
+            pin.pin_later(buffers[i], spec.component.name, layouts[i].name)
+
     try:
         for layout in layouts:
             i = layout.index
@@ -986,12 +994,15 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 for future in ready.pop(i):
                     future.result()
                 _write_image(spec, layout, view)
+                shared.mark_written(i)
             if i in keep:  # from this rank's own tensors: the copy may not hold the block yet
                 resident[i] = _device_copy(spec, layout, setup, view if owner[i] == shared.me else None)
             if not (i in keep and settled) and shared.uses(i):
                 buf = HostBuffer.wrap(view)
                 if owner[i] == shared.me:
                     pin.pin_later(buf, spec.component.name, layout.name)
+                else:
+                    others.append(i)
             buffers.append(buf)
             originals.append([e.tensor.data for e in layout.entries])
             if buf is None:
@@ -1005,6 +1016,8 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 bind(layout.entries, [e.view_in(resident[i]) for e in layout.entries])
             elif held is not None:
                 bind(layout.entries, held)
+            if owner[i] == shared.me:
+                pin_written_others()
             step(1)
     except BaseException as exc:  # noqa: BLE001 - told to the other ranks, then raised
         error = exc
@@ -1020,9 +1033,8 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
             raise error
         if failed:
             raise _agreed_failure(failed)
-        for i, buf in enumerate(buffers):
-            if buf is not None and owner[i] != shared.me:
-                pin.pin_later(buf, spec.component.name, layouts[i].name)
+        for i in others:  # written by now
+            pin.pin_later(buffers[i], spec.component.name, layouts[i].name)
         pin.wait()
         transfer = SharedTransfer(shared, buffers, [l.image_nbytes for l in layouts], setup.streams, setup.device,
                                   HostPinner(setup.pin.enabled, setup.pin.on_failure), spec.component.name,

@@ -17,7 +17,8 @@ writing 8 GiB: 1.6-1.9 s into one file, 0.9-1.1 s into twelve; ``tools/hostfill.
 to the host by emptying its file.
 
 The header holds one byte per (block, rank), 1 while that rank streams the block from the shared
-copy. A rank that stops using a block (it became resident there, the rank edited it and keeps a
+copy, and one per block that its writer sets once the block is filled, so the other ranks
+page-lock their mappings of it while they are still writing their own part. A rank that stops using a block (it became resident there, the rank edited it and keeps a
 copy of its own, or the rank released the ring) clears its byte under a lock on the header; the
 last one out empties the block's file (``fallocate PUNCH_HOLE``), so memory no rank uses goes
 back to the host at once.
@@ -274,8 +275,8 @@ class CopyLayout:
 
     @property
     def header_nbytes(self) -> int:
-        """The header's pages: one byte per (block, rank), rounded up to a page."""
-        return _pages(max(len(self.sizes) * self.ranks, 1))
+        """The header's pages: one byte per (block, rank) and one per block, rounded up to a page."""
+        return _pages(len(self.sizes) * (self.ranks + 1) or 1)
 
     @property
     def nbytes(self) -> int:
@@ -300,6 +301,7 @@ class SharedBlocks:
         self.me = me
         n, r = len(layout.sizes), layout.ranks
         self._flags = header.tensor[: n * r].view(n, r)
+        self._written = header.tensor[n * r : n * (r + 1)]
 
     @classmethod
     def create(cls, name: str, layout: CopyLayout, users: Sequence[Sequence[int]]) -> SharedBlocks:
@@ -355,6 +357,14 @@ class SharedBlocks:
     def populate(self, block: int, view: torch.Tensor) -> None:
         """Allocate the pages of ``view``, a range of :meth:`view` of ``block``."""
         self.files[block].populate(view)
+
+    def mark_written(self, block: int) -> None:
+        """Its writer has filled ``block``: the other ranks may page-lock it without allocating
+        its pages against the writer (a hint only; page-locking is correct at any time)."""
+        self._written[block] = 1
+
+    def written(self, block: int) -> bool:
+        return bool(self._written[block])
 
     def uses(self, block: int) -> bool:
         """Whether this rank streams ``block`` from the shared copy."""

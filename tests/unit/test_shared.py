@@ -91,7 +91,7 @@ def test_hand_over_gives_the_descriptors_to_the_key_only():
 
 def test_header_shares_and_the_last_rank_out_gives_pages_back():
     layout = CopyLayout((10_000, None, 5_000), ranks=2)
-    assert layout.files == 3 and layout.nbytes == 4096 + 12_288 + 8192
+    assert layout.files == 3 and layout.nbytes == 4096 + 12_288 + 8192 and layout.header_nbytes == 4096
     first = SharedBlocks.create("omni-offload:test", layout, [(0, 1), (), (0,)])
     other = SharedBlocks.open([os.dup(fd) for fd in first.fds()], layout, 1)
     ranks = [first, other]
@@ -100,6 +100,10 @@ def test_header_shares_and_the_last_rank_out_gives_pages_back():
     assert other.view(0).sum().item() == 7 * 10_000 and other.view(1) is None  # one copy, two mappings
     assert ranks[0].share_bytes() == 5_000 + 5_000 and ranks[1].share_bytes() == 5_000
     assert ranks[0].live_bytes() == 15_000 and ranks[1].uses(0) and not ranks[1].uses(2)
+    # The writer's "filled" byte reaches the other mapping, and is not a user's byte.
+    assert not other.written(2)
+    first.mark_written(2)
+    assert other.written(2) and not other.written(0) and not ranks[1].uses(2) and ranks[0].uses(2)
     full = first.allocated_bytes()
     assert full == layout.nbytes
     ranks[1].leave(0)  # rank 0 still reads block 0: nothing goes
