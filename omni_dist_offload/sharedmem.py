@@ -13,15 +13,15 @@ job can find it.
 A file per block, not one for the copy: the kernel adds pages to a shared-memory file under that
 file's locks, so ranks and threads filling one file take turns where, filling a file each, they
 do not (on an H200 host whose shared memory comes in 4 KiB pages, two processes of four threads
-writing 8 GiB: 1.6-1.9 s into one file, 0.9-1.1 s into twelve; ``tools/hostfill.py``). A block's pages also go back
-to the host by emptying its file.
+writing 8 GiB: 1.6-1.9 s into one file, 0.9-1.1 s into twelve; ``tools/hostfill.py``). A
+block's pages also go back to the host by emptying its file.
 
 The header holds one byte per (block, rank), 1 while that rank streams the block from the shared
 copy, and one per block that its writer sets once the block is filled, so the other ranks
-page-lock their mappings of it while they are still writing their own part. A rank that stops using a block (it became resident there, the rank edited it and keeps a
-copy of its own, or the rank released the ring) clears its byte under a lock on the header; the
-last one out empties the block's file (``fallocate PUNCH_HOLE``), so memory no rank uses goes
-back to the host at once.
+page-lock their mappings of it while they are still writing their own part. A rank that stops
+using a block (it became resident there, the rank edited it and keeps a copy of its own, or the
+rank released the ring) clears its byte under a lock on the header; the last one out empties the
+block's file (``fallocate PUNCH_HOLE``), so memory no rank uses goes back to the host at once.
 """
 
 from __future__ import annotations
@@ -310,9 +310,11 @@ class SharedBlocks:
         made: list[SharedSegment] = []
         try:
             made.append(SharedSegment.create(f"{name}:header", layout.header_nbytes))
-            files = [None if size is None else SharedSegment.create(f"{name}:{b}", max(size, 1))
-                     for b, size in enumerate(layout.sizes)]
-            made += [f for f in files if f is not None]
+            files: list[SharedSegment | None] = []
+            for b, size in enumerate(layout.sizes):
+                if size is not None:
+                    made.append(SharedSegment.create(f"{name}:{b}", max(size, 1)))
+                files.append(made[-1] if size is not None else None)
             blocks = cls(made[0], files, layout, 0)
             blocks._flags.zero_()
             for b, who in enumerate(users):
