@@ -27,13 +27,14 @@ import mmap
 import multiprocessing as mp
 import os
 import platform
+import queue
 import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
 from ..runtime.flags import positive_int
-from ..sharedmem import SharedSegment, shared_memory_reason
+from ..sharedmem import SharedSegment, available_host_bytes, shared_memory_reason
 
 _PIECE = 64 * 2**20
 _BLOCKS = 12
@@ -91,7 +92,7 @@ def _fill(rank: int, procs: int, threads: int, kind: str, how: str, files: list[
                 file.populate(file.tensor[off : off + n])
             ctypes.memmove(base + off, _address(source), n)
 
-    barrier.wait()
+    barrier.wait(timeout=120)
     start_s = time.perf_counter()
     pool = [threading.Thread(target=worker) for _ in range(threads)]
     for t in pool:
@@ -111,15 +112,26 @@ def measure(kind: str, how: str, gib: float, procs: int, threads: int) -> dict:
         files = [SharedSegment.create(f"omni-offload:hostfill:{b}", block_bytes) for b in range(_BLOCKS)]
     ctx = mp.get_context("fork")  # the children inherit the files' mappings
     barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers: list = []
     try:
         workers = [ctx.Process(target=_fill, args=(r, procs, threads, kind, how, files, block_bytes, barrier, results))
                    for r in range(procs)]
         for w in workers:
             w.start()
-        done = [results.get(timeout=600) for _ in workers]
+        done = []
+        while len(done) < procs:
+            try:
+                done.append(results.get(timeout=0.5))
+            except queue.Empty:
+                if dead := [w.exitcode for w in workers if w.exitcode not in (None, 0)]:
+                    raise RuntimeError(f"a filling process ended with exit code {dead[0]}") from None
         for w in workers:
             w.join()
     finally:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+                w.join()
         for f in files:
             f.close()
     seconds, nbytes = max(d[0] for d in done), sum(d[1] for d in done)
@@ -143,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gib <= 0:
         raise SystemExit(f"--gib must be above 0, got {args.gib}")
+    free = available_host_bytes()
+    if free is not None and args.gib * 2**30 > 0.9 * free:
+        raise SystemExit(f"--gib {args.gib:g} is more than 90% of the {free / 2**30:.1f} GiB of host memory "
+                         "available; ask for less")
     if any(k.startswith("shared") for k in args.kinds) and (reason := shared_memory_reason()):
         raise SystemExit(f"cannot measure shared memory here: {reason}")
     print(json.dumps(host_facts()), flush=True)

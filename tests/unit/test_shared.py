@@ -145,3 +145,10 @@ def test_hostfill_measures_each_kind_of_host_memory(capsys):
     for r in rows:
         assert r["gib"] == round(12 * block / 2**30, 3) and r["seconds"] > 0
         assert (r["procs"], r["threads"]) == ((1, 4) if r["kind"] == "private" else (2, 2))
+
+
+def test_hostfill_refuses_more_memory_than_the_host_has():
+    with pytest.raises(SystemExit, match="more than 90% of the"):
+        hostfill.main(["--gib", str(2**20)])
+    with pytest.raises(SystemExit, match="must be above 0"):
+        hostfill.main(["--gib", "0"])
