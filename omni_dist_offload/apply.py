@@ -47,7 +47,8 @@ from .tenants import BlockWatch
 from .trace import trace_enabled
 from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
-from .sharedmem import CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive
+from .sharedmem import (CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive,
+                        small_pages_note)
 from .transfer.casting import CastingTransfer
 from .transfer.groups import ComponentFacts, GroupSession, HostRanks, WeightGroup
 from .transfer.shared import SharedTransfer
@@ -1120,6 +1121,8 @@ def _log_summary(handle: OffloadHandle) -> None:
             f"; blocks {row.resident_blocks} resident ({row.resident_bytes / 2**20:.1f} MiB)"
             if row.resident_blocks else "",
         )
+    if any(row.weight_transfer == "shared" for row in handle.summary_rows()) and (note := small_pages_note()):
+        logger.info("%s", note)
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["CopyLayout", "Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
-           "job_name", "receive", "shared_memory_reason"]
+           "job_name", "receive", "shared_memory_reason", "small_pages_note"]
 
 _PAGE = 4096
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -67,6 +67,29 @@ def shared_memory_reason() -> str | None:
     if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
         return "this Python has no os.memfd_create or socket.send_fds"
     return None
+
+
+_THP = "/sys/kernel/mm/transparent_hugepage"
+
+
+def small_pages_note(thp: str = _THP) -> str | None:
+    """A line saying why a shared copy fills slower than rank-local host buffers here, when this
+    host keeps shared memory in 4 KiB pages (``shmem_enabled`` ``never`` or ``deny``, and no
+    2 MiB setting of its own); None when it can have huge pages or the setting cannot be read."""
+    def chosen(path: str) -> str | None:
+        with contextlib.suppress(OSError):
+            found = re.search(r"\[(\w+(?:_\w+)*)\]", open(path).read())
+            return found.group(1) if found else None
+        return None
+
+    top = chosen(f"{thp}/shmem_enabled")
+    pmd = chosen(f"{thp}/hugepages-2048kB/shmem_enabled")
+    mode = top if top == "deny" or pmd in (None, "inherit") else pmd
+    if mode not in ("never", "deny"):
+        return None
+    return (f"this host keeps shared memory in 4 KiB pages ({thp}/shmem_enabled: {top}), so a shared "
+            "host copy fills and page-locks slower than rank-local buffers, which get 2 MiB pages; "
+            "with 'advise' it gets huge pages too")
 
 
 def job_name() -> str:

@@ -21,6 +21,7 @@ from omni_dist_offload.sharedmem import (
     SharedSegment,
     receive,
     shared_memory_reason,
+    small_pages_note,
 )
 from omni_dist_offload.tools import hostfill
 from toys import ToyDiT
@@ -152,3 +153,23 @@ def test_hostfill_refuses_more_memory_than_the_host_has():
         hostfill.main(["--gib", str(2**20)])
     with pytest.raises(SystemExit, match="must be above 0"):
         hostfill.main(["--gib", "0"])
+
+
+@pytest.mark.parametrize(("top", "pmd", "small"), [
+    ("always within_size advise [never] deny force", None, True),
+    ("always within_size advise never [deny] force", "always inherit within_size [advise] never", True),
+    ("always within_size [advise] never deny force", None, False),
+    ("always within_size advise [never] deny force", "always inherit within_size [advise] never", False),
+    ("always within_size advise [never] deny force", "always [inherit] within_size advise never", True),
+    (None, None, False),  # not readable: nothing said
+])
+def test_a_host_with_small_shared_pages_is_named(tmp_path, top, pmd, small):
+    if top is not None:
+        (tmp_path / "shmem_enabled").write_text(top + "\n")
+    if pmd is not None:
+        (tmp_path / "hugepages-2048kB").mkdir()
+        (tmp_path / "hugepages-2048kB" / "shmem_enabled").write_text(pmd + "\n")
+    note = small_pages_note(str(tmp_path))
+    assert (note is not None) == small
+    if small:
+        assert "4 KiB pages" in note and "'advise'" in note and "shmem_enabled: " in note
