@@ -62,8 +62,9 @@ def _fill(rank: int, procs: int, threads: int, kind: str, how: str, files: list[
           block_bytes: int, barrier, results) -> None:
     """One process: write its blocks (every ``procs``-th), ``threads`` threads taking pieces.
     The calls that do the work (``memmove``, ``madvise``, ``fallocate``) let go of the GIL."""
-    source = mmap.mmap(-1, _PIECE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    source.write(os.urandom(2**20) * (_PIECE // 2**20))
+    piece = min(_PIECE, block_bytes)
+    source = mmap.mmap(-1, piece, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    source.write((os.urandom(2**20) * -(-piece // 2**20))[:piece])
     private = []
     work = []  # (shared file or None, base address, offset in the file, bytes)
     for b in range(rank, _BLOCKS, procs):
@@ -76,7 +77,7 @@ def _fill(rank: int, procs: int, threads: int, kind: str, how: str, files: list[
             file = files[0] if kind == "shared-one-file" else files[b]
             start = b * block_bytes if kind == "shared-one-file" else 0
             base = file.tensor.data_ptr()
-        work += [(file, base, start + off, min(_PIECE, block_bytes - off)) for off in range(0, block_bytes, _PIECE)]
+        work += [(file, base, start + off, min(piece, block_bytes - off)) for off in range(0, block_bytes, piece)]
     lock, pieces = threading.Lock(), iter(work)
 
     def worker() -> None:
