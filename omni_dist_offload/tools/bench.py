@@ -25,6 +25,13 @@ one preset at one block count and one input shape; per case, in one process, the
   streams rank-local with ``storage_dtype`` (once per budget with ``--budget``), ``fp8-allgather``
   with allgather. Both are compared bitwise with ``fp8-resident`` and reported as a ratio to it.
 
+**Context parallelism.** ``--ulysses-degree N`` / ``--ring-degree N`` (under torchrun) split
+each forward's sequence across groups of ``N`` ranks with diffusers' own context parallelism
+(:mod:`omni_dist_offload.loading.parallel`), for the resident model and every streamed variant
+alike: ratios are to the context-parallel resident model, with each rank's peak device memory
+and host memory beside it. The peer and ``--stagger`` do not run so (every rank of a group
+must run the same input).
+
 **Denoising loops.** ``--steps N`` times N steps of a plain Euler loop (the latents move by
 the model's output, the timestep falls) instead of one forward; ``--cache SPEC`` (as
 ``omni-offload --cache``, e.g. ``first-block:0.1``) enables a step cache on the DiT, resets its
@@ -64,6 +71,8 @@ block). Only rank 0 prints and writes.
     omni-offload bench --preset wan-14b --blocks 8 --frames 81 17 --json wan14b.json --png wan14b.png
     omni-offload bench --preset flux-12b --blocks 19 --px 1024 512 --timeline flux-timeline.png
     NGPU=2 launch/bench.sh --preset flux-12b --blocks 19 --px 1024     # torchrun, allgather too
+    NGPU=2 launch/bench.sh --preset wan-14b --blocks 8 --frames 81 --height 720 --width 1280 \
+        --ulysses-degree 2 --variants rank-local allgather           # context parallel, both split
     omni-offload bench --preset tiny-wan --frames 5 --height 32 --width 32 --png out.png  # CPU
     omni-offload bench --preset wan-14b --blocks 8 --frames 81 --steps 10 --cache first-block:0.1 \
         --variants rank-local                                            # a step cache
@@ -98,6 +107,7 @@ from ..hostmem import HostBuffer
 from ..layout import layout_block
 from ..loading.adapters import AdapterError, CacheSpec, enable_cache
 from ..loading.compiling import compile_dits, compile_seconds, uncompile
+from ..loading.parallel import ContextParallel, ContextParallelError, check_ranks, enable_context_parallel
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
 from ..residency import format_bytes, min_budget, parse_bytes
@@ -249,6 +259,9 @@ class BenchOptions:
     """A step cache on the DiT for every variant (with ``steps``)."""
     computed_steps: int | None = None
     """Set by the run: steps of the resident reference loop that ran the last block."""
+    context_parallel: ContextParallel | None = None
+    """Split every forward across groups of ranks (diffusers' context parallelism), for
+    resident and streamed variants alike."""
 
 
 #: The attention projections a ``--lora`` adapter targets (diffusers' names, Wan and Flux).
@@ -650,6 +663,8 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         add_lora(model, opts.lora, opts.lora_fused)
     if opts.cache is not None:
         enable_cache(model, opts.cache)
+    if opts.context_parallel is not None:  # before any variant: streaming composes with it
+        enable_context_parallel(model, opts.context_parallel, opts.device)
     inputs = case_inputs(preset, model, shape, opts.device, opts.dtype)
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
     block_modules = [m for _, m in component.blocks]
@@ -897,8 +912,9 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="instead of model cases, time moving one block of this size (CUDA)")
     p.add_argument("--chunk-mib", type=float, nargs="+", default=[16, 32, 64, 128, 0],
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
-                   help="offloaded variants beside resident (allgather runs only under torchrun)")
+    p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
+                   help="offloaded variants beside resident (allgather runs only under torchrun; default: "
+                   f"{' '.join(DEFAULT_VARIANTS)}, without peer under context parallelism)")
     p.add_argument("--budget", nargs="+", default=None, metavar="BUDGET",
                    help="run each of our variants once per device budget: a percentage of the block "
                    "bytes (0 25 50 60 75 100; below two slots of the largest block runs at that "
@@ -917,6 +933,11 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
     p.add_argument("--stagger", action="store_true",
                    help="under torchrun: rank r runs the (k + r)-th shape while rank 0 runs the k-th, and every "
                    "rank's figures are reported (ranks running different work side by side)")
+    p.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
+                   help="under torchrun: split each forward over N ranks with Ulysses attention (diffusers' "
+                   "context parallelism), resident and streamed alike")
+    p.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
+                   help="the same with ring attention (needs a flash, cuDNN or sage attention backend)")
     p.add_argument("--warmup", type=non_negative_int, default=2,
                    help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
@@ -942,6 +963,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") ->
         return 2
     ctx = maybe_init_dist()
     try:
+        if args.context_parallel is not None:
+            try:
+                check_ranks(args.context_parallel)
+            except ContextParallelError as exc:
+                if ctx.rank == 0:
+                    print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+                return 2
         return _run(args, ctx.device, ctx.world_size, ctx.rank, argv)
     finally:
         destroy_dist(ctx)
@@ -984,6 +1012,23 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchUsageError("--steps and --cache run model cases; leave out --transfer-mib")
     if args.budgets and args.transfer_mib is not None:
         raise BenchUsageError("--budget runs model cases; leave out --transfer-mib")
+    try:
+        args.context_parallel = ContextParallel.parse({"ulysses_degree": args.ulysses_degree,
+                                                       "ring_degree": args.ring_degree})
+    except ContextParallelError as exc:
+        raise BenchUsageError(str(exc)) from None
+    if args.variants is None:
+        args.variants = [v for v in DEFAULT_VARIANTS if v != "peer" or args.context_parallel is None]
+    if args.context_parallel is not None:
+        flag = "--ulysses-degree/--ring-degree"
+        if args.transfer_mib is not None:
+            raise BenchUsageError(f"{flag} split model cases; leave out --transfer-mib")
+        if args.stagger:
+            raise BenchUsageError(f"{flag} split one input across ranks, and --stagger gives each rank its "
+                                  "own: leave out one of them")
+        if "peer" in args.variants:
+            raise BenchUsageError(f"{flag}: the peer (diffusers group offloading) does not run context "
+                                  "parallel here; leave it out of --variants")
     preset = PRESETS[args.preset]
     if preset.video and any(d % 16 for d in (args.height, args.width)):
         raise BenchUsageError(f"--height {args.height} --width {args.width}: both must be multiples "
@@ -1008,7 +1053,8 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
     opts = BenchOptions(device=device, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
                         bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets,
                         memory_fraction=args.memory_fraction, lora=args.lora, lora_fused=args.lora_fused,
-                        steps=args.steps, cache=args.cache_spec, stagger=args.stagger and world > 1)
+                        steps=args.steps, cache=args.cache_spec, stagger=args.stagger and world > 1,
+                        context_parallel=args.context_parallel)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []
@@ -1047,6 +1093,9 @@ def _emit(text: str, meta: dict, results: list[Any], trace: dict | None, args: a
     print(text)
     if bandwidth:
         print(f"pinned H2D: {bandwidth / 1e9:.1f} GB/s; world size {world}")
+    if cp := meta.get("context_parallel"):
+        print(f"context parallel: ulysses {cp['ulysses_degree']} x ring {cp['ring_degree']}, {cp['groups']} "
+              "group(s); every ratio is to the context-parallel resident model")
     if args.json:
         payload: dict[str, Any] = {"meta": meta, "results": results}
         if trace is not None:
@@ -1066,6 +1115,8 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world, args.budgets),
             "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
+            "context_parallel": None if args.context_parallel is None else {
+                **args.context_parallel.to_dict(), "groups": world // args.context_parallel.size},
             "lora": None if args.lora is None else {"rank": args.lora, "fused": args.lora_fused,
                                                     "targets": list(LORA_TARGETS)},
             "peer": {"offload_type": "block_level", "num_blocks_per_group": 1,

@@ -128,3 +128,40 @@ def test_two_groups_of_two(world):
     assert [r["cp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(r["equal"] and r["own_group"] for r in results)
     assert [r["weight_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+# -- the benchmark, split ----------------------------------------------------------------------
+def bench_split(rank: Rank, out: str) -> list:
+    import contextlib
+    import io
+
+    from omni_dist_offload.tools import bench
+
+    split = []
+    enable = bench.enable_context_parallel
+    bench.enable_context_parallel = lambda model, *a: split.append(enable(model, *a).cp_size)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32",
+                         "--ulysses-degree", "2", "--variants", "rank-local", "allgather", "--warmup", "0",
+                         "--repeats", "1", "--json", out])
+    return [rc, printed.getvalue(), split]
+
+
+def test_bench_splits_resident_and_streamed_alike(tmp_path) -> None:
+    """``bench --ulysses-degree 2``: the resident model and both streamed variants split over the
+    two ranks; streamed equal to the split resident model, ratios to it, one table from rank 0."""
+    import json
+
+    out = tmp_path / "cp.json"
+    (rc0, text0, split0), (rc1, text1, split1) = run_ranks(bench_split, 2, args=(str(out),), broken_group=True)
+    assert (rc0, rc1) == (0, 0) and text1 == ""
+    assert split0 == split1 == [2]  # the case's model split over both ranks, once
+    assert "context parallel: ulysses 2 x ring 1, 1 group(s)" in text0
+    data = json.loads(out.read_text())
+    assert data["meta"]["context_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "groups": 1}
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"resident", "rank-local", "allgather"}  # no peer under context parallelism
+    assert all(r["bitwise_equal"] for r in rows.values())
+    assert rows["allgather"]["weight_transfer"] == "allgather"
+    assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]

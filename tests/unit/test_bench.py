@@ -213,3 +213,14 @@ def test_a_cached_denoising_loop_streams_bitwise_equal_and_reports_the_steps_it_
     assert all(1 <= r["computed_steps"] < 8 for r in data["results"])  # the cache skipped steps
     assert all(r["bitwise_equal"] for r in data["results"])
     assert all(r["floor_ms"] == data["results"][0]["forward_ms"] for r in data["results"])  # the resident loop
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ulysses-degree", "2", "--variants", "peer", "rank-local"], "the peer (diffusers group offloading) does not run"),
+    (["--ulysses-degree", "2", "--stagger"], "leave out one of them"),
+    (["--ulysses-degree", "0"], "is not a positive integer"),
+    (["--ulysses-degree", "2"], "needs torch.distributed"),  # one process: no ranks to split over
+])
+def test_context_parallel_flags_are_checked_before_any_model(flags, message, capsys):
+    assert bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", *flags]) == 2
+    assert message in capsys.readouterr().err
