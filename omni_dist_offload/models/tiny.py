@@ -245,25 +245,19 @@ def tiny_flux_transformer(
     return cast_like_pretrained(model, dtype)
 
 
+def _t5_kwargs(num_layers: int) -> dict:
+    """The tiny T5 and UMT5 encoders' config (the two classes take the same keys)."""
+    return dict(vocab_size=TINY_VOCAB_SIZE, d_model=TINY_TEXT_DIM, d_kv=8, d_ff=64, num_layers=num_layers,
+                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+                decoder_start_token_id=0)
+
+
 def tiny_umt5_encoder(
     num_layers: int = 3, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> UMT5EncoderModel:
     """UMT5 encoder (Wan's text encoder), hidden size ``TINY_TEXT_DIM``; pairs with ``tiny_t5_tokenizer``."""
-    config = UMT5Config(
-        vocab_size=TINY_VOCAB_SIZE,
-        d_model=TINY_TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=num_layers,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
+    config = UMT5Config(**_t5_kwargs(num_layers))
     with _seeded(seed):
         model = UMT5EncoderModel(config)
     return cast_like_pretrained(model, dtype)
@@ -276,21 +270,7 @@ def tiny_t5_encoder(
 
     Pairs with ``tiny_t5_tokenizer``.
     """
-    config = T5Config(
-        vocab_size=TINY_VOCAB_SIZE,
-        d_model=TINY_TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=num_layers,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
+    config = T5Config(**_t5_kwargs(num_layers))
     with _seeded(seed):
         model = T5EncoderModel(config)
     return cast_like_pretrained(model, dtype)
