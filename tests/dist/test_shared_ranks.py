@@ -23,6 +23,7 @@ import tiny_models as tiny
 from faults import failing_pin
 from omni_dist_offload import OffloadConfigError, apply_offload
 from omni_dist_offload import apply as apply_mod
+from omni_dist_offload.hostmem import HostPinner
 from ranks import Rank, run_ranks
 from toys import ToyDiT, assert_same, snapshot
 
@@ -103,11 +104,19 @@ def memory_and_edits(rank: Rank) -> dict:
     x = torch.randn(2, 512)
     ref = model(x)
     before = _pss_shmem()
-    handle = apply_offload(model, shared_config())
+    handed = []  # every block this rank streams goes to its page-locker once: its own and the others'
+    pin_later = HostPinner.pin_later
+    HostPinner.pin_later = lambda self, buf, component, block: (handed.append(block),
+                                                                pin_later(self, buf, component, block))
+    try:
+        handle = apply_offload(model, shared_config())
+    finally:
+        HostPinner.pin_later = pin_later
     ring = handle.rings[0]
     blocks = ring.transfer.blocks
     out = {"pss": _pss_shmem() - before, "allocated": blocks.allocated_bytes(),
-           "summary": handle.summary()[0], "equal": torch.equal(model(x), ref)}
+           "summary": handle.summary()[0], "equal": torch.equal(model(x), ref), "handed": sorted(handed),
+           "written": [blocks.written(i) for i in range(8)]}
     dist.barrier()
     # Rank 1 edits block 0 (as fusing an adapter does): it gets a copy of its own; rank 0 keeps
     # reading the shared one, unchanged.
@@ -134,6 +143,9 @@ def memory_and_edits(rank: Rank) -> dict:
 
 def test_host_memory_once_per_host_and_edits_stay_on_their_rank():
     results = run_ranks(memory_and_edits, 2)
+    for r in results:  # each block marked filled by its writer, and page-locked once by each rank
+        assert r["written"] == [True] * 8
+        assert r["handed"] == sorted(f"blocks.{i}" for i in range(8)), r["handed"]
     copy = results[0]["summary"]["shared_host_bytes"]
     block_bytes = results[0]["summary"]["block_bytes"]
     assert block_bytes <= copy <= block_bytes + 8 * 4096

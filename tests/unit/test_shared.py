@@ -173,3 +173,18 @@ def test_a_host_with_small_shared_pages_is_named(tmp_path, top, pmd, small):
     assert (note is not None) == small
     if small:
         assert "4 KiB pages" in note and "'advise'" in note and "shmem_enabled: " in note
+
+
+def test_a_copy_that_cannot_be_made_whole_leaves_no_file(monkeypatch):
+    create, made = SharedSegment.create, []
+
+    def third_fails(name: str, nbytes: int) -> SharedSegment:
+        if len(made) == 2:
+            raise OSError(24, "Too many open files")
+        made.append(create(name, nbytes))
+        return made[-1]
+
+    monkeypatch.setattr(SharedSegment, "create", staticmethod(third_fails))
+    with pytest.raises(OSError, match="Too many open files"):
+        SharedBlocks.create("omni-offload:test", CopyLayout((4096, None, 4096, 4096), ranks=2), [(0,), (), (0,), (0,)])
+    assert len(made) == 2 and all(segment.fd == -1 for segment in made)  # the header and block 0, closed
