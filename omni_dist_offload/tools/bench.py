@@ -62,9 +62,9 @@ bytes over its link). The floor of a variant is the resident forward with every 
 replaced by that maximum; on the CPU (no bandwidth) it is the resident time.
 
 Reported per variant: forward time, overhead (/ resident), floor, forward / floor, peak device
-memory, host bytes per rank, setup time, and whether the output is bitwise equal to resident
-(the peer's equality is reported, not required; the exit status is 1 if a variant of this
-project differs). Output: a table on stdout, ``--json``, ``--png`` (overhead per case and
+memory and host bytes per rank (rank 0's in the table; under torchrun every rank's in the JSON),
+setup time, and whether the output is bitwise equal to resident (the peer's equality is
+reported, not required; the exit status is 1 if a variant of this project differs). Output: a table on stdout, ``--json``, ``--png`` (overhead per case and
 variant) and ``--timeline`` (one traced forward of the first case, compute and copy lanes per
 block). Only rank 0 prints and writes.
 
@@ -186,6 +186,11 @@ class CaseResult:
     of them without ``--cache``); every variant's output is compared bitwise with that loop's."""
     rank: int | None = None
     """``--stagger``: the rank whose figures these are; None: the slowest rank's."""
+    peak_device_mib_ranks: list[float] | None = None
+    """Under torchrun (not ``--stagger``): every rank's ``peak_device_mib``, by rank (the table's
+    column is rank 0's)."""
+    host_mib_ranks: list[float] | None = None
+    """Under torchrun (not ``--stagger``): every rank's ``host_mib``, by rank."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -740,6 +745,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
     medians = {v: statistics.median(ts) for v, ts in pooled.items()}
     if not opts.stagger:
         medians = _slowest_rank(medians, opts.world)
+    memory = _every_rank({v: (max(p.peak_mib for p in ps), ps[0].host_bytes / 2**20) for v, ps in passes.items()},
+                         opts.world if not opts.stagger else 1)
     res_ms = medians[RESIDENT]
     compiled_ms = medians.get("compiled")
     fp8_ms = medians.get("fp8-resident")
@@ -771,8 +778,19 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             compile_s=max(p.compile_s for p in ps),
             vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
             vs_fp8=ms / fp8_ms if variant.startswith(("fp8-streamed", "fp8-allgather")) and fp8_ms else None,
-            computed_steps=opts.computed_steps))
+            computed_steps=opts.computed_steps,
+            peak_device_mib_ranks=[m[variant][0] for m in memory] if memory else None,
+            host_mib_ranks=[m[variant][1] for m in memory] if memory else None))
     return out
+
+
+def _every_rank(figures: dict[str, Any], world: int) -> list[dict[str, Any]] | None:
+    """``figures`` from every rank, by rank; None with one rank."""
+    if world == 1:
+        return None
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, figures)
+    return gathered
 
 
 def _slowest_rank(medians: dict[str, float], world: int) -> dict[str, float]:

@@ -165,3 +165,6 @@ def test_bench_splits_resident_and_streamed_alike(tmp_path) -> None:
     assert all(r["bitwise_equal"] for r in rows.values())
     assert rows["allgather"]["weight_transfer"] == "allgather"
     assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]
+    for row in rows.values():  # each rank's memory beside rank 0's
+        assert len(row["peak_device_mib_ranks"]) == 2 and row["host_mib_ranks"][0] == row["host_mib"]
+    assert sum(rows["allgather"]["host_mib_ranks"]) < rows["rank-local"]["host_mib"] * 1.1  # one copy in shards
