@@ -379,7 +379,6 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     ms = statistics.median(_time(lambda: dst.copy_(src, non_blocking=True), device, 2, 5))
-    del src, dst
     return nbytes / (ms / 1e3)
 
 
@@ -721,7 +720,9 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     for r in results:  # the compiled reference compiled the blocks first: that is their compile time
         if r.variant.split("@")[0] in _COMPILED:
             r.compile_s = max(r.compile_s, first_compile)
-    del model, inputs, reference, references
+    # Let go of the case's tensors before emptying the cache (the forward's closure holds the
+    # model and inputs, so the names are cleared rather than deleted).
+    model = inputs = reference = references = None
     _empty(opts.device)
     return CaseRun(results, trace)
 
