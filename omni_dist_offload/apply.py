@@ -1109,7 +1109,8 @@ def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
 
 def _log_summary(handle: OffloadHandle) -> None:
     """One line per decision; the front-ends' log filter decides which ranks show."""
-    for row in handle.summary_rows():
+    rows = handle.summary_rows()
+    for row in rows:
         if row.fallback_reason is not None:
             logger.warning("%s: %s not used, streaming rank-local instead: %s", row.component,
                            handle.config.options_for(row.category).weight_transfer, row.fallback_reason)
@@ -1121,7 +1122,7 @@ def _log_summary(handle: OffloadHandle) -> None:
             f"; blocks {row.resident_blocks} resident ({row.resident_bytes / 2**20:.1f} MiB)"
             if row.resident_blocks else "",
         )
-    if any(row.weight_transfer == "shared" for row in handle.summary_rows()) and (note := small_pages_note()):
+    if any(row.weight_transfer == "shared" for row in rows) and (note := small_pages_note()):
         logger.info("%s", note)
 
 

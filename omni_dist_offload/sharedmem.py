@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -78,7 +79,7 @@ def small_pages_note(thp: str = _THP) -> str | None:
     2 MiB setting of its own); None when it can have huge pages or the setting cannot be read."""
     def chosen(path: str) -> str | None:
         with contextlib.suppress(OSError):
-            found = re.search(r"\[(\w+(?:_\w+)*)\]", open(path).read())
+            found = re.search(r"\[(\w+)\]", Path(path).read_text())
             return found.group(1) if found else None
         return None
 

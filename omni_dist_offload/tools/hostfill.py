@@ -107,14 +107,15 @@ def measure(kind: str, how: str, gib: float, procs: int, threads: int) -> dict:
     """One row: ``procs`` x ``threads`` filling ``gib`` GiB of ``kind`` memory."""
     block_bytes = max(int(gib * 2**30) // _BLOCKS // 4096 * 4096, 4096)
     files: list[SharedSegment] = []
-    if kind == "shared-one-file":
-        files = [SharedSegment.create("omni-offload:hostfill", block_bytes * _BLOCKS)]
-    elif kind == "shared-file-per-block":
-        files = [SharedSegment.create(f"omni-offload:hostfill:{b}", block_bytes) for b in range(_BLOCKS)]
     ctx = mp.get_context("fork")  # the children inherit the files' mappings
     barrier, results = ctx.Barrier(procs), ctx.Queue()
     workers: list = []
     try:
+        if kind == "shared-one-file":
+            files.append(SharedSegment.create("omni-offload:hostfill", block_bytes * _BLOCKS))
+        elif kind == "shared-file-per-block":
+            for b in range(_BLOCKS):
+                files.append(SharedSegment.create(f"omni-offload:hostfill:{b}", block_bytes))
         workers = [ctx.Process(target=_fill, args=(r, procs, threads, kind, how, files, block_bytes, barrier, results))
                    for r in range(procs)]
         for w in workers:
