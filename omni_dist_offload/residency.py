@@ -99,7 +99,7 @@ class RingCosts:
     cuts: tuple[tuple[int, ...], ...] | None = None
     """Per block, the byte counts of a leading part it can keep on the device while the rest
     streams (a block splits between two of its tensors), ascending, each above 0 and below the
-    block's slot bytes. None: blocks stay resident or stream whole (allgather rings)."""
+    block's slot bytes. None: blocks stay resident or stream whole (rings of 8-bit images)."""
     through_slots: bool = False
     """Every block runs from a slot, those kept on the device too (a ring of 8-bit images,
     whose kept blocks are upcast into a slot when they run): the slots are needed whatever the

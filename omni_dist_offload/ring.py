@@ -503,7 +503,9 @@ class BlockRing:
                     _keep_in(entry.name, entry.tensor, view)
                 if slot is not None:
                     self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
-                    if i in self._kept:  # the host copy is whole: it holds the kept part's edit too
+                    if i in self._kept and self.transfer.gather is None:
+                        # A rank-local host copy is whole: it holds the kept part's edit too
+                        # (under a gather, the kept part has no host copy).
                         self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
                 elif self.transfer.has_host_copy(i):
                     # Resident under a plan that is not final yet: a later plan may stream it
@@ -566,11 +568,18 @@ class BlockRing:
 
     def cuts(self) -> tuple[tuple[int, ...], ...] | None:
         """Per block, where it can split into a kept part and a streamed one (the offsets of its
-        second to last tensors), for the planner; None for a transfer that moves whole blocks
-        only (a gather: shards are cut from whole blocks)."""
-        if self.transfer.gather is not None or self._images:
-            return None  # a gather, or an upcast from the stored image, moves whole blocks
-        return tuple(tuple(e.offset for e in l.entries[1:] if e.offset > 0) for l in self.layouts)
+        second to last tensors), for the planner; None on a ring of 8-bit images (an upcast from
+        the stored image moves whole blocks). Under a gather the shards of what streams are
+        padded per chunk: only the cuts whose streamed part gathers into no more than the
+        block's slot bytes less the kept bytes, which is what the planner counts."""
+        if self._images:
+            return None
+        offsets = [tuple(e.offset for e in l.entries[1:] if e.offset > 0) for l in self.layouts]
+        transfer = self.transfer
+        if transfer.gather is None:
+            return tuple(offsets)
+        return tuple(tuple(c for c in cs if transfer.part_nbytes(i, l.nbytes - c) <= transfer.device_nbytes(i) - c)
+                     for i, (l, cs) in enumerate(zip(self.layouts, offsets)))
 
     # -- the residency plan: between forwards ------------------------------------------------
     def measured_costs(self, report: Mapping) -> RingCosts | None:
@@ -604,8 +613,11 @@ class BlockRing:
         ``num_slots`` slots. Blocks that become resident are brought in through the current
         slot 0 (collective under allgather: every rank applies the same plan at the same point);
         ``settle``: resident blocks give up their host copies. ``kept``: streamed blocks that keep
-        their leading bytes on the device (block -> bytes, one of :meth:`cuts`; rank-local rings
-        only); they keep their whole host copy. Between forwards; synchronises.
+        their leading bytes on the device (block -> bytes, one of :meth:`cuts`). On a rank-local
+        ring they keep their whole host copy; under a gather the kept bytes leave the host (each
+        rank's shard is cut again from what streams, ``keep_part``), so such a plan is final:
+        it needs ``settle``, and the ring takes no other plan after it. Between forwards;
+        synchronises.
 
         Runs in the post-hook of a forward, often under ``torch.inference_mode()``: the buffers
         it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
@@ -614,12 +626,20 @@ class BlockRing:
         if self._images:
             return self._apply_held_plan(frozenset(resident), num_slots, settle, kept)
         kept = dict(kept or {})
+        gather = self.transfer.gather is not None
+        if gather and self._kept:  # bad input changes nothing
+            raise ValueError(f"{self.component.name}: blocks {sorted(self._kept)} keep parts on the device for "
+                             "good (an allgather ring's plan with partly kept blocks is final); no other plan "
+                             "can follow it")
+        if gather and kept and not settle:
+            raise ValueError(f"{self.component.name}: an allgather ring keeps parts of blocks on the device only "
+                             "in a final plan (settle=True): their kept bytes leave the host")
         cuts = self.cuts()
-        for i, nbytes in kept.items():  # bad input changes nothing
+        for i, nbytes in kept.items():
             if cuts is None or not 0 <= i < len(cuts) or i in set(resident) or nbytes not in cuts[i]:
                 raise ValueError(f"{self.component.name}: block {i} cannot keep {nbytes} bytes on the device "
-                                 f"(a streamed block of a rank-local ring keeps a leading part that ends "
-                                 f"where one of its tensors starts)")
+                                 f"(a streamed block keeps a leading part that ends where one of its tensors "
+                                 f"starts; under allgather, one of the ring's cuts())")
         with torch.inference_mode(self._inference), torch.no_grad():
             try:
                 self._apply_plan(frozenset(resident), kept)
@@ -680,7 +700,10 @@ class BlockRing:
         for i, nbytes in sorted(kept.items()):
             layout = self.layouts[i]
             k = next(j for j, e in enumerate(layout.entries) if j and e.offset == nbytes)
-            buf = self._whole_on_device(i)[:nbytes].clone()
+            whole = self._whole_on_device(i)
+            buf = whole[:nbytes].clone()
+            if self.transfer.gather is not None:  # the shards are cut again from what streams
+                self.transfer.keep_part(i, nbytes, whole[nbytes : layout.nbytes])
             bind(layout.entries[:k], [e.view_in(buf) for e in layout.entries[:k]])
             self._kept[i], self._kept_bufs[i] = k, buf
 

@@ -12,22 +12,16 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..hostmem import HostBuffer
+from ..hostmem import HostBuffer, PinMemoryError
 from .groups import WeightGroup
 from .protocol import TransferStreams, plain_slots
-from .sharding import ShardPlan, shard_pieces
+from .sharding import ShardPlan, plan_shards, shard_pieces, write_shard
 
 __all__ = ["AllGatherTransfer"]
 
 # Newer torch names the flat all-gather all_gather_single (the old name warns); older has only
 # all_gather_into_tensor. Same semantics: output is the concatenation of the ranks' inputs.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def whole_blocks(start: int) -> None:
-    """Refuse a part of a block: a gather moves whole blocks (its shards are cut from them)."""
-    if start:
-        raise ValueError("an allgather transfer moves whole blocks (shards are cut from them): start must be 0")
 
 
 class AllGatherTransfer:
@@ -54,6 +48,9 @@ class AllGatherTransfer:
         # (slot offset, this rank's slice start, bytes per rank, host shard offset) per chunk,
         # computed once so the per-block path only slices.
         self._chunks = [self._chunk_table(p) for p in plans]
+        # Per block, the bytes at its start that stay on the device for good (a residency plan's
+        # partly kept block, :meth:`keep_part`): its shard and plan then cover only the rest.
+        self._start = [0] * len(self.plans)
         # chunk_copied[j]: recorded on the copy stream when this rank's piece of chunk j is on
         # the device; the comm stream waits on it before gathering chunk j. Reused by every
         # fill: a wait captures the event's latest record when it is enqueued.
@@ -74,7 +71,53 @@ class AllGatherTransfer:
         return self.shards[block] is not None
 
     def device_nbytes(self, block: int) -> int:
-        return self.plans[block].padded_nbytes
+        return self._start[block] + self.plans[block].padded_nbytes
+
+    def part_nbytes(self, block: int, nbytes: int) -> int:
+        """Slot bytes the last ``nbytes`` of block ``block`` would take, gathered, if only they
+        streamed (see :meth:`keep_part`)."""
+        return self._part_plan(block, nbytes).padded_nbytes
+
+    def _part_plan(self, block: int, nbytes: int) -> ShardPlan:
+        # Chunks no larger than the whole block's: the same pipelining of copy and gather.
+        whole = self.plans[block]
+        return plan_shards(nbytes, whole.world, whole.rank, whole.world * max(c for _, c in whole.chunks))
+
+    def keep_part(self, block: int, start: int, rest: torch.Tensor) -> None:
+        """Block ``block``'s first ``start`` bytes stay on the device for good; from now on only
+        the rest streams, from this rank's shard of the rest. ``rest``: the block's bytes from
+        ``start`` to its end, whole (on the device, as a fill left them). Re-cutting the shards
+        is what keeps the ranks even: each copies 1/N of what streams. This rank's shard of the
+        whole block gives way to the new one, so host memory drops by its share of the kept
+        bytes. Between forwards, on every rank of the group (the plan is agreed); the caller has
+        synchronised. A failure leaves the block as it was."""
+        if self._start[block]:
+            raise ValueError(f"block {block} already keeps its first {self._start[block]} bytes on the device")
+        old = self.shards[block]
+        if old is None:
+            raise ValueError(f"block {block} has no shard: it is resident, not streamed")
+        plan = self._part_plan(block, rest.numel())
+        shard = HostBuffer(plan.shard_nbytes)
+        write_shard(plan, rest, shard.tensor)
+        if old.pinned:
+            # Unregister the old shard first, so the new (smaller) one never needs more locked
+            # memory than the block had; put it back if the new one cannot be locked.
+            old.release()
+            try:
+                shard.pin()
+            except PinMemoryError:
+                old.pin()
+                raise
+        self.shards[block], self.plans[block], self._start[block] = shard, plan, start
+        self._chunks[block] = self._chunk_table(plan)
+        old.release()
+
+    def _check_start(self, block: int, start: int) -> None:
+        """A gather moves whole blocks, or what a block keeps off the device (:meth:`keep_part`):
+        its shards are cut from exactly that."""
+        if start != self._start[block]:
+            raise ValueError(f"an allgather transfer moves block {block} from byte {self._start[block]} on "
+                             f"(its shards are cut from there), found start={start}")
 
     def allocate_slots(self, nbytes: int, count: int) -> None:
         # Every block of every step reuses these slots: allocated here, never per block.
@@ -90,7 +133,7 @@ class AllGatherTransfer:
             shard.release()
 
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
-        whole_blocks(start)
+        self._check_start(block, start)
         src = self.shards[block].tensor
         group, world = self.group.group, self.group.size
         copy, comm = self._copy_stream, self._comm_stream
@@ -121,7 +164,7 @@ class AllGatherTransfer:
             marks[1].record(comm)
 
     def write_back(self, block, src, start=0) -> None:
-        whole_blocks(start)
+        self._check_start(block, start)
         shard = self.shards[block].tensor
         for _offset, mine, c, pos in self._chunks[block]:  # this rank's piece of every chunk
             shard[pos : pos + c].copy_(src[mine : mine + c])

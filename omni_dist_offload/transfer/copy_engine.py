@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - older torch
     symm_mem = None
 
 from ..hostmem import HostBuffer
-from .allgather import AllGatherTransfer, whole_blocks
+from .allgather import AllGatherTransfer
 from .groups import WeightGroup
 from .memops import StreamMemOps
 from .protocol import TransferStreams
@@ -99,7 +99,7 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
         return [base[s * nbytes : (s + 1) * nbytes] for s in range(count)]
 
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
-        whole_blocks(start)
+        self._check_start(block, start)
         src = self.shards[block].tensor
         ops, peers = self._ops, self._peers
         copy, comm = self._copy_stream, self._comm_stream

@@ -67,7 +67,8 @@ class WeightTransfer(Protocol):
         Without an accelerator (events are None) the fill is complete when it returns.
         ``marks``: when tracing, a (start, end) pair of trace marks to record around the fill.
         ``start``: fill ``dst`` with the block's bytes from this offset on (a block whose first
-        tensors stay on the device); transfers with a gather take whole blocks only (0)."""
+        tensors stay on the device); a transfer with a gather takes exactly the offset its
+        shards were cut from (0, or where ``keep_part`` cut them)."""
 
     def write_back(self, block: int, src: torch.Tensor, start: int = 0) -> torch.Tensor | None:
         """Write block ``block``'s bytes from ``src`` (a device slot holding the block, or its

@@ -132,6 +132,85 @@ def test_resident_set_drops_by_the_share():
         assert s["before"] - s["after"] >= 0.3 * s["block_bytes"], s
 
 
+# -- blocks that keep a part on the device ---------------------------------------------------
+def _bump(block: torch.nn.Module) -> None:
+    for p in block.parameters():  # every tensor: the kept part and the streamed part alike
+        p.add_(1.0)
+
+
+@torch.no_grad()
+def partly_kept(rank: Rank, gather: str | None = None) -> dict:
+    """A plan where streamed blocks keep their first tensors on the device, on an allgather ring
+    (what the planner makes after a measured forward): refused unless final, then bitwise equal,
+    each rank holding its share of only what streams; an edit of both parts; no later plan.
+    Also run on GPUs (gpu/test_gpu_allgather.py)."""
+    device = rank.device
+    model = tiny.tiny_wan_transformer(num_layers=4).to(device)
+    edited = tiny.tiny_wan_transformer(num_layers=4).to(device)  # the resident model, edited alike below
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
+    ref = model(**batch)[0]
+    _bump(edited.blocks[0])
+    ref_edited = edited(**batch)[0]
+    handle = apply_offload(model, allgather_config(gather, text_encoder=False))
+    ring = handle.rings[0]
+    (before,) = handle.summary()
+    cuts = ring.cuts()
+    every = [tuple(e.offset for e in l.entries[1:] if e.offset > 0) for l in ring.layouts]
+    halves = {i: cuts[i][len(cuts[i]) // 2] for i in (0, 2, 3)}
+    out: dict = {"cuts": [len(c) for c in cuts], "offsets": [len(c) for c in every], "errors": []}
+    for bad in ({"resident": (), "settle": False, "kept": halves},  # not final
+                {"resident": (), "settle": True, "kept": {0: 1}}):  # not a cut
+        try:
+            ring.apply_plan(bad["resident"], 2, settle=bad["settle"], kept=bad["kept"])
+        except ValueError as exc:
+            out["errors"].append(str(exc))
+    out["unchanged"] = handle.summary() == [before]
+    ring.apply_plan((1,), 2, settle=True, kept=halves)
+    (row,) = handle.summary()
+    out["before"], out["row"] = before, row
+    out["kept"] = {i: ring.kept_bytes(i) for i in halves}
+    out["streamed_nbytes"] = {i: ring.layouts[i].nbytes - halves[i] for i in halves}
+    out["shard_nbytes"] = {i: ring.transfer.plans[i].shard_nbytes for i in halves}
+    out["slot_bytes"] = ring.slots[0].numel()
+    out["gathered"] = {i: ring.transfer.device_nbytes(i) for i in halves}
+    out["equal"] = all(torch.equal(model(**batch)[0], ref) for _ in range(3))
+    try:
+        ring.apply_plan((), 2, settle=True)
+    except ValueError as exc:
+        out["errors"].append(str(exc))
+    ring.edit_block(0, lambda: _bump(model.blocks[0]))
+    out["edited_equal"] = all(torch.equal(model(**batch)[0], ref_edited) for _ in range(2))
+    handle.remove()
+    out["removed_equal"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                  edited.state_dict().values()))
+    return out
+
+
+def test_partly_kept_blocks_on_an_allgather_ring():
+    check_partly_kept(run_ranks(partly_kept, 2))
+
+
+def check_partly_kept(results: list[dict]) -> None:
+    for r in results:
+        # Some cuts of every block survive the padding rule, not always all of them.
+        assert all(0 < c <= o for c, o in zip(r["cuts"], r["offsets"])), r
+        not_final, not_a_cut, later = r["errors"]
+        assert "only in a final plan" in not_final and "cannot keep 1 bytes" in not_a_cut, r["errors"]
+        assert "no other plan can follow it" in later
+        assert r["unchanged"]
+        row, before = r["row"], r["before"]
+        assert row["kept_blocks"] == [0, 2, 3] and row["resident_blocks"] == [1]
+        assert r["equal"] and r["edited_equal"] and r["removed_equal"]
+        for i, kept in r["kept"].items():
+            # Each rank holds its half of what streams (plus chunk padding), nothing of the kept part.
+            assert kept > 0 and r["shard_nbytes"][i] * 2 - r["streamed_nbytes"][i] < 2 * 256 * 8
+            assert r["gathered"][i] - kept <= r["slot_bytes"]
+        # Host memory drops by the kept parts and the resident block, on every rank.
+        dropped = before["host_bytes"] - row["host_bytes"]
+        assert dropped >= (sum(r["kept"].values()) + before["block_bytes"] // 4) / 2 - 4 * 8 * 256, (dropped, r)
+        assert row["device_slot_bytes"] < before["device_slot_bytes"]
+
+
 # -- fallbacks and mismatches ----------------------------------------------------------------
 def fallback_then_mismatch(rank: Rank) -> dict:
     """Started without OMNI_OFFLOAD_ALLOW_GLOO: the fallback; then, with it, models that differ

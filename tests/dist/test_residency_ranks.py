@@ -60,7 +60,7 @@ def _budget_allgather(rank) -> dict:
 
 
 def handle_plan(row: dict) -> tuple:
-    return tuple(row["resident_blocks"]), row["device_slot_bytes"], row["predicted_ratio"]
+    return tuple(row["resident_blocks"]), tuple(row["kept_blocks"]), row["device_slot_bytes"], row["predicted_ratio"]
 
 
 def test_every_rank_of_a_weight_group_takes_the_same_measured_plan():

@@ -4,7 +4,7 @@ parity, shards, uneven blocks, with the parity worker of the gloo test (one GPU 
 import pytest
 import torch
 
-from dist.test_allgather_ranks import parity
+from dist.test_allgather_ranks import check_partly_kept, parity, partly_kept
 from dist.test_compile_ranks import compiled
 from ranks import run_ranks
 
@@ -39,3 +39,11 @@ def test_regional_compile_on_an_allgather_ring_under_a_budget_on_gpus(gather):
         assert g["row"]["num_blocks"] >= 2
         assert g["outs"] == r["outs"]
         assert g["graphs"] == r["graphs"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("gather", ["copy-engine", "nccl"])
+def test_partly_kept_blocks_on_gpus(gather):
+    """Blocks that keep their first tensors on the device, the rest gathered from shards cut
+    again from it: the gloo test's checks, on two GPUs."""
+    check_partly_kept(run_ranks(partly_kept, 2, args=(gather,), device="cuda"))
