@@ -28,3 +28,20 @@ def test_gpu_run_peer_with_streams_floor_and_timeline(tmp_path, capsys) -> None:
     assert all(r["peak_device_mib"] > 0 for r in data["results"])
     if "timeline" in data:
         assert png_size(tmp_path / "t.png")[0] > 100
+
+
+@pytest.mark.gpu
+def test_contention_times_each_mode_against_the_model_alone(tmp_path) -> None:
+    from omni_dist_offload.tools import contention
+
+    lines: list[str] = []
+    path = tmp_path / "c.json"
+    assert contention.main(["--preset", "tiny-flux", "--blocks", "3", "--px", "64", "--mib", "8", "--warmup", "1",
+                            "--rounds", "3", "--json", str(path)], out=lines.append) == 0
+    result = json.loads(path.read_text())
+    assert [r["mode"] for r in result["rows"]] == list(contention.MODES)
+    assert all(len(t) == 3 for t in result["timings_ms"].values())
+    alone = result["rows"][0]
+    assert alone["vs_alone"] == 1.0 and alone["copy_ms"] is None
+    assert all(r["forward_ms"] > 0 and r["copy_ms"] > 0 for r in result["rows"][1:])
+    assert [line.split()[0] for line in lines[0].splitlines()[2:]] == list(contention.MODES)

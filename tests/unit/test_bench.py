@@ -224,3 +224,14 @@ def test_a_cached_denoising_loop_streams_bitwise_equal_and_reports_the_steps_it_
 def test_context_parallel_flags_are_checked_before_any_model(flags, message, capsys):
     assert bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_contention_refuses_a_run_it_cannot_time() -> None:
+    from omni_dist_offload.tools import contention
+
+    with pytest.raises(SystemExit) as exc:  # every mode is read against the model alone
+        contention.main(["--modes", "spread"])
+    assert exc.value.code == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device is visible"):
+            contention.main(["--preset", "tiny-flux", "--blocks", "2"])
