@@ -252,7 +252,10 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
         return everything
     goal = costs.resident_ms * (1 + tolerance) if tolerance is not None else -math.inf
     # Ranking (_rank): plans that meet the goal first, the smallest of them; otherwise the
-    # fastest, then the one that keeps most on the device (more margin against timings that vary).
+    # fastest, then the one that streams fewest bytes (copies slow the model's own kernels: on a
+    # GPU at its power limit, what the copy engines and the link draw comes off the SM clock;
+    # tools/contention.py), then the one that keeps most on the device (more margin against
+    # timings that vary).
     best: tuple | None = None
     if total <= budget:
         best = ((0, total, everything.predicted_ms, 0.0), everything)
@@ -263,25 +266,34 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
             if room < 0 or n - len(forced) <= slots:
                 continue
             for plan, outcome in _greedy(costs, forced, cap, slots, room):
-                key = _rank(plan, goal, costs.resident_ms, 0.0)
+                key = _rank(plan, goal, costs, 0.0)
                 if best is None or key < best[0]:
                     best = (key, plan)
                 if plan.predicted_ms <= goal:
                     break  # more resident blocks would only cost memory
     for plan in _partial_plans(costs, budget) if costs.cuts is not None else ():
-        key = _rank(plan, goal, costs.resident_ms, 1.0)  # ties: whole blocks (simpler) first
+        key = _rank(plan, goal, costs, 1.0)  # ties: whole blocks (simpler) first
         if best is None or key < best[0]:
             best = (key, plan)
     assert best is not None  # budget >= floor: two slots of the largest block always fit
     return best[1]
 
 
-def _rank(plan: ResidencyPlan, goal: float, resident_ms: float, last: float) -> tuple:
+def _rank(plan: ResidencyPlan, goal: float, costs: RingCosts, last: float) -> tuple:
     """Plans that meet the goal first, the smallest of them; otherwise the fastest (to 0.1% of
-    the resident forward), then the one that keeps most on the device."""
+    the resident forward), then the one that streams fewest bytes, then the one that keeps most
+    on the device."""
     if plan.predicted_ms <= goal:
         return (0, plan.device_bytes, plan.predicted_ms, last)
-    return (1, round(plan.predicted_ms / resident_ms, 3), -plan.device_bytes, last)
+    return (1, round(plan.predicted_ms / costs.resident_ms, 3), streamed_bytes(costs, plan), -plan.device_bytes, last)
+
+
+def streamed_bytes(costs: RingCosts, plan: ResidencyPlan) -> int:
+    """Bytes the plan copies into slots each forward: every block it does not keep, less the
+    parts partly kept blocks keep."""
+    kept = dict(plan.kept)
+    resident = set(plan.resident)
+    return sum(costs.slot_bytes[i] - kept.get(i, 0) for i in range(len(costs.slot_bytes)) if i not in resident)
 
 
 #: Partial plans: slot sizes tried, as fractions of the largest block.

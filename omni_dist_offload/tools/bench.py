@@ -175,6 +175,9 @@ class CaseResult:
     """Budget variants: streamed blocks keeping their first tensors on the device."""
     slots: int = 0
     """Device slots of the ring (budget variants: as planned)."""
+    streamed_mib: float = 0.0
+    """Block bytes each forward copies into slots (what a budget leaves off the device); what
+    the copies cost the model's own kernels is ``tools/contention.py --mib`` this."""
     compile_s: float = 0.0
     """Compiled variants: torch's compile time in the variant's first pass (warm-up)."""
     vs_compiled: float | None = None
@@ -776,7 +779,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
             predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
             resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
-            compile_s=max(p.compile_s for p in ps),
+            streamed_mib=ps[0].streamed_bytes / 2**20, compile_s=max(p.compile_s for p in ps),
             vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
             vs_fp8=ms / fp8_ms if variant.startswith(("fp8-streamed", "fp8-allgather")) and fp8_ms else None,
             computed_steps=opts.computed_steps,

@@ -163,6 +163,10 @@ def test_budget_sweep_runs_each_budget_and_reports_the_plan(tmp_path, capsys) ->
     assert rows["rank-local@0%"]["resident_blocks"] == 0 and rows["rank-local@0%"]["slots"] == 2
     # Once planned from a measured forward, every budget below 100% predicts its ratio.
     assert rows["rank-local@60%"]["predicted_ratio"] is not None
+    # What each forward copies: nothing once every block is resident (here 60% is below two
+    # slots and runs as 0% does).
+    streamed = [rows[f"rank-local@{b}%"]["streamed_mib"] for b in (0, 60, 100)]
+    assert streamed[0] == streamed[1] > streamed[2] == 0 and rows["resident"]["streamed_mib"] == 0
     assert schedule(["peer", "rank-local"], 1, [bench.Budget.parse("0"), bench.Budget.parse("50")]) == [
         "resident", "peer", "rank-local@0%", "rank-local@50%", "rank-local@50%", "rank-local@0%", "peer",
         "resident"]
