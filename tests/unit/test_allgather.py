@@ -102,3 +102,68 @@ def test_shards_reassemble_the_block(nbytes, world, chunk):
             pos += c
     assert torch.equal(out[:nbytes], image) and not out[nbytes:].any()
     assert plans[0].shard_nbytes <= -(-nbytes // world) + 256 * len(plans[0].chunks)
+
+
+def _transfer(image: torch.Tensor, world: int, rank: int, chunk: int):
+    """rank's AllGatherTransfer of one block, with no collective behind it (keep_part needs none)."""
+    import types
+
+    from omni_dist_offload.hostmem import HostBuffer
+    from omni_dist_offload.transfer.allgather import AllGatherTransfer
+    from omni_dist_offload.transfer.protocol import TransferStreams
+
+    plan = plan_shards(image.numel(), world, rank, chunk)
+    shard = HostBuffer(plan.shard_nbytes)
+    write_shard(plan, image, shard.tensor)
+    group = types.SimpleNamespace(backend="gloo", size=world, rank=rank, group=None)
+    return AllGatherTransfer([shard], [plan], group, TransferStreams(), torch.device("cpu"))
+
+
+def test_keep_part_cuts_each_shard_again_from_what_streams(monkeypatch):
+    from omni_dist_offload.hostmem import HostBuffer, PinMemoryError
+
+    image = torch.randint(0, 256, (70_000,), dtype=torch.uint8)
+    start, world, chunk = 20_480, 2, 1 << 14
+    ranks = [_transfer(image, world, r, chunk) for r in range(world)]
+    whole = ranks[0].device_nbytes(0)
+    for t in ranks:
+        t.keep_part(0, start, image[start:])
+    # Every rank holds its half of the rest only, and the gathered rest lands after the kept bytes.
+    plans = [t.plans[0] for t in ranks]
+    rest = torch.zeros(plans[0].padded_nbytes, dtype=torch.uint8)
+    for t, p in zip(ranks, plans):
+        for offset, mine, c, pos in t._chunks[0]:
+            rest[mine : mine + c] = t.shards[0].tensor[pos : pos + c]
+    assert torch.equal(rest[: image.numel() - start], image[start:]) and not rest[image.numel() - start :].any()
+    assert ranks[0].device_nbytes(0) == start + plans[0].padded_nbytes <= whole + 256 * world * len(plans[0].chunks)
+    assert ranks[0].host_bytes() == plans[0].shard_nbytes < (image.numel() - start) // world + 256 * len(plans[0].chunks)
+    assert ranks[0].part_nbytes(0, image.numel() - start) == plans[0].padded_nbytes
+    # The ring fills and writes back from exactly the cut; bad input says what it found.
+    with pytest.raises(ValueError, match="from byte 20480 on .* found start=0"):
+        ranks[0].fill(0, rest, None, None)
+    with pytest.raises(ValueError, match="already keeps its first 20480 bytes"):
+        ranks[0].keep_part(0, start, image[start:])
+    resident = _transfer(image, world, 0, chunk)
+    resident.drop(0)
+    with pytest.raises(ValueError, match="has no shard"):
+        resident.keep_part(0, start, image[start:])
+
+    # A page-locked shard: the old one is unlocked first, and locked again if the new one
+    # cannot be; the block then streams as before.
+    t = _transfer(image, world, 1, chunk)
+    old, old_plan = t.shards[0], t.plans[0]
+    calls: list[str] = []
+    monkeypatch.setattr(HostBuffer, "release", lambda self: calls.append("release") or setattr(self, "pinned", False))
+
+    def pin(self):
+        calls.append("pin")
+        if self is not old:
+            raise PinMemoryError("could not page-lock (simulated)")
+        self.pinned = True
+
+    monkeypatch.setattr(HostBuffer, "pin", pin)
+    old.pinned = True
+    with pytest.raises(PinMemoryError):
+        t.keep_part(0, start, image[start:])
+    assert calls == ["release", "pin", "pin"] and old.pinned
+    assert t.shards[0] is old and t.plans[0] is old_plan and t.device_nbytes(0) == old_plan.padded_nbytes
