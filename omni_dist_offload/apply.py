@@ -42,6 +42,7 @@ from .plan import (
     is_bare_module,
     pipeline_modules,
 )
+from .residency import image_slot_bytes
 from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs
 from .tenants import BlockWatch
 from .trace import trace_enabled
@@ -431,11 +432,12 @@ class _RingSpec:
     """Which blocks start resident, the slots, and whether a measured forward re-plans."""
 
     def slot_bytes(self) -> list[int]:
-        """Per block, the slot bytes it needs when it streams. A ring of stored images also holds
-        two staging buffers of the largest image (``transfer/casting.py``); they are counted here
-        spread over the (at least two) slots."""
+        """Per block, the slot bytes it needs when it streams. A ring of stored images runs every
+        block from a slot and also holds two staging buffers of the largest streamed image
+        (``image_slot_bytes``)."""
         if self.stored:
-            return [l.nbytes + -(-l.image_nbytes * 2 // NUM_SLOTS) for l in self.layouts]
+            return list(image_slot_bytes([l.nbytes for l in self.layouts], [l.image_nbytes for l in self.layouts],
+                                         slots=NUM_SLOTS))
         if self.group is None:
             return [l.nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]

@@ -29,6 +29,7 @@ __all__ = [
     "ResidencyPlan",
     "RingCosts",
     "format_bytes",
+    "image_slot_bytes",
     "min_budget",
     "parse_bytes",
     "plan_fewest",
@@ -219,6 +220,18 @@ def _simulate(costs: RingCosts, resident: frozenset[int], slots: int,
     return _Outcome(t - starts[-1], slack, stalls)
 
 
+def image_slot_bytes(compute_nbytes: Sequence[int], image_nbytes: Sequence[int], staging: int = 2,
+                     slots: int = 2) -> tuple[int, ...]:
+    """Per block, one slot's share of what streaming it costs in a ring of 8-bit images: every
+    block, kept ones too, is upcast into a slot, so each slot holds the largest block in its
+    compute dtype whichever blocks stream; only the streamed images pass through the ``staging``
+    buffers (``transfer/casting.py``), counted here spread over ``slots`` slots. With these, a
+    plan's slots cost ``slots`` times the largest share among the blocks it streams, as for
+    any ring."""
+    most = max(compute_nbytes)
+    return tuple(most + -(-image * staging // slots) for image in image_nbytes)
+
+
 def min_budget(slot_bytes: Sequence[int]) -> int:
     """The smallest budget a ring runs in: two slots of its largest block."""
     return 2 * max(slot_bytes)
@@ -289,11 +302,12 @@ def _rank(plan: ResidencyPlan, goal: float, costs: RingCosts, last: float) -> tu
 
 
 def streamed_bytes(costs: RingCosts, plan: ResidencyPlan) -> int:
-    """Bytes the plan copies into slots each forward: every block it does not keep, less the
-    parts partly kept blocks keep."""
+    """Bytes the plan copies to the device each forward: every block it does not keep (its
+    image, on a ring of 8-bit images), less the parts partly kept blocks keep."""
     kept = dict(plan.kept)
     resident = set(plan.resident)
-    return sum(costs.slot_bytes[i] - kept.get(i, 0) for i in range(len(costs.slot_bytes)) if i not in resident)
+    moved = costs.nbytes if costs.through_slots else costs.slot_bytes
+    return sum(moved[i] - kept.get(i, 0) for i in range(len(moved)) if i not in resident)
 
 
 #: Partial plans: slot sizes tried, as fractions of the largest block.

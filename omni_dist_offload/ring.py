@@ -22,7 +22,7 @@ import torch
 
 from .layout import BlockLayout, bind
 from .plan import StreamedComponent
-from .residency import ResidencyPlan, RingCosts
+from .residency import ResidencyPlan, RingCosts, image_slot_bytes
 from .trace import RingTracer
 from .transfer.protocol import WeightTransfer
 
@@ -601,7 +601,10 @@ class BlockRing:
         copy = tuple(rows[i]["transfer_ms"] * sizes[i] / moved[i] if rows[i]["transfer_ms"] and i not in held
                      else sizes[i] * ms_per_byte for i in range(len(self.layouts)))
         issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
-        return RingCosts(tuple(self.resident_nbytes(i) for i in range(len(self.layouts))), tuple(sizes),
+        # A ring of 8-bit images pays for its staging buffers too, as its first plan counted them.
+        slot_bytes = (image_slot_bytes(sizes, [l.image_nbytes for l in self.layouts], slots=NUM_SLOTS)
+                      if self._images else tuple(sizes))
+        return RingCosts(tuple(self.resident_nbytes(i) for i in range(len(self.layouts))), slot_bytes,
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
                          issued_ms=issued if None not in issued else None, cuts=self.cuts(),
@@ -668,8 +671,10 @@ class BlockRing:
             if self._cuda:
                 torch.cuda.synchronize(self.device)
             self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
-            self._configure(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
+            self.transfer.drop_slots()
+            # Held first: the staging buffers are then sized to the images that still stream.
             self.transfer.hold(resident)
+            self._configure(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
         if settle:
             for i in resident:
                 if self.transfer.has_host_copy(i):

@@ -70,8 +70,9 @@ class CastingTransfer:
         return sum(b.numel() for b in self._staging)
 
     def staging_nbytes(self) -> int:
-        """Device bytes of one staging buffer (the largest stored block, as the inner moves it)."""
-        return max(self.inner.device_nbytes(i) for i in range(len(self.layouts)))
+        """Device bytes of one staging buffer: the largest image that streams, as the inner moves
+        it (a held image never passes through one)."""
+        return max((self.inner.device_nbytes(i) for i in range(len(self.layouts)) if i not in self.held), default=0)
 
     def allocate_slots(self, nbytes: int, count: int) -> None:
         # Allocated here, once per plan, never per block (as every transfer's slots).
@@ -88,6 +89,13 @@ class CastingTransfer:
     def drop(self, block: int) -> None:
         self.inner.drop(block)
 
+    def drop_slots(self) -> None:
+        """Free the slots and the staging buffers; the held images and the host copy stay. Before
+        a plan change, so the old plan's buffers are gone before the new plan's images come."""
+        self.slots = []
+        self._staging = []
+        self.inner.close()
+
     def hold(self, blocks) -> None:
         """Keep exactly ``blocks``' images on the device. Between forwards, after the slots are
         allocated; synchronises; collective under allgather (every rank holds the same blocks,
@@ -100,7 +108,8 @@ class CastingTransfer:
                 continue
             need = self.inner.device_nbytes(i)
             # Through a staging buffer: a gather fills only its own (shared) slots.
-            staged = (self._staging[0] if self._staging else self._scratch())[:need]
+            fits = self._staging and self._staging[0].numel() >= need
+            staged = (self._staging[0] if fits else self._scratch(need))[:need]
             ready = torch.cuda.Event() if self._copy is not None else None
             self.inner.fill(i, staged, None, ready)
             if ready is not None:
@@ -162,10 +171,11 @@ class CastingTransfer:
         if marks is not None:
             marks[1].record(cast)
 
-    def _scratch(self) -> torch.Tensor:
-        # No slots yet (a plan change bringing a block in before any are allocated): a buffer of
-        # its own, outside the per-block path.
-        return torch.empty(self.staging_nbytes(), dtype=torch.uint8, device=self._device)
+    def _scratch(self, nbytes: int | None = None) -> torch.Tensor:
+        # No staging buffer (or none large enough: a plan change bringing a block in): a buffer
+        # of its own, outside the per-block path.
+        return torch.empty(nbytes if nbytes is not None else self.staging_nbytes(), dtype=torch.uint8,
+                           device=self._device)
 
     def write_back(self, block, src, start=0) -> None:
         if start:

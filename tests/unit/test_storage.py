@@ -93,6 +93,13 @@ def test_a_budget_holds_8_bit_images_and_replans_from_a_measured_forward():
     (row,) = handle.summary()
     assert ring.plan is not None and ring.plan.measured and ring.held and not ring.resident
     assert row["resident_blocks"] == sorted(ring.held)
+    # What the plan holds fits the budget: the held images, the slots (each holds the largest
+    # block, held ones run from a slot too) and two staging buffers of the largest image that
+    # still streams (one on the CPU; a GPU has two).
+    held = sum(images[i].image_nbytes for i in ring.held)
+    staging = max(images[i].image_nbytes for i in range(len(images)) if i not in ring.held)
+    assert ring.transfer.staging_nbytes() == staging
+    assert held + sum(s.numel() for s in ring.slots) + 2 * staging <= budget
     assert all(not ring.transfer.has_host_copy(i) for i in ring.held)  # settled: no host copies
     handle.remove()
     assert torch.equal(model(**x)[0], ref)
