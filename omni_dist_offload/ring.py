@@ -591,15 +591,19 @@ class BlockRing:
         if len(rows) != len(self.layouts) or report.get("pre_ms") is None:
             return None
         sizes = [self.transfer.device_nbytes(i) for i in range(len(self.layouts))]
-        moved = [sizes[i] - self._base[i] for i in range(len(self.layouts))]  # a kept part does not move
+        # What a whole fill moves over the link: the block, or on a ring of 8-bit images its
+        # image (its slot holds the block upcast); and what the measured fill moved (a kept part
+        # does not move).
+        whole = [l.image_nbytes for l in self.layouts] if self._images else sizes
+        moved = [whole[i] - self._base[i] for i in range(len(self.layouts))]
         # A held block's fill is an upcast on the device, not a copy: it says nothing of the link.
         held = self.held
         timed = [(moved[i], r["transfer_ms"]) for i, r in rows.items() if r["transfer_ms"] and i not in held]
         if not timed:
             return None
         ms_per_byte = sum(ms for _, ms in timed) / sum(b for b, _ in timed)
-        copy = tuple(rows[i]["transfer_ms"] * sizes[i] / moved[i] if rows[i]["transfer_ms"] and i not in held
-                     else sizes[i] * ms_per_byte for i in range(len(self.layouts)))
+        copy = tuple(rows[i]["transfer_ms"] * whole[i] / moved[i] if rows[i]["transfer_ms"] and i not in held
+                     else whole[i] * ms_per_byte for i in range(len(self.layouts)))
         issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
         # A ring of 8-bit images pays for its staging buffers too, as its first plan counted them.
         slot_bytes = (image_slot_bytes(sizes, [l.image_nbytes for l in self.layouts], slots=NUM_SLOTS)

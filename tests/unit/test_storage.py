@@ -87,9 +87,16 @@ def test_a_budget_holds_8_bit_images_and_replans_from_a_measured_forward():
     budget = 2 * slot + 3 * min(l.image_nbytes for l in images)
     assert budget < sum(l.image_nbytes for l in images)
     handle = apply_offload(model, {**stored(), "device_budget": budget}, device="cpu")
+    first = set(handle.rings[0].held)  # held through the measured forward: their fills are not timed
+    assert first
     for _ in range(4):
         assert torch.equal(model(**x)[0], ref)
     ring = handle.rings[0]
+    # Those are priced at the rate the others' images crossed, by their image bytes (what a
+    # fill moves), not their bytes in the compute dtype.
+    timed = [i for i in range(len(images)) if i not in first]
+    rate = sum(ring.costs.copy_ms[i] for i in timed) / sum(images[i].image_nbytes for i in timed)
+    assert all(ring.costs.copy_ms[i] == pytest.approx(images[i].image_nbytes * rate) for i in first)
     (row,) = handle.summary()
     assert ring.plan is not None and ring.plan.measured and ring.held and not ring.resident
     assert row["resident_blocks"] == sorted(ring.held)
