@@ -158,9 +158,10 @@ class CastingTransfer:
             staged.record_stream(copy)
             staged.record_stream(cast)
         copy.wait_event(self._staging_free[j])
-        if marks is not None:
-            marks[0].record(copy)
-        self.inner.fill(block, staged, None, self._staged[j])
+        # The trace's transfer is the inner fill (what the link takes, on the inner's own
+        # streams): not the upcast's wait for the slot below, which is compute the planner
+        # already prices, nor the upcast, which overlaps the next image's copy.
+        self.inner.fill(block, staged, None, self._staged[j], marks)
         cast.wait_event(self._staged[j])
         if after is not None:  # the slot's previous block has run (the upcast overwrites it)
             cast.wait_event(after)
@@ -168,8 +169,6 @@ class CastingTransfer:
             upcast(image, staged, dst)
         self._staging_free[j].record(cast)
         ready.record(cast)
-        if marks is not None:
-            marks[1].record(cast)
 
     def _scratch(self, nbytes: int | None = None) -> torch.Tensor:
         # No staging buffer (or none large enough: a plan change bringing a block in): a buffer
