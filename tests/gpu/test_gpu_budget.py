@@ -1,6 +1,8 @@
-"""CUDA path under a device budget: the memory bound, bitwise parity, no synchronisation once the
-plan is final, and ``auto`` under a capped device."""
+"""CUDA path under a device budget: the memory bound (blocks streamed as they are, and as 8-bit
+images), bitwise parity, no synchronisation once the plan is final, and ``auto`` under a capped
+device."""
 
+import copy
 import gc
 
 import pytest
@@ -44,6 +46,47 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
     assert row["resident_bytes"] + row["device_slot_bytes"] <= budget + 256 * len(block_bytes)
     peak = torch.cuda.max_memory_allocated() - start
     assert peak <= nonblock + budget + activations + 64 * 1024
+    handle.remove()
+    del out, ref
+
+
+@pytest.mark.parametrize("share", [0.45, 0.7])
+def test_8_bit_images_under_a_budget_keep_to_it(share):
+    """A ring of 8-bit images under a budget: its slots (the largest block, held ones run from a
+    slot too), its two staging buffers and its held images fit the budget."""
+    gc.collect()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    model = tiny.wide_ffn_wan_transformer(num_layers=8).cuda()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
+    block_bytes = [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for b in model.blocks]
+    total = torch.cuda.memory_allocated() - start
+    nonblock = total - sum(block_bytes)  # in the compute dtype: more than stored outside the blocks
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        model(**batch)
+    activations = torch.cuda.max_memory_allocated() - start - total
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    with torch.inference_mode():
+        ref = reference(**batch)[0]
+    del reference
+    gc.collect()
+    budget = int(share * sum(block_bytes))
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": budget,
+                                   "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up, the measured forward, the plan in force
+            assert torch.equal(model(**batch)[0], ref)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        out = model(**batch)[0]
+    assert torch.equal(out, ref)
+    (row,) = handle.summary()
+    assert row["resident_blocks"]  # some images held (at 0.7 all of them: the plan needs no forward)
+    assert row["resident_bytes"] + row["device_slot_bytes"] <= budget
+    peak = torch.cuda.max_memory_allocated() - start - ref.numel() * ref.element_size()
+    assert peak <= nonblock + budget + activations + 64 * 1024, (peak, nonblock, budget, activations)
     handle.remove()
     del out, ref
 
