@@ -14,8 +14,9 @@ from omni_dist_offload import apply_offload
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("share", [0.45, 0.7])
-def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
+def _measured_model():
+    """The wide-FFN Wan DiT on the GPU, resident, and what it takes there: (model, batch, output,
+    device bytes allocated before it, per-block bytes, non-block bytes, activation bytes)."""
     gc.collect()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
@@ -23,11 +24,16 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
     block_bytes = [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for b in model.blocks]
     total = torch.cuda.memory_allocated() - start
-    nonblock = total - sum(block_bytes)
     torch.cuda.reset_peak_memory_stats()
     with torch.inference_mode():
-        ref = model(**batch)[0]
+        out = model(**batch)[0]
     activations = torch.cuda.max_memory_allocated() - start - total
+    return model, batch, out, start, block_bytes, total - sum(block_bytes), activations
+
+
+@pytest.mark.parametrize("share", [0.45, 0.7])
+def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
+    model, batch, ref, start, block_bytes, nonblock, activations = _measured_model()
     budget = int(share * sum(block_bytes))
     handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": budget})
     with torch.inference_mode():
@@ -54,18 +60,9 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
 def test_8_bit_images_under_a_budget_keep_to_it(share):
     """A ring of 8-bit images under a budget: its slots (the largest block, held ones run from a
     slot too), its two staging buffers and its held images fit the budget."""
-    gc.collect()
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    model = tiny.wide_ffn_wan_transformer(num_layers=8).cuda()
-    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
-    block_bytes = [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for b in model.blocks]
-    total = torch.cuda.memory_allocated() - start
-    nonblock = total - sum(block_bytes)  # in the compute dtype: more than stored outside the blocks
-    torch.cuda.reset_peak_memory_stats()
-    with torch.inference_mode():
-        model(**batch)
-    activations = torch.cuda.max_memory_allocated() - start - total
+    # Non-block bytes in the compute dtype: more than the model keeps outside its blocks in 8 bits.
+    model, batch, out, start, block_bytes, nonblock, activations = _measured_model()
+    del out
     reference = copy.deepcopy(model)
     reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
     with torch.inference_mode():
