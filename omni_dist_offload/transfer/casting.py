@@ -97,19 +97,30 @@ class CastingTransfer:
         self.inner.close()
 
     def hold(self, blocks) -> None:
-        """Keep exactly ``blocks``' images on the device. Between forwards, after the slots are
-        allocated; synchronises; collective under allgather (every rank holds the same blocks,
-        in the same order)."""
+        """Keep exactly ``blocks``' images on the device. Between forwards, before the plan's
+        slots are allocated (so the staging buffers can be sized to the images that still
+        stream); synchronises; collective under allgather (every rank holds the same blocks, in
+        the same order)."""
         wanted = sorted(set(blocks))
         for i in [i for i in self.held if i not in wanted]:
             del self.held[i]
-        for i in wanted:
-            if i in self.held:
-                continue
-            need = self.inner.device_nbytes(i)
-            # Through a staging buffer: a gather fills only its own (shared) slots.
-            fits = self._staging and self._staging[0].numel() >= need
-            staged = (self._staging[0] if fits else self._scratch(need))[:need]
+        new = [i for i in wanted if i not in self.held]
+        if not new:
+            return
+        need = max(self.inner.device_nbytes(i) for i in new)
+        borrowed = False
+        if self._staging and self._staging[0].numel() >= need:
+            stage = self._staging[0]
+        elif self.inner.gather is not None:
+            # A gather fills only its own slots (the copy-engine gather's are mapped into every
+            # rank of the group): one of the size, for this call only.
+            self._staging = []
+            self.inner.allocate_slots(need, 1)
+            stage, borrowed = self.inner.slots[0], True
+        else:
+            stage = self._scratch(need)
+        for i in new:
+            staged = stage[: self.inner.device_nbytes(i)]
             ready = torch.cuda.Event() if self._copy is not None else None
             self.inner.fill(i, staged, None, ready)
             if ready is not None:
@@ -117,6 +128,8 @@ class CastingTransfer:
             self.held[i] = staged.clone()
         if self._copy is not None:
             torch.cuda.synchronize(self._device)
+        if borrowed:
+            self.inner.close()
 
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
         if start:

@@ -6,6 +6,7 @@ import torch
 
 from dist.test_allgather_ranks import check_partly_kept, parity, partly_kept
 from dist.test_compile_ranks import compiled
+from dist.test_storage_ranks import check_stored_allgather, stored_allgather
 from ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -47,3 +48,12 @@ def test_partly_kept_blocks_on_gpus(gather):
     """Blocks that keep their first tensors on the device, the rest gathered from shards cut
     again from it: the gloo test's checks, on two GPUs."""
     check_partly_kept(run_ranks(partly_kept, 2, args=(gather,), device="cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("gather", ["copy-engine", "nccl"])
+def test_8_bit_images_under_allgather_on_gpus(gather):
+    """8-bit images gathered on two GPUs, one of them held on the device (gathered once through a
+    slot of the gather's own: the copy-engine gather's are mapped into both ranks): equal to
+    diffusers' layerwise casting, as on gloo."""
+    check_stored_allgather(run_ranks(stored_allgather, 2, args=(gather,), device="cuda"), gather)
