@@ -110,11 +110,11 @@ from ..loading.compiling import compile_dits, compile_seconds, uncompile
 from ..loading.parallel import ContextParallel, ContextParallelError, check_ranks, enable_context_parallel
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
-from ..residency import format_bytes, min_budget, parse_bytes
+from ..residency import format_bytes, image_slot_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank
-from ..storage import unhook_layerwise_casting
+from ..storage import cast_tensors, unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from ..transfer.groups import ComponentFacts, GroupSession
 from ..transfer.sharding import plan_shards
@@ -221,13 +221,13 @@ class Budget:
             raise BenchUsageError(f"--budget {text!r}: a percentage is from 0 to 100")
         return cls(f"{percent:g}%", percent=percent)
 
-    def config_value(self, block_nbytes: Sequence[int]) -> tuple[int | str, str]:
+    def config_value(self, block_nbytes: Sequence[int], least: int | None = None) -> tuple[int | str, str]:
         """The ``device_budget`` for a case with these block sizes, and a note when the
-        two-slot minimum raised it."""
+        two-slot minimum (``least``: the ring's own, default two of the largest block) raised it."""
         if self.percent is None and self.nbytes is None:
             return "auto", ""
         want = self.nbytes if self.nbytes is not None else int(self.percent / 100 * sum(block_nbytes))
-        least = min_budget(block_nbytes)
+        least = least if least is not None else min_budget(block_nbytes)
         if want < least:
             return least, f"{self.label} is below two slots of the largest block: ran at {format_bytes(least)}"
         return want, ""
@@ -682,6 +682,12 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     block_bytes = [module_bytes(m) for m in block_modules]
     block_nbytes = [layout_block(i, n, b).nbytes for i, (n, b) in enumerate(component.blocks)]
     budgets = {b.label: b.config_value(block_nbytes) for b in opts.budgets}
+    if any(v in _FP8 for v in opts.variants):
+        # A ring of 8-bit images needs more than two slots: two staging buffers beside them.
+        cast = cast_tensors(model, torch.float8_e4m3fn)
+        stored = [layout_block(i, n, b, cast=cast) for i, (n, b) in enumerate(component.blocks)]
+        least = min_budget(image_slot_bytes([l.nbytes for l in stored], [l.image_nbytes for l in stored]))
+        fp8_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
     passes: dict[str, list[_Pass]] = {}
     trace = None
     with torch.inference_mode():
@@ -712,7 +718,7 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             base = variant.split("@")[0]
             key = "fp8" if base in _FP8 else base in _COMPILED
             passes.setdefault(variant, []).append(
-                _run_pass(variant, model, forward, references[key], opts, budgets))
+                _run_pass(variant, model, forward, references[key], opts, fp8_budgets if key == "fp8" else budgets))
         # A loop's floor is the resident loop (see _summarise): no per-block times needed.
         compute = (_block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
                    if opts.steps == 1 else [0.0] * len(block_modules))

@@ -239,3 +239,14 @@ def test_contention_refuses_a_run_it_cannot_time() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device is visible"):
             contention.main(["--preset", "tiny-flux", "--blocks", "2"])
+
+
+def test_an_8_bit_budget_below_its_ring_minimum_runs_at_that_minimum(tmp_path) -> None:
+    # Two slots and two staging buffers: more than two slots of the largest block in bf16.
+    out_json = tmp_path / "fp8.json"
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "1", "--variants",
+             "fp8-resident", "fp8-streamed", "--budget", "0", "--json", str(out_json)]
+    assert cli_main(["bench", *flags]) == 0
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())["results"]}
+    row = rows["fp8-streamed@0%"]
+    assert row["bitwise_equal"] and "below two slots" in row["note"] and row["slots"] == 2
