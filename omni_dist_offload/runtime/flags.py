@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["non_negative_int", "port", "positive_int"]
+__all__ = ["non_negative_int", "port", "positive_float", "positive_int"]
 
 
 def _int(text: str) -> int:
@@ -18,6 +18,16 @@ def positive_int(text: str) -> int:
     value = _int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
     return value
 
 

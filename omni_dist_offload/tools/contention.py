@@ -34,16 +34,9 @@ import torch
 from ..config import OffloadConfig
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover
-from ..runtime.flags import positive_int
+from ..runtime.flags import positive_float, positive_int
 
 MODES = ("alone", "spread", "burst", "device")
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, found {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=positive_int, default=17, help="video presets")
     p.add_argument("--height", type=positive_int, default=480, help="video presets")
     p.add_argument("--width", type=positive_int, default=832, help="video presets")
-    p.add_argument("--mib", type=_positive_float, default=1900.0, help="MiB copied beside each forward")
+    p.add_argument("--mib", type=positive_float, default=1900.0, help="MiB copied beside each forward")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed rounds")
     p.add_argument("--rounds", type=positive_int, default=12, help="timed rounds")

@@ -108,15 +108,13 @@ class CastingTransfer:
         if not new:
             return
         need = max(self.inner.device_nbytes(i) for i in new)
-        borrowed = False
-        if self._staging and self._staging[0].numel() >= need:
-            stage = self._staging[0]
-        elif self.inner.gather is not None:
+        gather = self.inner.gather is not None
+        if gather:
             # A gather fills only its own slots (the copy-engine gather's are mapped into every
             # rank of the group): one of the size, for this call only.
             self._staging = []
             self.inner.allocate_slots(need, 1)
-            stage, borrowed = self.inner.slots[0], True
+            stage = self.inner.slots[0]
         else:
             stage = self._scratch(need)
         for i in new:
@@ -128,7 +126,7 @@ class CastingTransfer:
             self.held[i] = staged.clone()
         if self._copy is not None:
             torch.cuda.synchronize(self._device)
-        if borrowed:
+        if gather:
             self.inner.close()
 
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
