@@ -45,6 +45,7 @@ try:
 except ImportError:  # run from a checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from omni_dist_offload.app.cli import main
+from omni_dist_offload.runtime.proc import exit_with
 
 if __name__ == "__main__":
-    sys.exit(main(["generate", *sys.argv[1:]]))
+    exit_with(main, ["generate", *sys.argv[1:]])

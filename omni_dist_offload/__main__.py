@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 
+from .runtime.proc import skip_final_collection
+
 
 def run() -> int:
     args = sys.argv[1:]
@@ -28,7 +30,10 @@ def run() -> int:
                                                 "Python's", exc)
     from .app.cli import main  # after the restart: it imports torch and diffusers
 
-    return main(args)
+    try:
+        return main(args)
+    finally:
+        skip_final_collection()  # [Note: exit without the final collection]
 
 
 if __name__ == "__main__":

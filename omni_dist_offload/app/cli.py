@@ -37,6 +37,7 @@ from ..plan import module_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank, rank_prefix, setup_logging
+from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
 from .api import GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage
@@ -470,4 +471,4 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

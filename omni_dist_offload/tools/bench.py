@@ -114,6 +114,7 @@ from ..residency import format_bytes, image_slot_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank
+from ..runtime.proc import exit_with
 from ..storage import cast_tensors, unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from ..transfer.groups import ComponentFacts, GroupSession
@@ -1161,4 +1162,4 @@ def _env_rank() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m omni_dist_offload.tools.bench"))
+    exit_with(main, prog="python -m omni_dist_offload.tools.bench")

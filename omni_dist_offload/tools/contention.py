@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from typing import Callable
 
 import torch
@@ -35,6 +34,7 @@ from ..config import OffloadConfig
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover
 from ..runtime.flags import positive_float, positive_int
+from ..runtime.proc import exit_with
 
 MODES = ("alone", "spread", "burst", "device")
 
@@ -180,4 +180,4 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

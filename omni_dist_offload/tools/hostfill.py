@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..runtime.flags import positive_int
+from ..runtime.proc import exit_with
 from ..sharedmem import SharedSegment, available_host_bytes, shared_memory_reason
 
 _PIECE = 64 * 2**20
@@ -177,4 +178,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main)

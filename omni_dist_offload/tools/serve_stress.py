@@ -82,7 +82,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from ..runtime.proc import rss_mib
+from ..runtime.proc import exit_with, rss_mib
 from ..runtime.flags import non_negative_int, positive_int
 
 __all__ = ["AbuseFigures", "LoadFigures", "SizeFigures", "StressOptions", "StressResult", "ThroughputFigures",
@@ -1063,4 +1063,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

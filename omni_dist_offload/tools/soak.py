@@ -34,7 +34,7 @@ from ..apply import apply_offload
 from ..config import GATHERS, Gather
 from ..models import PRESETS, build_model, case_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
-from ..runtime.proc import rss_mib
+from ..runtime.proc import exit_with, rss_mib
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import rank_prefix
 from ..transfer.groups import ALLOW_GLOO_ENV
@@ -341,4 +341,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,6 +50,7 @@ from ..models.tiny import TINY_TEXT_DIM, tiny_wan_pipeline, wan_transformer_inpu
 from ..plan import module_bytes
 from ..runtime.dist import DistContext, destroy_dist, maybe_init_dist
 from ..runtime.flags import positive_int
+from ..runtime.proc import exit_with
 
 __all__ = ["main", "write_folder"]
 
@@ -241,4 +241,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

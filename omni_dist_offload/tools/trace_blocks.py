@@ -27,6 +27,7 @@ from ..apply import apply_offload
 from ..models import PRESETS, build_model, wan_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import positive_int
+from ..runtime.proc import exit_with
 
 CONFIGS = {
     "rank-local": {"mode": "layer", "components": ["dit"]},
@@ -134,4 +135,4 @@ def _summarise(rank: int, o: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -201,3 +201,28 @@ def test_the_entry_point_imports_no_torch_before_it_decides_how_to_start() -> No
     code = "import sys, omni_dist_offload.__main__; print(sorted({'torch', 'diffusers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("body, code, err", [("return 3", 3, ""), ("raise SystemExit(2)", 2, ""),
+                                             ("raise ValueError('bad')", 1, "ValueError: bad")])
+def test_an_entry_point_exits_with_main_status_and_skips_the_final_collection(body, code, err) -> None:
+    # [Note: exit without the final collection]: the collector is frozen before the exit, and
+    # atexit handlers still run after it.
+    script = ("import atexit, gc\nfrom omni_dist_offload.runtime.proc import exit_with\n"
+              "atexit.register(lambda: print('frozen' if gc.get_freeze_count() else 'collected'))\n"
+              f"def main():\n    {body}\nexit_with(main)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (code, "frozen"), proc.stderr
+    assert err in proc.stderr
+
+
+def test_every_entry_point_exits_through_exit_with() -> None:
+    blocks = {}
+    for path in [*sorted((REPO / "omni_dist_offload").rglob("*.py")), REPO / "launch" / "generate.py"]:
+        source = path.read_text()
+        if 'if __name__ == "__main__":' in source:
+            blocks[path.relative_to(REPO).as_posix()] = source.rsplit('if __name__ == "__main__":', 1)[1]
+    assert "launch/generate.py" in blocks and "omni_dist_offload/tools/bench.py" in blocks
+    for path, block in blocks.items():
+        assert "exit_with(" in block or "run()" in block, f"{path} exits without exit_with: {block.strip()}"
+    assert "skip_final_collection()" in (REPO / "omni_dist_offload" / "__main__.py").read_text()
