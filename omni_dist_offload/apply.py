@@ -46,7 +46,7 @@ from .residency import image_slot_bytes
 from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs
 from .tenants import BlockWatch
 from .trace import trace_enabled
-from .storage import StoredLayers, cast_tensors, store_outside_blocks, upcast
+from .storage import LayerUpcasts, StoredLayers, cast_tensors, store_outside_blocks, upcast, upcast_per_layer
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .sharedmem import (CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive,
                         small_pages_note)
@@ -115,6 +115,9 @@ class RingSummary:
     storage_dtype: str | None = None
     """``layer_options.<c>.storage_dtype``: the 8-bit format block weights are stored and moved
     in, upcast on the device; None: as the model holds them."""
+    upcast: str | None = None
+    """With a ``storage_dtype``, where the 8-bit weights are upcast (``layer_options.<c>.upcast``):
+    ``"block"`` or ``"layer"``; None without one."""
     shared_host_bytes: int | None = None
     """``shared``: bytes of the one host copy the ranks of this host share (``host_bytes`` is
     this rank's share of it); None for other transfers."""
@@ -143,7 +146,7 @@ class OffloadHandle:
         self._undo_moves: list[Callable[[], None]] = []
         # What remove() and an undo put back besides the blocks (layers outside the blocks that
         # storage_dtype stores in 8 bits).
-        self._stored: list[StoredLayers] = []
+        self._stored: list[StoredLayers | LayerUpcasts] = []
         self._removed = False
         self._watch: BlockWatch | None = None
 
@@ -173,7 +176,8 @@ class OffloadHandle:
             device_budget=ring.budget,
             kept_blocks=ring.kept_blocks(),
             found_by=ring.component.source if ring.component.source in ("built-in table", "scan") else "declared",
-            storage_dtype=getattr(ring.transfer, "storage_dtype", None),
+            storage_dtype=ring.storage_dtype,
+            upcast=ring.upcast,
             shared_host_bytes=shared.shared_bytes() if shared is not None else None,
             host_ranks=shared.host_ranks if shared is not None else None,
         )
@@ -347,14 +351,21 @@ def apply_offload(
     casts = _stored_casts(components, cfg)
     for stored in {d for cast in casts.values() for d in cast.values()}:
         _check_cast(stored, dev)
-    layouts = {c.name: [layout_block(i, n, b, cast=casts.get(c.name)) for i, (n, b) in enumerate(c.blocks)]
-               for c in components}
+    per_layer = {c.name for c in components if c.name in casts and cfg.options_for(c.category).upcast == "layer"}
+    layouts = {c.name: [layout_block(i, n, b, cast=casts.get(c.name), per_layer=c.name in per_layer)
+                        for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
     for c in components:
         check_not_cuda_graphs(c.name, c.module)
         for name, block in c.blocks:
             check_not_cuda_graphs(f"{c.name} block {name}", block)
     sources = _checked_sources(block_sources, components)
+    for c in components:
+        if c.name in per_layer and not hasattr(c.module, "enable_layerwise_casting"):
+            raise OffloadConfigError(
+                f"{c.name} ({type(c.module).__name__}): upcast 'layer' needs a diffusers model, whose "
+                "layers read their weights only in their own forward (what diffusers' layerwise casting "
+                "relies on too); use upcast 'block' (the default) for this component.")
     _check_process_group(process_group)
     groups = GroupSession(cfg.collective_timeout_s)
     try:
@@ -369,10 +380,13 @@ def apply_offload(
     handle = OffloadHandle(target, modules, dev, cfg, groups)
     setup = _Setup.start(cfg, dev, any(s.group is not None for s in specs), progress, groups)
     try:
+        in_blocks = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
+        for c in components:
+            if c.name in per_layer:  # before the rings point the tensors at their 8-bit bytes
+                handle._stored.append(upcast_per_layer(c.module, casts[c.name], in_blocks, dev))
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
             handle._add_ring(ring, originals)
-        in_blocks = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
         handle._move_resident(in_blocks)
         for c in components:
             if c.name in casts:
@@ -424,6 +438,9 @@ class _RingSpec:
     """Why an allgather ring streams rank-local."""
     storage_dtype: str | None = None
     """``layer_options.<c>.storage_dtype``."""
+    upcast: str = "block"
+    """``layer_options.<c>.upcast``: with ``"layer"``, the layouts are planned in the stored
+    dtype and the blocks stream as any others do ([Note: upcast per layer])."""
     host: HostRanks | None = None
     """Set when the ring streams from a host copy shared by the ranks of this host."""
     shared: SharedBlocks | None = None
@@ -447,8 +464,15 @@ class _RingSpec:
 
     @property
     def stored(self) -> bool:
-        """Whether some block is stored in another dtype on the host (``storage_dtype``)."""
+        """Whether some block is stored in another dtype on the host (``storage_dtype``) and
+        upcast into its slot as a whole (``upcast: "block"``)."""
         return any(l.image is not None for l in self.layouts)
+
+    @property
+    def keeps_originals(self) -> bool:
+        """Whether a rank-local fill keeps the blocks' original storage until setup has
+        succeeded: their host copy holds other values (8-bit), so it cannot give them back."""
+        return self.stored or (self.storage_dtype is not None and self.upcast == "layer")
 
 
 def _stored_casts(components: Sequence[StreamedComponent], cfg: OffloadConfig) -> dict[str, dict[int, torch.dtype]]:
@@ -553,8 +577,9 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
     host, host_reason = groups.resolve_shared(sharing, dev) if sharing else (None, None)
     specs = []
     for c in components:
-        base = _RingSpec(c, layouts[c.name], sources.get(c.name),
-                         storage_dtype=cfg.options_for(c.category).storage_dtype)
+        opts = cfg.options_for(c.category)
+        base = _RingSpec(c, layouts[c.name], sources.get(c.name), storage_dtype=opts.storage_dtype,
+                         upcast=opts.upcast)
         if c.name in sharing:
             specs.append(dataclasses.replace(base, host=host) if host is not None
                          else dataclasses.replace(base, fallback_reason=host_reason))
@@ -777,6 +802,8 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
         transfer.release()
         raise
     ring.setup_s = time.perf_counter() - start
+    ring.storage_dtype = spec.storage_dtype
+    ring.upcast = spec.upcast if spec.storage_dtype is not None else None
     ring.plan = spec.residency.plan
     ring.budget = spec.residency.budget
     return ring, originals
@@ -851,7 +878,7 @@ def _fill_buffers(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     # (its host copy is in the stored dtype): they hold placeholders, as under allgather, and its
     # original storage is kept until every ring is set up, for an undo that changes nothing.
     placeholders: dict[torch.dtype, torch.Tensor] = {}
-    originals: list[list[torch.Tensor]] | None = [] if spec.stored else None
+    originals: list[list[torch.Tensor]] | None = [] if spec.keeps_originals else None
     try:
         for layout in layouts:
             i = layout.index

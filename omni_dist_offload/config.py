@@ -21,6 +21,7 @@ __all__ = [
     "GATHERS",
     "PIN_FAILURES",
     "STORAGE_DTYPES",
+    "UPCASTS",
     "WEIGHT_TRANSFERS",
     "LayerOptions",
     "OffloadConfig",
@@ -37,6 +38,8 @@ GATHERS: tuple[str, ...] = ("auto", "copy-engine", "nccl")
 PIN_FAILURES: tuple[str, ...] = ("error", "pageable")
 #: 8-bit float formats the block weights may be stored in on the host (``storage_dtype``).
 STORAGE_DTYPES: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
+#: Where 8-bit weights become the compute dtype (``upcast``), see :class:`LayerOptions`.
+UPCASTS: tuple[str, ...] = ("block", "layer")
 _MODES: tuple[str, ...] = ("layer",)
 
 WeightTransfer = Literal["rank-local", "shared", "allgather"]
@@ -87,6 +90,16 @@ class LayerOptions:
     the model's dtype on the device, on the copy side of the ring. Outputs equal the resident
     model's under ``enable_layerwise_casting`` at the same dtypes, bit for bit."""
 
+    upcast: str = "block"
+    """With ``storage_dtype``, where the 8-bit weights become the model's dtype. ``"block"``: a
+    whole block at a time, into a slot of the model's dtype, on the copy side of the ring (the
+    compute stream never casts; every slot takes the block's full compute-dtype bytes).
+    ``"layer"``: blocks stay 8-bit on the device (slots and resident blocks take the 8-bit
+    bytes, so a ``device_budget`` holds about twice as many blocks) and each layer upcasts its
+    weights just before it runs, on the compute stream, as diffusers' layerwise casting does;
+    see [Note: upcast per layer] in ``storage.py``. Diffusers models only (their layers read
+    their weights only in their own forward); not with ``torch.compile``."""
+
     def __post_init__(self) -> None:
         _check_choice("storage_dtype", self.storage_dtype, STORAGE_DTYPES, "layer_options.<component>",
                       optional=True)
@@ -94,6 +107,12 @@ class LayerOptions:
             raise OffloadConfigError(
                 f"layer_options.<component> key 'storage_dtype' is {self.storage_dtype!r}, which this "
                 f"torch ({torch.__version__}) does not have: upgrade torch, or drop the key.")
+        _check_choice("upcast", self.upcast, UPCASTS, "layer_options.<component>")
+        if self.upcast != "block" and self.storage_dtype is None:
+            raise OffloadConfigError(
+                f"layer_options.<component> key 'upcast' is {self.upcast!r} without a storage_dtype: "
+                "it says where 8-bit weights are upcast. Add storage_dtype (e.g. \"float8_e4m3fn\"), "
+                "or drop upcast.")
         object.__setattr__(self, "resident_blocks", _checked_resident(self.resident_blocks))
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
         _check_choice("gather", self.gather, GATHERS, "layer_options.<component>")
@@ -266,7 +285,7 @@ class OffloadConfig:
                        "gather": opts.gather,
                        "resident_blocks": list(opts.resident_blocks)
                        if isinstance(opts.resident_blocks, tuple) else opts.resident_blocks,
-                       "storage_dtype": opts.storage_dtype}
+                       "storage_dtype": opts.storage_dtype, "upcast": opts.upcast}
                 for name, opts in self.layer_options.items()
             },
             "pin_memory": self.pin_memory,

@@ -105,10 +105,13 @@ class BlockSource(Protocol):
         every ``(offset, n, at)`` in ``pieces``; bytes past the block's end are zero."""
 
 
-def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, torch.dtype] | None = None) -> BlockLayout:
+def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, torch.dtype] | None = None,
+                 per_layer: bool = False) -> BlockLayout:
     """Plan the buffer of one block. Reads the block, changes nothing. ``cast``: tensors (by
     ``id``) stored in another dtype on the host (``storage.cast_tensors``); they come first,
-    see [Note: 8-bit storage] in ``storage.py``."""
+    see [Note: 8-bit storage] in ``storage.py``. ``per_layer`` (``upcast: "layer"``): those
+    tensors are also 8-bit on the device, so the block's buffer is laid out in their stored
+    dtype, as if the model held them so (it will: [Note: upcast per layer])."""
     entries = []
     offset = 0
     seen: set[int] = set()
@@ -126,11 +129,12 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
                         "from_pretrained without leaving weights on 'meta')."
                     )
                 storage_shape, inverse_perm = _dense_order(t)
-                nbytes = t.numel() * t.element_size()
-                entries.append(TensorEntry(qual, t, offset, nbytes, t.dtype, storage_shape,
+                dtype = cast.get(id(t), t.dtype) if cast and per_layer else t.dtype
+                nbytes = t.numel() * dtype.itemsize
+                entries.append(TensorEntry(qual, t, offset, nbytes, dtype, storage_shape,
                                            inverse_perm, t.device))
                 offset = align(offset + nbytes)
-    if cast and any(id(e.tensor) in cast for e in entries):
+    if cast and not per_layer and any(id(e.tensor) in cast for e in entries):
         return _stored_layout(index, name, block, entries, cast)
     return BlockLayout(index, name, block, tuple(entries), offset)
 

@@ -53,6 +53,10 @@ def _compile_config(module: torch.nn.Module) -> Mapping | None:
         return None
 
 
+def _is_compiled(module: torch.nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
 def check_not_cuda_graphs(name: str, module: torch.nn.Module) -> None:
     """Refuse a module compiled with CUDA graphs (``mode="reduce-overhead"``, or
     ``options={"triton.cudagraphs": True}``) before it runs streamed.
@@ -175,6 +179,10 @@ class BlockRing:
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
         """Seconds spent filling and page-locking the host copy (set by ``apply_offload``)."""
+        self.storage_dtype: str | None = None
+        """The 8-bit format the blocks are stored in (set by ``apply_offload``), or None."""
+        self.upcast: str | None = None
+        """With a storage dtype, where it is upcast: ``"block"`` or ``"layer"``."""
 
     def _configure(self, num_slots: int) -> None:
         """Slots, their views and events for the current resident set. Setup only: allocates."""
@@ -365,6 +373,11 @@ class BlockRing:
         if entry is not None and entry is not module:
             check_not_cuda_graphs(name, entry)
         check_not_cuda_graphs(self.component.name, root)
+        if self.upcast == "layer" and any(m is not None and _is_compiled(m) for m in (module, entry, root)):
+            raise RuntimeError(
+                f"{name} was compiled, and its 8-bit weights are upcast per layer (upcast \"layer\"): "
+                "the upcast hooks swap each layer's tensors inside the block, which a compiled graph "
+                "does not follow. Use upcast \"block\" (the default) with torch.compile, or do not compile.")
         self._compile_seen[i] = (module._compiled_call_impl, entry, root._compiled_call_impl)
 
     def _post_forward(self, i: int, module, args, output) -> None:

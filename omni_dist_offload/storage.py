@@ -17,6 +17,24 @@ slot offset (k: compute bytes per stored byte), so one elementwise copy of the 8
 every 8-bit tensor of the block at once; the other tensors follow with identical relative
 offsets, one byte copy. Two kernels per block, on the copy stream, into the slot; the compute
 stream sees ready weights (``transfer/casting.py``).
+
+[Note: upcast per layer]
+With ``upcast: "layer"`` a block's 8-bit tensors stay 8-bit on the device too: its layout is
+planned in the stored dtype (``layout_block(per_layer=True)``), so the host copy, the slots, a
+resident block and an allgather shard all hold the 8-bit bytes, and the ring streams the block
+as it streams any other (it only ever moves bytes). Each layer that holds 8-bit tensors gets a
+pre-forward hook that points them at their upcast (``Tensor.to``, the cast diffusers' hook
+makes, on the compute stream) and a post-forward hook (run on an exception too) that points them
+back at their 8-bit bytes, where the ring left them; the upcast is freed with the layer's
+forward. So the device holds at most one layer's weights in the compute dtype beside the 8-bit
+blocks, as diffusers' layerwise casting does for a resident model, and outputs match it bit for
+bit. What it costs: every layer's cast runs on the compute stream, as in the baseline (the
+``"block"`` upcast runs on a stream of its own instead), and diffusers' hook also casts the
+weights back down after each use, which this one does not need (the 8-bit bytes are still
+there): measured on Flux-12B, the resident model with these hooks runs at 0.90x of
+``enable_layerwise_casting``'s forward. What it buys: a budget spends 8-bit bytes on its slots and
+resident blocks, against compute-dtype slots and staging buffers for ``"block"``
+(``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -28,7 +46,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["BlockImage", "Run", "StoredLayers", "cast_tensors", "downcast", "store_outside_blocks", "upcast"]
+__all__ = ["BlockImage", "LayerUpcasts", "Run", "StoredLayers", "cast_tensors", "downcast", "store_outside_blocks",
+           "upcast", "upcast_per_layer"]
 
 # diffusers' layerwise casting rule and hook (hooks/layerwise_casting.py, hooks/_common.py),
 # read from diffusers so the two never disagree.
@@ -143,6 +162,98 @@ class StoredLayers:
             unhook_layerwise_casting(module)
             module.to(dtype=compute)
         self.layers = []
+
+
+class LayerUpcasts:
+    """The per-layer upcast hooks of ``upcast: "layer"`` ([Note: upcast per layer]) on the layers
+    inside streamed blocks; the blocks' 8-bit tensors themselves belong to the ring."""
+
+    def __init__(self, hooks: list, tensors: list[tuple[torch.Tensor, torch.dtype]]) -> None:
+        self._hooks = hooks
+        self._tensors = tensors
+
+    def commit(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        """A failed setup: hooks off (the ring gives the tensors their original storage back)."""
+        self._unhook()
+        self._tensors = []
+
+    def unstore(self) -> None:
+        """``remove()``, after the ring has restored the blocks (8-bit, on the device): hooks off,
+        every 8-bit tensor upcast to its compute dtype, as ``"block"`` leaves the model."""
+        self._unhook()
+        for t, compute in self._tensors:
+            t.data = t.data.to(compute)
+        self._tensors = []
+
+    def _unhook(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def upcast_per_layer(root: nn.Module, cast: Mapping[int, torch.dtype], in_blocks: set[int],
+                     device: torch.device) -> LayerUpcasts:
+    """Hook every layer of ``root`` inside a streamed block that holds tensors stored in 8 bits
+    (``cast``), so that it runs on their upcast ([Note: upcast per layer]). Reads the tensors'
+    compute dtype now, before the ring points them at their 8-bit bytes, and allocates on
+    ``device`` the one buffer every layer's upcast is written to."""
+    layers, tensors = [], []
+    for layer in cast_layers(root):
+        names = tuple(name for name, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False))
+                      if id(t) in cast and id(t) in in_blocks)
+        if names:
+            compute = getattr(layer, names[0]).dtype
+            tensors += [(getattr(layer, name), compute) for name in names]
+            layers.append((layer, names, compute, sum(_aligned(getattr(layer, n).numel() * compute.itemsize)
+                                                      for n in names)))
+    # Layers run one after another on the compute stream, so one buffer holds the upcast of
+    # whichever runs: the next layer's upcast is ordered after this one's kernels, and nothing
+    # is allocated per layer.
+    scratch = torch.empty(max((size for *_, size in layers), default=0), dtype=torch.uint8, device=device)
+    hooks = []
+    for layer, names, compute, _size in layers:
+        hook = _UpcastHook(names, compute, scratch)
+        hooks += [layer.register_forward_pre_hook(hook.pre), layer.register_forward_hook(hook.post, always_call=True)]
+    return LayerUpcasts(hooks, tensors)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+class _UpcastHook:
+    """One layer's pair of hooks: its 8-bit tensors upcast for its forward, then back."""
+
+    __slots__ = ("names", "compute", "scratch", "stored")
+
+    def __init__(self, names: tuple[str, ...], compute: torch.dtype, scratch: torch.Tensor) -> None:
+        self.names = names
+        self.compute = compute
+        self.scratch = scratch
+        self.stored: list[torch.Tensor] = []
+
+    def pre(self, module: nn.Module, args: object) -> None:
+        stored = self.stored = []
+        at = 0
+        for name in self.names:
+            t = getattr(module, name)
+            data = t.data
+            stored.append(data)
+            n = data.numel() * self.compute.itemsize
+            # The upcast keeps the 8-bit tensor's strides, as Tensor.to does (so the layer's
+            # kernels, and their results, are those of diffusers' upcast).
+            up = self.scratch[at : at + n].view(self.compute).as_strided(data.shape, data.stride())
+            up.copy_(data)
+            t.data = up
+            at += _aligned(n)
+
+    def post(self, module: nn.Module, args: object, output: object) -> None:
+        for name, data in zip(self.names, self.stored):
+            getattr(module, name).data = data
+        self.stored = []
 
 
 def unhook_layerwise_casting(module: nn.Module) -> None:

@@ -379,6 +379,7 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "streamed_share": block_bytes / max(1, module_bytes(module)),
             "found_by": ring.found_by if ring else None,
             "storage_dtype": ring.storage_dtype if ring else None,
+            "upcast": ring.upcast if ring else None,
             "shared_host_bytes": ring.shared_host_bytes if ring else None,
             "host_ranks": ring.host_ranks if ring else None,
         })
@@ -392,6 +393,13 @@ def _fmt_transfer(row: dict[str, Any]) -> str:
     return f"{row['weight_transfer']} ({row['gather']})" if row.get("gather") else row["weight_transfer"]
 
 
+def _fmt_stored(row: dict[str, Any]) -> str:
+    """``e4m3fn`` (upcast per block), ``e4m3fn/layer`` (per layer), or ``-``."""
+    if not row["weight_transfer"] or not row.get("storage_dtype"):
+        return "-"
+    return row["storage_dtype"].removeprefix("float8_") + ("/layer" if row.get("upcast") == "layer" else "")
+
+
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
     header = ["component", "category", "class", "blocks", "kept", "streamed", "share", "host", "slots",
@@ -401,7 +409,7 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
         _fmt_bytes(r["block_bytes"]), f"{100 * r['streamed_share']:.0f}%" if r["weight_transfer"] else "-",
         _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
         _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r),
-        (r.get("storage_dtype") or "-").removeprefix("float8_") if r["weight_transfer"] else "-",
+        _fmt_stored(r),
         {"built-in table": "table"}.get(r["found_by"], r["found_by"] or "-"), _fmt_setup(r),
         r["fallback_reason"] or "-",
     ] for r in rows]

@@ -305,10 +305,11 @@ class CheckpointSource:
                 first = (a - offset) // size
                 step = max(size, _TASK_BYTES // size * size)
                 read = self.checkpoint.read_into
-                if dtype != e.dtype and self.checkpoint.info(key).dtype not in (dtype, e.dtype):
+                model = e.tensor.dtype  # the model's dtype (an entry planned in 8 bits for upcast "layer" says 8 bits)
+                if dtype != model and self.checkpoint.info(key).dtype not in (dtype, model):
                     # Stored in 8 bits from a file in a third dtype: through the model's dtype,
                     # as loading the model and then casting it rounds twice.
-                    read = functools.partial(_read_through, self.checkpoint, e.dtype)
+                    read = functools.partial(_read_through, self.checkpoint, model)
                 for s in range(0, b - a, step):
                     part = out[s : s + step]
                     tasks.append((read, (key, part.view(dtype), first + s // size)))

@@ -19,11 +19,12 @@ one preset at one block count and one input shape; per case, in one process, the
   after offloading, as ``Omni(compile=True)`` does); both are compared bitwise with the compiled
   resident model, and ``compiled-streamed`` also as a ratio to ``compiled``. With ``--budget``,
   ``compiled-streamed`` runs once per budget;
-* ``fp8-resident``, ``fp8-streamed`` and ``fp8-allgather`` (only when asked for): weights stored in
-  float8_e4m3fn and computed in the model's dtype. ``fp8-resident`` is the baseline, diffusers'
-  ``enable_layerwise_casting`` on the resident model (undone after each pass); ``fp8-streamed``
-  streams rank-local with ``storage_dtype`` (once per budget with ``--budget``), ``fp8-allgather``
-  with allgather. Both are compared bitwise with ``fp8-resident`` and reported as a ratio to it.
+* ``fp8-resident``, ``fp8-streamed``, ``fp8-allgather``, ``fp8-layer`` and ``fp8-allgather-layer``
+  (only when asked for): weights stored in float8_e4m3fn and computed in the model's dtype.
+  ``fp8-resident`` is the baseline, diffusers' ``enable_layerwise_casting`` on the resident model
+  (undone after each pass); ``fp8-streamed`` streams rank-local with ``storage_dtype`` (once per
+  budget with ``--budget``), ``fp8-allgather`` with allgather; the ``-layer`` variants the same with
+  ``upcast: "layer"``. All are compared bitwise with ``fp8-resident`` and reported as a ratio to it.
 
 **Context parallelism.** ``--ulysses-degree N`` / ``--ring-degree N`` (under torchrun) split
 each forward's sequence across groups of ``N`` ranks with diffusers' own context parallelism
@@ -125,16 +126,18 @@ __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", 
 
 #: Streamed variants, in the order of the first half of the schedule.
 VARIANTS = ("peer", "rank-local", "shared", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
-            "fp8-resident", "fp8-streamed", "fp8-allgather")
+            "fp8-resident", "fp8-streamed", "fp8-allgather", "fp8-layer", "fp8-allgather-layer")
 #: Variants with the DiT's blocks compiled (regional ``torch.compile``): resident, and streamed
 #: rank-local; compared bitwise with the compiled resident model.
 _COMPILED = ("compiled", "compiled-streamed")
 #: Variants storing the weights in 8 bits; compared bitwise with ``fp8-resident``.
-_FP8 = ("fp8-resident", "fp8-streamed", "fp8-allgather")
+_FP8 = ("fp8-resident", "fp8-streamed", "fp8-allgather", "fp8-layer", "fp8-allgather-layer")
+#: The streamed ones among them.
+_FP8_STREAMED = _FP8[1:]
 #: The 8-bit format of the fp8 variants.
 FP8_STORAGE = "float8_e4m3fn"
 #: Variants that exist only under torchrun with several ranks.
-_MULTI_RANK = ("shared", "allgather", "allgather-nccl", "fp8-allgather")
+_MULTI_RANK = ("shared", "allgather", "allgather-nccl", "fp8-allgather", "fp8-allgather-layer")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
 RESIDENT = "resident"
 
@@ -184,7 +187,7 @@ class CaseResult:
     vs_compiled: float | None = None
     """Compiled-streamed variants: forward_ms / the ``compiled`` (resident) variant's."""
     vs_fp8: float | None = None
-    """fp8-streamed and fp8-allgather: forward_ms / the ``fp8-resident`` variant's."""
+    """The streamed fp8 variants: forward_ms / the ``fp8-resident`` variant's."""
     computed_steps: int | None = None
     """``--steps`` loops: how many steps of the resident reference loop ran the last block (all
     of them without ``--cache``); every variant's output is compared bitwise with that loop's."""
@@ -451,6 +454,10 @@ def _offload_config(variant: str, device_budget: int | str | None = None) -> dic
         dit["layer_options"] = {"dit": {"storage_dtype": FP8_STORAGE}}
     elif transfer == "fp8-allgather":
         dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "storage_dtype": FP8_STORAGE}}
+    elif transfer == "fp8-layer":
+        dit["layer_options"] = {"dit": {"storage_dtype": FP8_STORAGE, "upcast": "layer"}}
+    elif transfer == "fp8-allgather-layer":
+        dit["layer_options"] = {"dit": {"weight_transfer": "allgather", "storage_dtype": FP8_STORAGE, "upcast": "layer"}}
     if device_budget is not None:
         dit["device_budget"] = device_budget
     return dit
@@ -618,7 +625,7 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device,
     if variant == "fp8-resident":
         return layerwise_casting(model), {"transfer": RESIDENT, "note": f"diffusers layerwise casting ({FP8_STORAGE})"}, None
     saved = None
-    if variant.startswith(("fp8-streamed", "fp8-allgather")):
+    if variant.startswith(_FP8_STREAMED):
         # remove() leaves 8-bit-stored weights at their 8-bit values (the offloaded model's
         # state): a host copy of the originals lets the next pass start from the same model.
         saved = [(t, t.detach().to("cpu", copy=True)) for t in (*model.parameters(), *model.buffers())]
@@ -689,6 +696,9 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         stored = [layout_block(i, n, b, cast=cast) for i, (n, b) in enumerate(component.blocks)]
         least = min_budget(image_slot_bytes([l.nbytes for l in stored], [l.image_nbytes for l in stored]))
         fp8_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
+        # upcast "layer": two slots of the largest block in 8 bits.
+        least = 2 * max(layout_block(i, n, b, cast=cast, per_layer=True).nbytes for i, (n, b) in enumerate(component.blocks))
+        layer_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
     passes: dict[str, list[_Pass]] = {}
     trace = None
     with torch.inference_mode():
@@ -719,7 +729,8 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             base = variant.split("@")[0]
             key = "fp8" if base in _FP8 else base in _COMPILED
             passes.setdefault(variant, []).append(
-                _run_pass(variant, model, forward, references[key], opts, fp8_budgets if key == "fp8" else budgets))
+                _run_pass(variant, model, forward, references[key], opts,
+                          (layer_budgets if base.endswith("-layer") else fp8_budgets) if key == "fp8" else budgets))
         # A loop's floor is the resident loop (see _summarise): no per-block times needed.
         compute = (_block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
                    if opts.steps == 1 else [0.0] * len(block_modules))
@@ -771,7 +782,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             base = fp8_ms
         if variant.startswith(("compiled", "fp8")):
             floor = base
-        if ("@" in variant or variant.startswith(("compiled-streamed", "fp8-streamed", "fp8-allgather"))) and opts.bandwidth:
+        if ("@" in variant or variant.startswith(("compiled-streamed", *_FP8_STREAMED))) and opts.bandwidth:
             # The forward's floor: the compute, or copying the streamed bytes once a forward.
             floor = max(base, ps[0].streamed_bytes / share / opts.bandwidth * 1e3)
         if opts.steps > 1:  # a cache decides per step what to copy: the resident loop is the floor
@@ -788,7 +799,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
             streamed_mib=ps[0].streamed_bytes / 2**20, compile_s=max(p.compile_s for p in ps),
             vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
-            vs_fp8=ms / fp8_ms if variant.startswith(("fp8-streamed", "fp8-allgather")) and fp8_ms else None,
+            vs_fp8=ms / fp8_ms if variant.startswith(_FP8_STREAMED) and fp8_ms else None,
             computed_steps=opts.computed_steps,
             peak_device_mib_ranks=[m[variant][0] for m in memory] if memory else None,
             host_mib_ranks=[m[variant][1] for m in memory] if memory else None))

@@ -62,3 +62,38 @@ def check_stored_allgather(results: list[dict], gather: str) -> None:
             row = r["row"]
             assert (row["weight_transfer"], row["gather"], row["storage_dtype"]) == ("allgather", gather, "float8_e4m3fn")
             assert row["host_bytes"] < 0.75 * r["plain_host_bytes"], (family, row["host_bytes"], r["plain_host_bytes"])
+
+
+@torch.no_grad()
+def per_layer_allgather(rank: Rank, gather: str | None = None) -> dict:
+    """``upcast: "layer"``: every rank's shard holds 8-bit bytes, the gathered block stays 8-bit
+    on the device and each layer upcasts as it runs. Also run on two GPUs (gpu/test_gpu_allgather.py)."""
+    device = rank.device
+    model = tiny.tiny_flux_transformer(dtype=torch.bfloat16).to(device)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tiny.flux_transformer_inputs(model, batch=2).items()}
+    ref = reference(**x)[0]
+    handle = apply_offload(copy.deepcopy(model), _config("float8_e4m3fn", gather), device=device)
+    block = handle.summary()[0]
+    handle.remove()
+    handle = apply_offload(model, _config("float8_e4m3fn", gather, upcast="layer", resident_blocks=[1]), device=device)
+    (row,) = handle.summary()
+    equal = all(torch.equal(model(**x)[0], ref) for _ in range(2))
+    handle.remove()
+    return {"equal": equal, "after_remove": torch.equal(model(**x)[0], ref), "row": row, "block": block}
+
+
+def test_allgather_shards_with_upcast_per_layer_match():
+    check_per_layer_allgather(run_ranks(per_layer_allgather, 2), "gloo")
+
+
+def check_per_layer_allgather(results: list[dict], gather: str) -> None:
+    for r in results:
+        assert r["equal"] and r["after_remove"], r
+        row, block = r["row"], r["block"]
+        assert (row["weight_transfer"], row["gather"], row["upcast"]) == ("allgather", gather, "layer")
+        assert row["resident_blocks"] == [1]
+        # Each rank's shards: the 8-bit bytes of what streams, as under "block" less the resident one.
+        assert row["host_bytes"] < block["host_bytes"]
+        assert row["device_slot_bytes"] < 0.6 * block["device_slot_bytes"], (row, block)

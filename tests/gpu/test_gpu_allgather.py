@@ -6,7 +6,7 @@ import torch
 
 from dist.test_allgather_ranks import check_partly_kept, parity, partly_kept
 from dist.test_compile_ranks import compiled
-from dist.test_storage_ranks import check_stored_allgather, stored_allgather
+from dist.test_storage_ranks import check_per_layer_allgather, check_stored_allgather, per_layer_allgather, stored_allgather
 from ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -57,3 +57,11 @@ def test_8_bit_images_under_allgather_on_gpus(gather):
     slot of the gather's own: the copy-engine gather's are mapped into both ranks): equal to
     diffusers' layerwise casting, as on gloo."""
     check_stored_allgather(run_ranks(stored_allgather, 2, args=(gather,), device="cuda"), gather)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("gather", ["copy-engine", "nccl"])
+def test_8_bit_blocks_upcast_per_layer_under_allgather_on_gpus(gather):
+    """``upcast: "layer"`` on two GPUs: the gathered blocks stay 8-bit, each layer upcasts as it
+    runs; equal to diffusers' layerwise casting, as on gloo."""
+    check_per_layer_allgather(run_ranks(per_layer_allgather, 2, args=(gather,), device="cuda"), gather)

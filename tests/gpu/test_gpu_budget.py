@@ -56,10 +56,12 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
     del out, ref
 
 
+@pytest.mark.parametrize("upcast", ["block", "layer"])
 @pytest.mark.parametrize("share", [0.45, 0.7])
-def test_8_bit_images_under_a_budget_keep_to_it(share):
+def test_8_bit_images_under_a_budget_keep_to_it(share, upcast):
     """A ring of 8-bit images under a budget: its slots (the largest block, held ones run from a
-    slot too), its two staging buffers and its held images fit the budget."""
+    slot too), its two staging buffers and its held images fit the budget. Upcast per layer: its
+    8-bit slots and blocks fit it; beside them, one layer's upcast (as the baseline's)."""
     # Non-block bytes in the compute dtype: more than the model keeps outside its blocks in 8 bits.
     model, batch, out, start, block_bytes, nonblock, activations = _measured_model()
     del out
@@ -70,8 +72,10 @@ def test_8_bit_images_under_a_budget_keep_to_it(share):
     del reference
     gc.collect()
     budget = int(share * sum(block_bytes))
+    largest_layer = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False))
+                        for m in model.blocks.modules() if isinstance(m, torch.nn.Linear))
     handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": budget,
-                                   "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})
+                                   "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn", "upcast": upcast}}})
     with torch.inference_mode():
         for _ in range(3):  # warm-up, the measured forward, the plan in force
             assert torch.equal(model(**batch)[0], ref)
@@ -80,10 +84,13 @@ def test_8_bit_images_under_a_budget_keep_to_it(share):
         out = model(**batch)[0]
     assert torch.equal(out, ref)
     (row,) = handle.summary()
-    assert row["resident_blocks"]  # some images held (at 0.7 all of them: the plan needs no forward)
+    assert row["upcast"] == upcast
+    # Some images held (at 0.7 all of them: the plan needs no forward); per layer, blocks or parts.
+    assert row["resident_blocks"] or (upcast == "layer" and row["kept_blocks"])
     assert row["resident_bytes"] + row["device_slot_bytes"] <= budget
     peak = torch.cuda.max_memory_allocated() - start - ref.numel() * ref.element_size()
-    assert peak <= nonblock + budget + activations + 64 * 1024, (peak, nonblock, budget, activations)
+    upcasts = largest_layer if upcast == "layer" else 0
+    assert peak <= nonblock + budget + activations + upcasts + 64 * 1024, (peak, nonblock, budget, activations)
     handle.remove()
     del out, ref
 

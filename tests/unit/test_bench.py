@@ -28,10 +28,10 @@ def test_schedule_is_mirrored_with_resident_first_and_last() -> None:
     assert schedule(bench.DEFAULT_VARIANTS, world=2) == [
         "resident", "peer", "rank-local", "allgather", "allgather", "rank-local", "peer", "resident"]
     first = ["peer", "rank-local", "shared", "allgather", "allgather-nccl", "compiled", "compiled-streamed",
-             "fp8-resident", "fp8-streamed", "fp8-allgather"]
+             "fp8-resident", "fp8-streamed", "fp8-allgather", "fp8-layer", "fp8-allgather-layer"]
     assert schedule(bench.VARIANTS, world=2) == ["resident", *first, *reversed(first), "resident"]
     # Multi-rank variants drop out on one rank.
-    one = ["peer", "rank-local", "compiled", "compiled-streamed", "fp8-resident", "fp8-streamed"]
+    one = ["peer", "rank-local", "compiled", "compiled-streamed", "fp8-resident", "fp8-streamed", "fp8-layer"]
     assert schedule(bench.VARIANTS, world=1) == ["resident", *one, *reversed(one), "resident"]
     # The order is fixed whatever order the flags name them in.
     assert schedule(["allgather", "rank-local"], world=2) == [
@@ -245,8 +245,14 @@ def test_an_8_bit_budget_below_its_ring_minimum_runs_at_that_minimum(tmp_path) -
     # Two slots and two staging buffers: more than two slots of the largest block in bf16.
     out_json = tmp_path / "fp8.json"
     flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "1", "--variants",
-             "fp8-resident", "fp8-streamed", "--budget", "0", "--json", str(out_json)]
+             "fp8-resident", "fp8-streamed", "fp8-layer", "--budget", "0", "60", "--json", str(out_json)]
     assert cli_main(["bench", *flags]) == 0
     rows = {r["variant"]: r for r in json.loads(out_json.read_text())["results"]}
     row = rows["fp8-streamed@0%"]
     assert row["bitwise_equal"] and "below two slots" in row["note"] and row["slots"] == 2
+    # upcast "layer": the minimum is two slots of the largest block in 8 bits, and a budget
+    # holds more than "block" does.
+    layer, block = rows["fp8-layer@0%"], rows["fp8-layer@60%"]
+    assert layer["bitwise_equal"] and "below two slots" in layer["note"] and layer["device_budget"] < row["device_budget"]
+    assert block["bitwise_equal"] and block["vs_fp8"] is not None
+    assert rows["fp8-layer@60%"]["streamed_mib"] < rows["fp8-streamed@60%"]["streamed_mib"]

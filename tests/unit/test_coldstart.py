@@ -265,3 +265,23 @@ def test_a_checkpoint_saved_in_8_bits_is_read_without_a_round_trip(wan_folder, t
     fp8 = [c for c in reads.call_args_list if c.args[2].dtype == torch.float8_e4m3fn]
     assert fp8 and all(c.args[0].info(c.args[1]).dtype == torch.float8_e4m3fn for c in fp8)
     handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cold_start_with_upcast_per_layer_reads_8_bit_blocks(wan_folder, dtype):
+    """``upcast: "layer"`` plans the blocks in 8 bits: the checkpoint's fp32 tensors are read
+    through the model's dtype into 8 bits (rounded as loading, then casting, rounds) and the
+    output equals the ordinary load under diffusers' layerwise casting."""
+    cfg = {"mode": "layer", "components": ["dit"],
+           "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn", "upcast": "layer"}}}
+    ref = DiffusionPipeline.from_pretrained(wan_folder, dtype=dtype, disable_mmap=True)
+    ref.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=dtype)
+    with mock.patch.object(WanTransformer3DModel, "from_pretrained", side_effect=AssertionError("loaded whole")):
+        pipe, handle = load_offloaded(wan_folder, cfg, device="cpu", dtype=dtype)
+    (row,) = handle.summary()
+    assert (row["storage_dtype"], row["upcast"]) == ("float8_e4m3fn", "layer")
+    kwargs = dict(prompt="a fox", num_inference_steps=2, output_type="np", **{
+        k: v for k, v in tiny.TINY_WAN_DEFAULTS.items() if k != "num_inference_steps"})
+    out = pipe(generator=torch.Generator().manual_seed(1), **kwargs).frames
+    assert (out == ref(generator=torch.Generator().manual_seed(1), **kwargs).frames).all()
+    handle.remove()

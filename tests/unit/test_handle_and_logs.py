@@ -22,7 +22,7 @@ from omni_dist_offload.transfer import RankLocalTransfer, TransferStreams
 SUMMARY_KEYS = ["component", "category", "module_class", "num_blocks", "weight_transfer", "gather",
                 "fallback_reason", "block_bytes", "host_bytes", "device_slot_bytes", "setup_s",
                 "resident_blocks", "resident_bytes", "predicted_ratio", "device_budget", "kept_blocks",
-                "found_by", "storage_dtype", "shared_host_bytes", "host_ranks"]
+                "found_by", "storage_dtype", "upcast", "shared_host_bytes", "host_ranks"]
 
 
 def test_summary_is_the_typed_rows_as_dicts():

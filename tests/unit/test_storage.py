@@ -266,3 +266,120 @@ def test_a_text_encoder_stores_its_blocks_in_8_bits_and_keeps_the_rest():
     for _ in range(2):
         assert torch.equal(encoder(**t).last_hidden_state, ref)
     handle.remove()
+
+
+# -- upcast: "layer" ([Note: upcast per layer]) ------------------------------------------------
+@pytest.mark.parametrize("family", sorted(DITS))
+@torch.no_grad()
+def test_upcast_per_layer_equals_layerwise_casting_and_streams_8_bit_bytes(family):
+    build, inputs = DITS[family]
+    model = build(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    batches = [inputs(model, seed=0), inputs(model, batch=2, seed=1)]
+    refs = [reference(**b)[0] for b in batches]
+    handle = apply_offload(copy.deepcopy(model), stored(), device="cpu")
+    (block,) = handle.summary()
+    handle.remove()
+    handle = apply_offload(model, stored(upcast="layer"), device="cpu")
+    assert model.dtype == torch.bfloat16
+    for _ in range(2):
+        for b, ref in zip(batches, refs):
+            assert torch.equal(model(**b)[0], ref)
+    # Between forwards the blocks' cast tensors are their 8-bit bytes, where the ring left them.
+    assert any(t.dtype == torch.float8_e4m3fn for t in model.parameters())
+    (row,) = handle.summary()
+    assert (row["storage_dtype"], row["upcast"], block["upcast"]) == ("float8_e4m3fn", "layer", "block")
+    # The same 8-bit bytes on the host and over the link; the slots hold them too, where
+    # "block" slots hold the compute dtype and add a staging buffer.
+    assert abs(row["host_bytes"] - block["host_bytes"]) < 0.02 * block["host_bytes"]
+    assert row["block_bytes"] == block["block_bytes"]
+    assert row["device_slot_bytes"] < 0.5 * block["device_slot_bytes"], (row, block)
+    handle.remove()
+    assert torch.equal(model(**batches[0])[0], refs[0])
+    assert not any(t.dtype.itemsize == 1 for t in model.parameters())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+@torch.no_grad()
+def test_upcast_per_layer_holds_more_of_a_budget_on_the_device():
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=14, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    x = tiny.flux_transformer_inputs(model)
+    ref = reference(**x)[0]
+    images = [layout_block(i, n, b, cast=cast_tensors(model, torch.float8_e4m3fn)) for i, (n, b) in
+              enumerate([*(("transformer_blocks.%d" % i, b) for i, b in enumerate(model.transformer_blocks)),
+                         *(("single_transformer_blocks.%d" % i, b) for i, b in enumerate(model.single_transformer_blocks))])]
+    # "block": two compute-dtype slots (and the staging spread over them), then room for three
+    # of the fifteen images.
+    budget = 2 * (max(l.nbytes for l in images) + max(l.image_nbytes for l in images)) + 3 * min(l.image_nbytes for l in images)
+    rows = {}
+    for where in ("block", "layer"):
+        m = copy.deepcopy(model)
+        handle = apply_offload(m, {**stored(upcast=where), "device_budget": budget}, device="cpu")
+        for _ in range(3):  # the first forward is measured, then the plan is made for good
+            assert torch.equal(m(**x)[0], ref)
+        ring = handle.rings[0]
+        (rows[where],) = handle.summary()
+        assert ring.plan is not None and ring.plan.measured
+        if where == "layer":
+            # What the plan keeps on the device fits the budget: whole blocks, kept parts and slots.
+            on_device = sum(ring.resident_nbytes(i) for i in ring.resident) + ring.kept_tensor_bytes()
+            assert on_device + sum(s.numel() for s in ring.slots) <= budget
+        handle.remove()
+        assert torch.equal(m(**x)[0], ref)
+    # Spent on 8-bit slots and blocks, the same budget streams fewer bytes.
+    assert rows["layer"]["block_bytes"] < rows["block"]["block_bytes"], rows
+
+
+def test_upcast_is_checked_and_layer_needs_a_diffusers_model():
+    with pytest.raises(OffloadConfigError, match=r"layer_options.dit key 'upcast' has value 'tensor'"):
+        OffloadConfig.parse(stored(upcast="tensor"))
+    with pytest.raises(OffloadConfigError, match=r"key 'upcast' is 'layer' without a storage_dtype"):
+        OffloadConfig.parse({"mode": "layer", "layer_options": {"dit": {"upcast": "layer"}}})
+    assert OffloadConfig.parse(stored(upcast="layer")).to_dict()["layer_options"]["dit"]["upcast"] == "layer"
+    encoder = tiny.tiny_umt5_encoder(num_layers=2)
+    before = {n: t.clone() for n, t in encoder.state_dict().items()}
+    cfg = {"mode": "layer", "components": ["text_encoder"],
+           "layer_options": {"text_encoder": {"storage_dtype": "float8_e4m3fn", "upcast": "layer"}}}
+    with pytest.raises(OffloadConfigError, match=r"upcast 'layer' needs a diffusers model.*T5EncoderModel|UMT5EncoderModel"):
+        apply_offload(encoder, cfg, device="cpu")
+    assert all(torch.equal(before[n], t) and t.dtype == before[n].dtype for n, t in encoder.state_dict().items())
+
+
+@torch.no_grad()
+def test_a_failed_setup_with_upcast_per_layer_changes_nothing(monkeypatch):
+    import omni_dist_offload.apply as apply_mod
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2, dtype=torch.bfloat16)
+    x = tiny.flux_transformer_inputs(model)
+    want = model(**x)[0]
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("ring failed (simulated)")
+
+    monkeypatch.setattr(apply_mod, "BlockRing", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        apply_offload(model, stored(upcast="layer"), device="cpu")
+    monkeypatch.undo()
+    assert all(torch.equal(before[n], t) and t.dtype == before[n].dtype for n, t in model.state_dict().items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert torch.equal(model(**x)[0], want)
+
+
+@torch.no_grad()
+def test_compiled_blocks_with_upcast_per_layer_are_refused_at_the_first_forward():
+    from omni_dist_offload.loading.compiling import compile_dits, uncompile
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=1)
+    x = tiny.flux_transformer_inputs(model)
+    handle = apply_offload(model, stored(upcast="layer"), device="cpu")
+    want = model(**x)[0]
+    compile_dits(model, "regional")
+    with pytest.raises(RuntimeError, match=r"was compiled, and its 8-bit weights are upcast per layer"):
+        model(**x)
+    uncompile(model)
+    assert torch.equal(model(**x)[0], want)  # refused before anything changed
+    handle.remove()
