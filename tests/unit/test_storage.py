@@ -72,16 +72,22 @@ def test_e5m2_resident_blocks_and_a_second_forward_shape():
     assert torch.equal(model(**x)[0], refs[0])
 
 
-@torch.no_grad()
-def test_a_budget_holds_8_bit_images_and_replans_from_a_measured_forward():
+def _fifteen_blocks():
+    """A bf16 Flux DiT of 15 blocks, its inputs, its output under diffusers' layerwise casting,
+    and its blocks' layouts as 8-bit images."""
     model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=14, dtype=torch.bfloat16)
     reference = copy.deepcopy(model)
     reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     x = tiny.flux_transformer_inputs(model)
-    ref = reference(**x)[0]
     images = [layout_block(i, n, b, cast=cast_tensors(model, torch.float8_e4m3fn)) for i, (n, b) in
               enumerate([*(("transformer_blocks.%d" % i, b) for i, b in enumerate(model.transformer_blocks)),
                          *(("single_transformer_blocks.%d" % i, b) for i, b in enumerate(model.single_transformer_blocks))])]
+    return model, x, reference(**x)[0], images
+
+
+@torch.no_grad()
+def test_a_budget_holds_8_bit_images_and_replans_from_a_measured_forward():
+    model, x, ref, images = _fifteen_blocks()
     # Two slots (and the staging spread over them), then room for three of the fifteen images.
     slot = max(l.nbytes for l in images) + max(l.image_nbytes for l in images)
     budget = 2 * slot + 3 * min(l.image_nbytes for l in images)
@@ -303,14 +309,7 @@ def test_upcast_per_layer_equals_layerwise_casting_and_streams_8_bit_bytes(famil
 
 @torch.no_grad()
 def test_upcast_per_layer_holds_more_of_a_budget_on_the_device():
-    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=14, dtype=torch.bfloat16)
-    reference = copy.deepcopy(model)
-    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    x = tiny.flux_transformer_inputs(model)
-    ref = reference(**x)[0]
-    images = [layout_block(i, n, b, cast=cast_tensors(model, torch.float8_e4m3fn)) for i, (n, b) in
-              enumerate([*(("transformer_blocks.%d" % i, b) for i, b in enumerate(model.transformer_blocks)),
-                         *(("single_transformer_blocks.%d" % i, b) for i, b in enumerate(model.single_transformer_blocks))])]
+    model, x, ref, images = _fifteen_blocks()
     # "block": two compute-dtype slots (and the staging spread over them), then room for three
     # of the fifteen images.
     budget = 2 * (max(l.nbytes for l in images) + max(l.image_nbytes for l in images)) + 3 * min(l.image_nbytes for l in images)
