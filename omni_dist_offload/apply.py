@@ -381,11 +381,15 @@ def apply_offload(
     setup = _Setup.start(cfg, dev, any(s.group is not None for s in specs), progress, groups)
     try:
         in_blocks = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
+        upcasts = {}
         for c in components:
             if c.name in per_layer:  # before the rings point the tensors at their 8-bit bytes
-                handle._stored.append(upcast_per_layer(c.module, casts[c.name], in_blocks, dev))
+                upcasts[c.name] = upcast_per_layer(c.module, casts[c.name], in_blocks, dev)
+                handle._stored.append(upcasts[c.name])
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
+            if spec.component.name in upcasts:
+                ring.upcasts = upcasts[spec.component.name].compute_dtypes()
             handle._add_ring(ring, originals)
         handle._move_resident(in_blocks)
         for c in components:

@@ -98,7 +98,8 @@ class LayerOptions:
     bytes, so a ``device_budget`` holds about twice as many blocks) and each layer upcasts its
     weights just before it runs, on the compute stream, as diffusers' layerwise casting does;
     see [Note: upcast per layer] in ``storage.py``. Diffusers models only (their layers read
-    their weights only in their own forward); not with ``torch.compile``."""
+    their weights only in their own forward); not with ``torch.compile``; LoRA adapters are
+    loaded before offloading (after it, peft would create them in 8 bits)."""
 
     def __post_init__(self) -> None:
         _check_choice("storage_dtype", self.storage_dtype, STORAGE_DTYPES, "layer_options.<component>",

@@ -75,13 +75,14 @@ def check_not_cuda_graphs(name: str, module: torch.nn.Module) -> None:
             "(regional: model.compile_repeated_blocks(), or torch.compile on each block).")
 
 
-def _keep_in(name: str, tensor: torch.Tensor, view: torch.Tensor) -> None:
+def _keep_in(name: str, tensor: torch.Tensor, view: torch.Tensor, stored: bool = False) -> None:
     """An edit may have given ``tensor`` new storage (``weight.data = merged``): copy what it
-    holds into ``view``, the storage the ring owns for it."""
+    holds into ``view``, the storage the ring owns for it. ``stored``: ``view`` holds it in 8 bits
+    (``upcast: "layer"``), cast on the copy."""
     data = tensor.data
     if data.data_ptr() == view.data_ptr() and data.stride() == view.stride():
         return
-    if data.shape != view.shape or data.dtype != view.dtype:
+    if data.shape != view.shape or (data.dtype != view.dtype and not stored):
         raise RuntimeError(f"{name}: an edit changed it to {tuple(data.shape)} {data.dtype}, from "
                            f"{tuple(view.shape)} {view.dtype}; a streamed tensor keeps its shape and dtype.")
     view.copy_(data)
@@ -183,6 +184,9 @@ class BlockRing:
         """The 8-bit format the blocks are stored in (set by ``apply_offload``), or None."""
         self.upcast: str | None = None
         """With a storage dtype, where it is upcast: ``"block"`` or ``"layer"``."""
+        self.upcasts: dict[int, torch.dtype] = {}
+        """``upcast: "layer"``: the model's dtype of each tensor (by ``id``) its blocks hold in 8
+        bits (set by ``apply_offload``); an edit sees them in it."""
 
     def _configure(self, num_slots: int) -> None:
         """Slots, their views and events for the current resident set. Setup only: allocates."""
@@ -470,13 +474,25 @@ class BlockRing:
         where they stay: a LoRA adapter loaded after ``apply_offload`` is created beside the
         parked host copies, and is small next to its block (rank 16 on a Wan-14B projection:
         0.3 MB against 12 MB), so it stays resident rather than growing every slot."""
+        strays = [(layout, name, t) for layout in self.layouts
+                  for name, t in itertools.chain(layout.module.named_parameters(), layout.module.named_buffers())
+                  if id(t) not in self._entry_ids]
+        if self.upcasts:
+            stored = [f"{layout.name}.{name}" for layout, name, t in strays if t.dtype.is_floating_point
+                      and t.dtype.itemsize == 1]
+            if stored:
+                # peft gives a new adapter its base layer's dtype, which reads 8 bits here.
+                raise RuntimeError(
+                    f"{self.component.name}: {stored[0]} ({len(stored)} tensors in all) came after "
+                    "offloading, in 8 bits: an adapter loaded after apply_offload with upcast \"layer\" "
+                    "takes its base layer's 8-bit dtype, which it cannot compute in. Load adapters before "
+                    "offloading, or use upcast \"block\" (the default).")
         self.adopt_pending = False
         # Ordinary tensors, whatever mode the forward runs in: their creator made them so.
         with torch.inference_mode(False), torch.no_grad():
-            for layout in self.layouts:
-                for t in itertools.chain(layout.module.parameters(), layout.module.buffers()):
-                    if id(t) not in self._entry_ids and t.device != self.device:
-                        t.data = t.data.to(self.device)
+            for _layout, _name, t in strays:
+                if t.device != self.device:
+                    t.data = t.data.to(self.device)
 
     def edit_block(self, i: int, edit: Callable[[], _T]) -> _T:
         """Run ``edit()`` with block ``i``'s tensors on the device, and keep what it leaves in
@@ -510,12 +526,23 @@ class BlockRing:
                 kept = self._kept_views(i)
                 views = [*kept, *self._slot_views[slot][i]]
             bind(layout.entries, views)
+            # upcast "layer": the edit sees the weights in the model's dtype, as under "block",
+            # and what it leaves is stored in 8 bits again (rounded as Tensor.to rounds).
+            for entry in layout.entries:
+                compute = self.upcasts.get(id(entry.tensor))
+                if compute is not None:
+                    entry.tensor.data = entry.tensor.data.to(compute)
             try:
                 result = edit()
                 for entry, view in zip(layout.entries, views):
-                    _keep_in(entry.name, entry.tensor, view)
+                    _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
                 if slot is not None:
                     self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
+                    if layout.image is not None:
+                        # Stored in 8 bits ("block"): the slot holds the edit unrounded, the image
+                        # its 8-bit rounding. The next forward fetches the block again, so every
+                        # forward runs on what is stored.
+                        self._slot_block[slot] = _EMPTY
                     if i in self._kept and self.transfer.gather is None:
                         # A rank-local host copy is whole: it holds the kept part's edit too
                         # (under a gather, the kept part has no host copy).

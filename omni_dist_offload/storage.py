@@ -175,6 +175,10 @@ class LayerUpcasts:
     def commit(self) -> None:
         pass
 
+    def compute_dtypes(self) -> dict[int, torch.dtype]:
+        """``id(tensor) -> the model's dtype`` of every 8-bit tensor of the blocks."""
+        return {id(t): compute for t, compute in self._tensors}
+
     def undo(self) -> None:
         """A failed setup: hooks off (the ring gives the tensors their original storage back)."""
         self._unhook()

@@ -68,3 +68,9 @@ def test_the_8_bit_path_never_synchronises_nor_allocates_per_block(upcast):
         torch.cuda.set_sync_debug_mode(0)
     assert streamed_allocs == 3 * resident_allocs
     handle.remove()
+
+
+def test_a_lora_fused_into_8_bit_blocks_is_what_every_later_forward_runs_on_cuda():
+    from unit.test_storage import fused_8_bit_runs
+
+    fused_8_bit_runs(torch.device("cuda"))

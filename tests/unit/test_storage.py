@@ -382,3 +382,71 @@ def test_compiled_blocks_with_upcast_per_layer_are_refused_at_the_first_forward(
     uncompile(model)
     assert torch.equal(model(**x)[0], want)  # refused before anything changed
     handle.remove()
+
+
+def test_a_lora_fused_into_8_bit_blocks_is_what_every_later_forward_runs():
+    fused_8_bit_runs(torch.device("cpu"))
+
+
+@torch.no_grad()
+def fused_8_bit_runs(device: torch.device) -> None:
+    """Fusing rounds the fused weights to 8 bits as storing them does; every forward after it,
+    the first included (whose block may still sit in a slot from the edit), runs on what is
+    stored, with either upcast, and both give the same outputs and weights. Also on CUDA
+    (gpu/test_gpu_storage.py)."""
+    peft = pytest.importorskip("peft")
+    base = tiny.tiny_wan_transformer(num_layers=4, dtype=torch.bfloat16).to(device)
+    x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(base).items()}
+
+    def add(model):
+        torch.manual_seed(3)
+        model.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                          init_lora_weights=False))
+
+    # The weights to expect: stored in 8 bits, fused in bf16, stored again.
+    reference = copy.deepcopy(base)
+    add(reference)
+    cast = cast_tensors(reference, torch.float8_e4m3fn)
+    in_blocks = {id(t) for t in reference.blocks.parameters()}
+
+    def store() -> None:
+        for t in reference.parameters():
+            if id(t) in cast and id(t) in in_blocks:
+                t.data = t.data.to(torch.float8_e4m3fn).to(t.dtype)
+
+    store()
+    reference.fuse_lora(lora_scale=0.7)
+    store()
+    want = {k: v for k, v in reference.state_dict().items() if k.startswith("blocks.")}
+    runs = {}
+    for where in ("block", "layer"):
+        for resident in (None, [1]):
+            model = copy.deepcopy(base)
+            add(model)
+            cfg = stored(upcast=where, resident_blocks=resident)
+            handle = apply_offload(model, cfg, device=device)
+            model.fuse_lora(lora_scale=0.7)
+            first, second = model(**x)[0], model(**x)[0]
+            handle.remove()
+            assert torch.equal(first, second) and torch.equal(first, model(**x)[0]), (where, resident)
+            got = model.state_dict()
+            assert all(torch.equal(got[k], v) for k, v in want.items()), (where, resident)
+            handle = apply_offload(model, cfg, device=device)
+            assert torch.equal(model(**x)[0], first)
+            handle.remove()
+            runs[where, str(resident)] = first
+    assert torch.equal(runs["block", "None"], runs["layer", "None"]) and torch.equal(runs["block", "[1]"], runs["layer", "[1]"])
+
+
+@torch.no_grad()
+def test_an_adapter_loaded_after_offloading_with_upcast_per_layer_is_named():
+    peft = pytest.importorskip("peft")
+    model = tiny.tiny_wan_transformer(num_layers=2, dtype=torch.bfloat16)
+    x = tiny.wan_transformer_inputs(model)
+    handle = apply_offload(model, stored(upcast="layer"), device="cpu")
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"], init_lora_weights=False))
+    for _ in range(2):  # said again until the adapter is gone
+        with pytest.raises(RuntimeError, match=r"blocks\.0\..*lora_A.* came after offloading, in 8 bits.*Load "
+                                               r"adapters before offloading"):
+            model(**x)
+    handle.remove()
