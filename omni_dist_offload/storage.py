@@ -23,18 +23,20 @@ With ``upcast: "layer"`` a block's 8-bit tensors stay 8-bit on the device too: i
 planned in the stored dtype (``layout_block(per_layer=True)``), so the host copy, the slots, a
 resident block and an allgather shard all hold the 8-bit bytes, and the ring streams the block
 as it streams any other (it only ever moves bytes). Each layer that holds 8-bit tensors gets a
-pre-forward hook that points them at their upcast (``Tensor.to``, the cast diffusers' hook
-makes, on the compute stream) and a post-forward hook (run on an exception too) that points them
-back at their 8-bit bytes, where the ring left them; the upcast is freed with the layer's
-forward. So the device holds at most one layer's weights in the compute dtype beside the 8-bit
-blocks, as diffusers' layerwise casting does for a resident model, and outputs match it bit for
-bit. What it costs: every layer's cast runs on the compute stream, as in the baseline (the
-``"block"`` upcast runs on a stream of its own instead), and diffusers' hook also casts the
-weights back down after each use, which this one does not need (the 8-bit bytes are still
-there): measured on Flux-12B, the resident model with these hooks runs at 0.90x of
-``enable_layerwise_casting``'s forward. What it buys: a budget spends 8-bit bytes on its slots and
-resident blocks, against compute-dtype slots and staging buffers for ``"block"``
-(``docs/performance.md``).
+pre-forward hook that writes their upcast into one buffer the size of the largest such layer
+(the same cast as the ``Tensor.to`` of diffusers' hook, with the same strides, on the compute
+stream; nothing is allocated per layer) and points them at it, and a post-forward hook (run on
+an exception too) that points them back at their 8-bit bytes, where the ring left them. So the
+device holds one layer's weights in the compute dtype beside the 8-bit blocks, as diffusers'
+layerwise casting does for a resident model, and outputs match it bit for bit. An edit
+(``BlockRing.edit_block``, a LoRA fuse) sees the weights in the model's dtype and stores what it
+leaves in 8 bits again. What it costs: every layer's cast runs on the compute stream, as in the
+baseline (the ``"block"`` upcast runs on a stream of its own instead); diffusers' hook also
+casts the weights back down after each use, which this one does not need (the 8-bit bytes are
+still there): with an earlier version of these hooks (allocating each upcast) the resident
+Flux-12B ran at 0.90x of ``enable_layerwise_casting``'s forward. What it buys: a budget spends
+8-bit bytes on its slots and resident blocks, against compute-dtype slots and staging buffers
+for ``"block"`` (``docs/performance.md``).
 """
 
 from __future__ import annotations
