@@ -314,6 +314,12 @@ def residency_and_storage(rank: Rank) -> dict:
     out["fp8"] = handle.summary()[0]
     out["fp8_equal"] = all(torch.equal(flux(**fx)[0], reference(**fx)[0]) for _ in range(rank.rank + 1))
     handle.remove()
+    # upcast "layer": the shared copy holds the same 8-bit bytes, laid out as the device holds them.
+    handle = apply_offload(flux, shared_config(storage_dtype="float8_e4m3fn", upcast="layer", resident_blocks=1))
+    out["fp8_layer"] = handle.summary()[0]
+    out["fp8_layer_equal"] = all(torch.equal(flux(**fx)[0], reference(**fx)[0]) for _ in range(rank.rank + 1))
+    dist.barrier()
+    handle.remove()
 
     from omni_dist_offload import Omni
     from omni_dist_offload.app.cli import format_plan, plan_rows
@@ -334,5 +340,8 @@ def test_resident_blocks_leave_the_shared_copy_and_8_bit_images_share():
         assert r["fixed_allocated"] - r["planned_allocated"] >= per_block  # block 0's pages went back
         assert r["fp8_equal"] and r["fp8"]["weight_transfer"] == "shared"
         assert r["fp8"]["storage_dtype"] == "float8_e4m3fn" and r["fp8"]["host_ranks"] == 2
+        layer = r["fp8_layer"]
+        assert r["fp8_layer_equal"] and (layer["weight_transfer"], layer["upcast"], layer["host_ranks"]) == ("shared", "layer", 2)
+        assert abs(layer["shared_host_bytes"] - r["fp8"]["shared_host_bytes"]) < 0.05 * r["fp8"]["shared_host_bytes"]
         # inspect: this rank's share in the table, the host's one copy below it.
         assert " shared " in r["inspect"] and "in one copy for 2 ranks" in r["inspect"], r["inspect"]
