@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..apply import OffloadHandle, RingSummary, resolve_device
-from ..config import OffloadConfig
+from ..config import OffloadConfig, OffloadConfigError
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec, enable_cache, load_loras
 from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
 from ..loading.parallel import (
@@ -133,6 +133,20 @@ def with_storage(config: OffloadConfig | None, storage_dtype: str | None) -> Off
     return OffloadConfig.parse({**base, "layer_options": options})
 
 
+def with_upcast(config: OffloadConfig | None, upcast: str | None) -> OffloadConfig | None:
+    """``config`` with ``upcast`` set on its DiT components (text encoders from transformers
+    keep ``"block"``: see ``LayerOptions.upcast``). Raises :class:`OffloadConfigError` for a value
+    it does not know, or where the DiT stores nothing in 8 bits."""
+    if upcast is None:
+        return config
+    base = (config or OffloadConfig.parse({"mode": "layer", "components": ["dit"]})).to_dict()
+    if "dit" not in base["components"]:
+        raise OffloadConfigError(f"upcast {upcast!r} applies to the DiT, which this config does not stream "
+                                 f"(components: {base['components']}).")
+    options = {**base["layer_options"], "dit": {**base["layer_options"].get("dit", {}), "upcast": upcast}}
+    return OffloadConfig.parse({**base, "layer_options": options})
+
+
 class Omni:
     """A pipeline on a device, its offload handle, and ``generate``."""
 
@@ -151,6 +165,7 @@ class Omni:
         lora: Sequence[str | Mapping[str, Any] | LoraSpec] = (),
         cache: str | Mapping[str, Any] | CacheSpec | None = None,
         storage_dtype: str | None = None,
+        upcast: str | None = None,
         context_parallel: ContextParallel | Mapping[str, int] | None = None,
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
@@ -169,7 +184,8 @@ class Omni:
         reset before every generation. Both are checked before anything loads (raising
         :class:`AdapterError`) and recorded in the output metadata. ``storage_dtype``
         (``"float8_e4m3fn"``, ``"float8_e5m2"``) stores every streamed component's block weights
-        in 8 bits on the host, upcast on the device (sets ``layer_options.<c>.storage_dtype``).
+        in 8 bits on the host, upcast on the device (sets ``layer_options.<c>.storage_dtype``);
+        ``upcast`` (``"block"``, ``"layer"``) says where, for the DiT (``layer_options.dit.upcast``).
         ``context_parallel``: ``{"ulysses_degree": 2, "ring_degree": 1}`` splits each sample of
         the DiTs across that many ranks with diffusers' context parallelism (after offloading;
         under torchrun, in groups of consecutive ranks: :attr:`parallel`); every rank of a group
@@ -183,7 +199,8 @@ class Omni:
             spec.check()
         self.cache = CacheSpec.parse(cache) if cache is not None else None
         self.model = model
-        self.config = with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype)
+        self.config = with_upcast(with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype),
+                                  upcast)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..config import STORAGE_DTYPES, OffloadConfig, OffloadConfigError
+from ..config import STORAGE_DTYPES, UPCASTS, OffloadConfig, OffloadConfigError
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError
@@ -40,7 +40,7 @@ from ..runtime.logs import current_rank, rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
-from .api import GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage
+from .api import GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage, with_upcast
 from .dp import run_prompts
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
@@ -132,6 +132,11 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="store the streamed block weights in 8 bits on the host and upcast them "
                         "on the device, as diffusers' layerwise casting stores them (sets storage_dtype "
                         "for every streamed component in the offload config)")
+    parser.add_argument("--upcast", default=None, choices=list(UPCASTS),
+                        help="with 8-bit storage, where the DiT's weights are upcast: block (a whole block "
+                        "into a slot in the model's dtype, off the compute stream) or layer (blocks stay 8-bit "
+                        "on the device, each layer upcast as it runs, so a device budget holds twice the blocks; "
+                        "sets upcast for the DiT in the offload config)")
     parser.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
                         help="under torchrun: split each sample of the DiT across N ranks with diffusers' "
                         "context parallelism (Ulysses attention); groups of N ranks run one prompt each")
@@ -207,6 +212,9 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         raise UsageError("--device-budget plans what streams; with --no-offload nothing does: drop one of them.")
     if ns.no_offload and ns.storage_dtype is not None:
         raise UsageError("--storage-dtype stores what streams; with --no-offload nothing does: drop one of them.")
+    if ns.no_offload and ns.upcast is not None:
+        raise UsageError("--upcast says how streamed 8-bit weights are upcast; with --no-offload nothing streams: "
+                         "drop one of them.")
     if not ns.no_offload:
         try:
             config = OffloadConfig.parse(ns.diffusion_offload_config)
@@ -217,6 +225,10 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         except OffloadConfigError as exc:
             raise UsageError(f"--device-budget: {exc}") from None
         config = with_storage(config, ns.storage_dtype)
+        try:
+            config = with_upcast(config, ns.upcast)
+        except OffloadConfigError as exc:
+            raise UsageError(f"--upcast: {exc}") from None
     _check_model(ns.model)
     _check_device(ns.device)
     try:

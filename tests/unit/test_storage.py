@@ -181,11 +181,19 @@ def test_omni_and_the_cli_store_in_8_bits(capsys):
     with Omni("tiny-flux", storage_dtype="float8_e4m3fn", progress=False) as omni:
         assert omni.config.options_for("dit").storage_dtype == "float8_e4m3fn"
         assert (omni.generate("a red fox", seed=3).frames == want).all()
+    with Omni("tiny-flux", storage_dtype="float8_e4m3fn", upcast="layer", progress=False) as omni:
+        assert [r["upcast"] for r in omni.handle.summary()] == ["layer"]
+        assert (omni.generate("a red fox", seed=3).frames == want).all()
     assert main(["inspect", "--model", "tiny-flux", "--storage-dtype", "float8_e5m2"]) == 0
     out = capsys.readouterr().out
-    assert "stored" in out and "e5m2" in out
+    assert "stored" in out and "e5m2" in out and "e5m2/layer" not in out
+    assert main(["inspect", "--model", "tiny-flux", "--storage-dtype", "float8_e5m2", "--upcast", "layer"]) == 0
+    out = capsys.readouterr().out  # the DiT per layer; text encoders (transformers) per block
+    assert "e5m2/layer" in out and " e5m2 " in out
     assert main(["inspect", "--model", "tiny-flux", "--storage-dtype", "float8_e5m2", "--no-offload"]) == 2
     assert "--storage-dtype stores what streams" in capsys.readouterr().err
+    assert main(["inspect", "--model", "tiny-flux", "--upcast", "layer"]) == 2
+    assert "--upcast: layer_options.dit key 'upcast' is 'layer' without a storage_dtype" in capsys.readouterr().err
 
 
 def test_a_device_that_cannot_cast_is_named_and_nothing_changes(monkeypatch):
