@@ -45,6 +45,7 @@ _MODES: tuple[str, ...] = ("layer",)
 WeightTransfer = Literal["rank-local", "shared", "allgather"]
 PinFailure = Literal["error", "pageable"]
 Gather = Literal["auto", "copy-engine", "nccl"]
+Upcast = Literal["block", "layer"]
 
 
 class OffloadConfigError(ValueError):
@@ -90,7 +91,7 @@ class LayerOptions:
     the model's dtype on the device, on the copy side of the ring. Outputs equal the resident
     model's under ``enable_layerwise_casting`` at the same dtypes, bit for bit."""
 
-    upcast: str = "block"
+    upcast: Upcast = "block"
     """With ``storage_dtype``, where the 8-bit weights become the model's dtype. ``"block"``: a
     whole block at a time, into a slot of the model's dtype, on the copy side of the ring (the
     compute stream never casts; every slot takes the block's full compute-dtype bytes).
