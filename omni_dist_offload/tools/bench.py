@@ -697,7 +697,7 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         least = min_budget(image_slot_bytes([l.nbytes for l in stored], [l.image_nbytes for l in stored]))
         fp8_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
         # upcast "layer": two slots of the largest block in 8 bits.
-        least = 2 * max(layout_block(i, n, b, cast=cast, per_layer=True).nbytes for i, (n, b) in enumerate(component.blocks))
+        least = min_budget([layout_block(i, n, b, cast=cast, per_layer=True).nbytes for i, (n, b) in enumerate(component.blocks)])
         layer_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
     passes: dict[str, list[_Pass]] = {}
     trace = None

@@ -110,7 +110,6 @@ class AllGatherTransfer:
                 raise
         self.shards[block], self.plans[block], self._start[block] = shard, plan, start
         self._chunks[block] = self._chunk_table(plan)
-        old.release()
 
     def _check_start(self, block: int, start: int) -> None:
         """A gather moves whole blocks, or what a block keeps off the device (:meth:`keep_part`):
