@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,6 @@ from omni_dist_offload import Omni
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos/generations"
 CONFIG = '{"mode":"layer","components":["dit","text_encoder"]}'
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def call(port: int, path: str, body: object | bytes | None = None,
@@ -74,15 +67,21 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+# The line a server logs once it listens, with the port it took.
+_SERVING = re.compile(r"serving \S+ \(\w+\) on http://\S+?:(\d+) ")
+
+
 class Server:
-    """``omni-offload serve`` as a subprocess (or two ranks under torchrun)."""
+    """``omni-offload serve`` as a subprocess (or two ranks under torchrun). It binds a free port
+    itself (``--port 0``) and says which: a port picked here and passed on could be taken by
+    another process first, and its answers taken for this server's."""
 
     def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1, max_files: int | None = None) -> None:
         """``max_files``: the server's open-file limit, soft and hard."""
-        self.port = free_port()
+        self.port = 0
         self.out_dir = tmp / "out"
         cli = ["-m", "omni_dist_offload", "serve", "--model", model, "--diffusion-offload-config",
-               CONFIG, "--port", str(self.port), "--output-dir", str(self.out_dir), "--video-format",
+               CONFIG, "--port", "0", "--output-dir", str(self.out_dir), "--video-format",
                "gif", *flags]
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOG_RANK": "0,1"}
@@ -93,11 +92,14 @@ class Server:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.output()
+            if not self.port and (match := _SERVING.search(self.output())):
+                self.port = int(match[1])
             try:
-                if call(self.port, "/health", timeout=2)[0] == 200:
+                if self.port and call(self.port, "/health", timeout=2)[0] == 200:
                     return
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.1)
         raise AssertionError(f"server did not come up:\n{self.output()}")
 
     def output(self) -> str:

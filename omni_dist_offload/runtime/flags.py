@@ -39,7 +39,8 @@ def non_negative_int(text: str) -> int:
 
 
 def port(text: str) -> int:
-    value = positive_int(text)
+    """A TCP port, or 0: a free one the system picks when the server binds it."""
+    value = non_negative_int(text)
     if value > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535, or 0 for a free one)")
     return value

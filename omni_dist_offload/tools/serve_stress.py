@@ -2,10 +2,10 @@
 stalled uploads while normal requests keep coming; and, on its own, a throughput measurement
 with mixed image sizes.
 
-The tool starts the server itself (``python -m omni_dist_offload serve --model tiny-flux`` on a
-free loopback port, its output in a log file of a temporary folder; with ``--ranks N`` under
-``torchrun --standalone --nproc_per_node N``), or drives one already running (``--url``). It only
-ever sends to 127.0.0.1.
+The tool starts the server itself (``python -m omni_dist_offload serve --model tiny-flux --port 0``:
+on a free loopback port it picks and logs, its output in a log file of a temporary folder; with
+``--ranks N`` under ``torchrun --standalone --nproc_per_node N``), or drives one already running
+(``--url``). It only ever sends to 127.0.0.1.
 
 * load: ``--requests`` image requests from ``--in-flight`` concurrent clients. Every answer must
   be a 200 carrying the seed that was sent; the server's RSS at the end may be at most
@@ -342,10 +342,9 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 # -- the server ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# The line a server logs once it listens; ``--port 0`` lets it pick a free port and say which,
+# where a port picked here and passed on could be taken by another process before it binds.
+_SERVING = re.compile(r"serving \S+ \(\w+\) on http://\S+?:(\d+) ")
 
 
 class _ServerProcess:
@@ -354,11 +353,12 @@ class _ServerProcess:
     is killed with every rank."""
 
     def __init__(self, opts: StressOptions, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port: int | None = None
+        """The port it listens on, read from its log once it says (``--port 0``)."""
         self.log = workdir / "serve.log"
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.ranks)]
         self.command = [sys.executable, *(launcher if opts.ranks > 1 else []), "-m", "omni_dist_offload",
-                        "serve", "--model", opts.model, "--port", str(self.port),
+                        "serve", "--model", opts.model, "--port", "0",
                         "--diffusion-offload-config", DEFAULT_OFFLOAD_CONFIG, *opts.serve_flags]
         self.rank0_pid: int | None = None
         """Under torchrun: rank 0's process, which answers HTTP (found once it is ready)."""
@@ -379,23 +379,27 @@ class _ServerProcess:
         """The process that serves HTTP, for its RSS: rank 0 under torchrun, once found."""
         return self.rank0_pid or self.proc.pid
 
-    def wait_ready(self, target: _Target, timeout_s: float) -> None:
-        """Returns once ``GET /health`` answers 200; ``RuntimeError`` if it never does."""
+    def wait_ready(self, timeout_s: float, api_key: str | None) -> _Target:
+        """Where to send requests, once the server has said its port and ``GET /health``
+        answers 200 there; ``RuntimeError`` if it never does."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {self.proc.returncode} before it "
                                    f"was ready; its log ends:\n{_tail(self.log)}")
+            if self.port is None and (match := _SERVING.search(self.log.read_text(errors="replace"))):
+                self.port = int(match[1])
             try:
-                if _http(target, "GET", "/health", None, 2.0)[0] == 200:
+                if self.port is not None and _http(_Target(self.port, self.proc.pid, self.log, api_key),
+                                                   "GET", "/health", None, 2.0)[0] == 200:
                     if self.ranks > 1:
                         self.rank0_pid = _rank0_pid(self.proc.pid)
-                    return
+                    return _Target(self.port, self.pid, self.log, api_key)
             except (OSError, http.client.HTTPException):
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"GET /health did not answer 200 within {timeout_s:g} s; the log ends:\n"
-                           f"{_tail(self.log)}")
+        raise RuntimeError(f"the server was not ready (its port said and GET /health answering 200) within "
+                           f"{timeout_s:g} s; the log ends:\n{_tail(self.log)}")
 
     def stop(self) -> int | None:
         """SIGTERM (under torchrun to rank 0, which stops the other ranks: torchrun then exits 0,
@@ -890,9 +894,7 @@ def run_stress(opts: StressOptions, say: Callable[[str], None] = lambda line: No
             workdir = Path(tempfile.mkdtemp(prefix="serve_stress-"))
             server = _ServerProcess(opts, workdir)
             say(f"starting: {' '.join(server.command)}")
-            target = _Target(server.port, server.proc.pid, server.log, opts.api_key)
-            server.wait_ready(target, _HEALTH_TIMEOUT_S)
-            target = _Target(server.port, server.pid, server.log, opts.api_key)
+            target = server.wait_ready(_HEALTH_TIMEOUT_S, opts.api_key)
         else:
             target = _Target(_loopback_port(opts.url), opts.pid, opts.log, opts.api_key)
         _check_image_server(target)

@@ -35,7 +35,8 @@ def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path)
         assert [(body["data"][0]["seed"], body["data"][0]["size"]) for _, body in answers] == list(zip(seeds, sizes))
         wants = {16: reference("tiny-flux", seeds[0::2]), 32: reference("tiny-flux", seeds[1::2], width=32, height=16)}
         for k, (_, body) in enumerate(answers):  # each its own seed's image, whichever rank ran it
-            assert np.array_equal(decode(body["data"][0]), wants[16 if k % 2 == 0 else 32][k // 2])
+            got, want = decode(body["data"][0]), wants[16 if k % 2 == 0 else 32][k // 2]
+            assert np.array_equal(got, want), _unequal(body, got, want, server)
         text = call(server.port, "/metrics")[1]
         assert metric(text, "omni_serve_outputs_total", kind="image") == 8
         assert (metric(text, "omni_serve_lockstep"), metric(text, "omni_serve_ranks_serving")) == (0, 2)
@@ -68,7 +69,8 @@ def test_allgather_ranks_answer_in_padded_waves_then_stop_on_sigterm(tmp_path, m
         assert [status for status, _ in answers] == [200] * 4
         assert [body["data"][0]["seed"] for _, body in answers] == seeds
         for (_, body), want in zip(answers, reference("tiny-flux", seeds), strict=True):
-            assert np.array_equal(decode(body["data"][0]), want)  # gathered weights: the same bytes
+            got = decode(body["data"][0])
+            assert np.array_equal(got, want), _unequal(body, got, want, server)  # gathered: the same bytes
         text = call(server.port, "/metrics")[1]
         assert metric(text, "omni_serve_outputs_total", kind="image") == 4
         assert metric(text, "omni_serve_lockstep") == 1
@@ -86,6 +88,13 @@ def test_allgather_ranks_answer_in_padded_waves_then_stop_on_sigterm(tmp_path, m
         assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
     finally:
         server.kill()
+
+
+def _unequal(body: dict, got: np.ndarray, want: np.ndarray, server: Server) -> str:
+    """What a failed comparison needs to be read: how far apart, and what the ranks logged."""
+    far = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    return (f"seed {body['data'][0]['seed']}: {np.count_nonzero(far)} of {far.size} values differ, by "
+            f"{far.max()} at most; the server's log:\n{server.output()}")
 
 
 def _rank0_pid(launcher: int) -> int:

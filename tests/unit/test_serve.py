@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ from omni_dist_offload.app.serve.service import (  # noqa: E402
     WaveQueue,
 )
 
-from serving import CONFIG, IMAGES, VIDEOS, Server, call, decode, free_port, metric, reference  # noqa: E402
+from serving import CONFIG, IMAGES, VIDEOS, Server, call, decode, metric, reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -225,6 +226,7 @@ def in_process(omni: Omni, options: ServeOptions):
     service.metrics = ServeMetrics(service)
     server = HttpServer(service)
     assert server.start()
+    service.options = dataclasses.replace(options, port=server.port)  # port 0: the one it took
     loop = threading.Thread(target=service.run)
     loop.start()
     try:
@@ -246,7 +248,7 @@ def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
         return generate(prompt, **kwargs)
 
     omni.generate = flaky
-    with in_process(omni, ServeOptions(port=free_port())) as service:
+    with in_process(omni, ServeOptions(port=0)) as service:
         status, body = call(service.options.port, IMAGES, {"prompt": "fail"})
         # The reason stays in the log: an exception's text may hold internals.
         assert status == 500 and body["error"]["code"] == "generation_failed"
@@ -304,7 +306,7 @@ def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_
     from omni_dist_offload.app.serve.http import HttpServer
 
     omni = Omni("tiny-flux", CONFIG, progress=False)
-    with in_process(omni, ServeOptions(port=free_port(), api_key="s3cret")) as service:
+    with in_process(omni, ServeOptions(port=0, api_key="s3cret")) as service:
         port = service.options.port
         for path, body in ((IMAGES, {"prompt": "x"}), ("/v1/models", None), ("/metrics", None)):
             for key in (None, "wrong", "s3cre"):
@@ -320,7 +322,7 @@ def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_
         service.submit = real_submit
     # No key on an address others can reach: a warning.
     caplog.clear()
-    HttpServer(Service(omni, DistContext(), ServeOptions(host="0.0.0.0", port=free_port()), None))
+    HttpServer(Service(omni, DistContext(), ServeOptions(host="0.0.0.0", port=0), None))
     assert "without an API key" in caplog.text
 
 
@@ -344,7 +346,7 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
         return generate(prompt, **kwargs)
 
     omni.generate = slow
-    with in_process(omni, ServeOptions(port=free_port())) as service:
+    with in_process(omni, ServeOptions(port=0)) as service:
         port = service.options.port
 
         def leave(prompt: str) -> socket.socket:
@@ -459,10 +461,11 @@ def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
     from omni_dist_offload.app.serve.metrics import ServeMetrics
 
     omni = Omni("tiny-flux", CONFIG, progress=False)
-    service = Service(omni, DistContext(), ServeOptions(port=free_port(), read_timeout_s=3.0), None)
+    service = Service(omni, DistContext(), ServeOptions(port=0, read_timeout_s=3.0), None)
     service.metrics = ServeMetrics(service)
     server = HttpServer(service)
     assert server.start()
+    service.options = dataclasses.replace(service.options, port=server.port)
     loop = threading.Thread(target=service.run)
     loop.start()
     head = (b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -515,7 +518,7 @@ def _held(port: int, count: int) -> list:
 
 def test_connections_past_the_cap_get_503_and_slow_headers_are_cut_off() -> None:
     omni = Omni("tiny-flux", CONFIG, progress=False)
-    with in_process(omni, ServeOptions(port=free_port(), max_connections=4, read_timeout_s=1.5)) as service:
+    with in_process(omni, ServeOptions(port=0, max_connections=4, read_timeout_s=1.5)) as service:
         port = service.options.port
         held = _held(port, 4)
         try:
@@ -587,7 +590,7 @@ def test_video_jobs_through_the_official_openai_client(tmp_path) -> None:
         return generate(prompt, **kwargs)
 
     omni.generate = gated
-    options = ServeOptions(port=free_port(), max_frames=9, max_video_jobs=3, video_ttl_s=3.0, video_format="gif")
+    options = ServeOptions(port=0, max_frames=9, max_video_jobs=3, video_ttl_s=3.0, video_format="gif")
     with in_process(omni, options) as service:
         port = service.options.port
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,

@@ -589,6 +589,15 @@ class HttpServer:
             time.sleep(0.02)
         return self._server.started
 
+    @property
+    def port(self) -> int:
+        """The port it listens on, once started: ``--port`` or, for ``--port 0``, the free one
+        the system picked (the "serving ... on" line says it, for callers to read)."""
+        for server in self._server.servers:
+            for sock in server.sockets:
+                return sock.getsockname()[1]
+        raise RuntimeError("the HTTP server is not listening")
+
     def stop(self) -> None:
         """Close the listener and wait for answers in flight (all futures are resolved by now)."""
         self._server.should_exit = True

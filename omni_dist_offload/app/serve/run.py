@@ -77,7 +77,7 @@ def _serve_rank0(service: Service) -> int:
                ", in padded waves (a ring gathers its weights: lockstep)" if service.lockstep else
                ", each taking the next request when free")
         logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)%s", omni.model,
-                    service.limits.kind, options.host, options.port, service.ctx.world_size, how)
+                    service.limits.kind, options.host, server.port, service.ctx.world_size, how)
         service.run()
     finally:
         server.stop()
