@@ -129,6 +129,9 @@ class BlockRing:
         # holding them. Only the rest of such a block streams; its slot views start past them.
         self._kept: dict[int, int] = {}
         self._kept_bufs: dict[int, torch.Tensor] = {}
+        # The partly kept blocks whose kept bytes left the host copy (a final plan's: under a
+        # gather always, rank-local when the plan settles): their kept part is on the device only.
+        self._kept_off_host: set[int] = set()
         self.plan: ResidencyPlan | None = None
         """The residency plan in force, when a planner made it (see ``apply.py``)."""
         # A ring of 8-bit images (its transfer holds images on the device) runs every block,
@@ -543,9 +546,9 @@ class BlockRing:
                         # its 8-bit rounding. The next forward fetches the block again, so every
                         # forward runs on what is stored.
                         self._slot_block[slot] = _EMPTY
-                    if i in self._kept and self.transfer.gather is None:
-                        # A rank-local host copy is whole: it holds the kept part's edit too
-                        # (under a gather, the kept part has no host copy).
+                    if i in self._kept and i not in self._kept_off_host:
+                        # A host copy that is still whole holds the kept part's edit too (one
+                        # that gave the kept part up has only the device's).
                         self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
                 elif self.transfer.has_host_copy(i):
                     # Resident under a plan that is not final yet: a later plan may stream it
@@ -660,10 +663,12 @@ class BlockRing:
         ``num_slots`` slots. Blocks that become resident are brought in through the current
         slot 0 (collective under allgather: every rank applies the same plan at the same point);
         ``settle``: resident blocks give up their host copies. ``kept``: streamed blocks that keep
-        their leading bytes on the device (block -> bytes, one of :meth:`cuts`). On a rank-local
-        ring they keep their whole host copy; under a gather the kept bytes leave the host (each
-        rank's shard is cut again from what streams, ``keep_part``), so such a plan is final:
-        it needs ``settle``, and the ring takes no other plan after it. Between forwards;
+        their leading bytes on the device (block -> bytes, one of :meth:`cuts`). With ``settle``
+        the kept bytes leave the host (``keep_part``: a rank-local host copy keeps only the rest;
+        under a gather each rank's shard is cut again from what streams), so the plan is final:
+        the ring takes no other plan after it. Under a gather that is the only way (it needs
+        ``settle``); a rank-local ring that does not settle keeps whole host copies, and a shared
+        one always does (the host's other ranks may stream the whole block). Between forwards;
         synchronises.
 
         Runs in the post-hook of a forward, often under ``torch.inference_mode()``: the buffers
@@ -674,10 +679,10 @@ class BlockRing:
             return self._apply_held_plan(frozenset(resident), num_slots, settle, kept)
         kept = dict(kept or {})
         gather = self.transfer.gather is not None
-        if gather and self._kept:  # bad input changes nothing
-            raise ValueError(f"{self.component.name}: blocks {sorted(self._kept)} keep parts on the device for "
-                             "good (an allgather ring's plan with partly kept blocks is final); no other plan "
-                             "can follow it")
+        if self._kept_off_host:  # bad input changes nothing
+            raise ValueError(f"{self.component.name}: blocks {sorted(self._kept_off_host)} keep parts on the "
+                             "device for good (their host copies gave them up: a settled plan with partly "
+                             "kept blocks is final); no other plan can follow it")
         if gather and kept and not settle:
             raise ValueError(f"{self.component.name}: an allgather ring keeps parts of blocks on the device only "
                              "in a final plan (settle=True): their kept bytes leave the host")
@@ -689,7 +694,7 @@ class BlockRing:
                                  f"starts; under allgather, one of the ring's cuts())")
         with torch.inference_mode(self._inference), torch.no_grad():
             try:
-                self._apply_plan(frozenset(resident), kept)
+                self._apply_plan(frozenset(resident), kept, settle)
             finally:
                 self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
                 self._configure(num_slots)
@@ -725,7 +730,7 @@ class BlockRing:
                     self.transfer.drop(i)
         self._warm = False
 
-    def _apply_plan(self, new: frozenset[int], kept: dict[int, int]) -> None:
+    def _apply_plan(self, new: frozenset[int], kept: dict[int, int], settle: bool) -> None:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for i in sorted(self._kept):  # partly kept blocks stream whole again first
@@ -751,9 +756,17 @@ class BlockRing:
             k = next(j for j, e in enumerate(layout.entries) if j and e.offset == nbytes)
             whole = self._whole_on_device(i)
             buf = whole[:nbytes].clone()
+            kept_views = [e.view_in(buf) for e in layout.entries[:k]]
             if self.transfer.gather is not None:  # the shards are cut again from what streams
                 self.transfer.keep_part(i, nbytes, whole[nbytes : layout.nbytes])
-            bind(layout.entries[:k], [e.view_in(buf) for e in layout.entries[:k]])
+                self._kept_off_host.add(i)
+            elif settle and (host := self.transfer.keep_part(i, nbytes, whole[nbytes : layout.nbytes])) is not None:
+                # The host copy now starts at the cut: park the streamed tensors in it (now, so
+                # that nothing holds the old copy's memory).
+                self._parked[i] = (*kept_views, *(e.view_in(host, nbytes) for e in layout.entries[k:]))
+                bind(layout.entries[k:], self._parked[i][k:])
+                self._kept_off_host.add(i)
+            bind(layout.entries[:k], kept_views)
             self._kept[i], self._kept_bufs[i] = k, buf
 
     def _whole_on_device(self, i: int) -> torch.Tensor:
@@ -797,7 +810,7 @@ class BlockRing:
                 self._free[slot].record(torch.cuda.current_stream(self.device))
             self._device_blocks.pop(i, None)
         self.resident = frozenset()
-        self._kept, self._kept_bufs = {}, {}
+        self._kept, self._kept_bufs, self._kept_off_host = {}, {}, set()
 
     def release(self) -> None:
         """Free the slots, device buffers and host buffers. The caller has synchronised the device."""
@@ -808,5 +821,5 @@ class BlockRing:
         self._fill_views = []
         self._parked = []
         self._device_blocks = {}
-        self._kept, self._kept_bufs = {}, {}
+        self._kept, self._kept_bufs, self._kept_off_host = {}, {}, set()
         self.transfer.release()

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ..hostmem import HostBuffer
+from ..hostmem import HostBuffer, PinMemoryError
 from .protocol import TransferStreams, plain_slots
 
 __all__ = ["RankLocalTransfer"]
@@ -23,6 +23,9 @@ class RankLocalTransfer:
         # buffers[i] is None for a block that stays on the device (no host copy).
         self.buffers = list(buffers)
         self._nbytes = list(nbytes)
+        # Per block, the block offset its host copy starts at: 0, or where keep_part cut it (the
+        # bytes before stay on the device for good). Fills and write-backs address the block.
+        self._start = [0] * len(self.buffers)
         self.fallback_reason = fallback_reason
         self._copy_stream = streams.copy
         self._device = device
@@ -47,10 +50,46 @@ class RankLocalTransfer:
         if buf is not None:
             buf.release()
 
+    def keep_part(self, block: int, start: int, rest: torch.Tensor) -> torch.Tensor | None:
+        """Block ``block``'s first ``start`` bytes stay on the device for good (a final residency
+        plan's partly kept block): its host copy gives them up and holds the rest only, so host
+        memory drops by them, as it does for a resident block. Returns the new host copy (the
+        block's bytes from ``start`` on) for the ring to park the streamed tensors in. ``rest``
+        (those bytes on the device) is not read: the host copy holds them. Between forwards; the
+        caller has synchronised. A failure leaves the block as it was."""
+        if self._start[block]:
+            raise ValueError(f"block {block} already keeps its first {self._start[block]} bytes on the device")
+        old = self.buffers[block]
+        if old is None:
+            raise ValueError(f"block {block} has no host copy: it is resident, not streamed")
+        if not 0 < start < old.nbytes:
+            raise ValueError(f"block {block} cannot keep {start} of its {old.nbytes} bytes on the device")
+        new = HostBuffer(old.nbytes - start)
+        new.tensor.copy_(old.tensor[start:])
+        if old.pinned:
+            # Unregister the old copy first, so the new (smaller) one never needs more locked
+            # memory than the block had; lock it again if the new one cannot be locked.
+            old.release()
+            try:
+                new.pin()
+            except PinMemoryError:
+                old.pin()
+                raise
+        self.buffers[block], self._start[block] = new, start
+        return new.tensor
+
+    def _host(self, block: int, start: int, nbytes: int) -> torch.Tensor:
+        """Block ``block``'s ``nbytes`` of host copy from block offset ``start``."""
+        begin = start - self._start[block]
+        if begin < 0:
+            raise ValueError(f"block {block}'s host copy starts at byte {self._start[block]} (the bytes before "
+                             f"stay on the device), found start={start}")
+        host = self.buffers[block].tensor
+        return host if begin == 0 and nbytes == host.numel() else host[begin : begin + nbytes]
+
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
-        src = self.buffers[block].tensor
-        if start:  # a block whose first tensors stay on the device: only the rest moves
-            src = src[start : start + dst.numel()]
+        # A block whose first tensors stay on the device: only the rest moves.
+        src = self._host(block, start, dst.numel())
         stream = self._copy_stream
         if stream is None:
             if marks is not None:
@@ -70,7 +109,7 @@ class RankLocalTransfer:
             marks[1].record(stream)
 
     def write_back(self, block, src, start=0) -> None:
-        self.buffers[block].tensor[start : start + src.numel()].copy_(src)
+        self._host(block, start, src.numel()).copy_(src)
 
     def close(self) -> None:
         self.slots = []

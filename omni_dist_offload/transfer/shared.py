@@ -56,6 +56,11 @@ class SharedTransfer(RankLocalTransfer):
         else:
             self.blocks.leave(block)
 
+    def keep_part(self, block: int, start: int, rest: torch.Tensor) -> None:
+        """The shared copy stays whole: the host's other ranks may stream all of the block.
+        Returns None (nothing moved), so the ring keeps the kept part's host bytes in use."""
+        return None
+
     def write_back(self, block, src, start=0) -> torch.Tensor | None:
         moved = None
         if block not in self._own:

@@ -298,6 +298,12 @@ def residency_and_storage(rank: Rank) -> dict:
     out["fixed"] = handle.summary()[0]
     out["fixed_allocated"] = ring.transfer.blocks.allocated_bytes()
     dist.barrier()
+    # A settled plan's partly kept block: the shared copy stays whole (another rank may stream
+    # all of it), so the plan is not final.
+    ring.apply_plan({1, 4}, 2, settle=True, kept={2: ring.cuts()[2][0]})
+    out["kept"] = handle.summary()[0]
+    out["kept_equal"] = torch.equal(model(x), ref)
+    dist.barrier()
     ring.apply_plan({0, 1, 4}, 2, settle=True)  # what the planner does after a measured forward
     dist.barrier()
     out["planned"] = handle.summary()[0]
@@ -333,6 +339,7 @@ def test_resident_blocks_leave_the_shared_copy_and_8_bit_images_share():
     for r in run_ranks(residency_and_storage, 2):
         fixed, planned = r["fixed"], r["planned"]
         assert r["equal"] and fixed["resident_blocks"] == [1, 4] and planned["resident_blocks"] == [0, 1, 4]
+        assert r["kept_equal"] and r["kept"]["kept_blocks"] == [2] and r["kept"]["host_bytes"] == fixed["host_bytes"]
         assert fixed["shared_host_bytes"] == fixed["block_bytes"]  # the 4 streamed blocks only
         assert planned["shared_host_bytes"] == 3 * fixed["block_bytes"] // 4
         assert fixed["host_bytes"] == fixed["block_bytes"] // 2 and planned["host_bytes"] == 3 * fixed["block_bytes"] // 8

@@ -8,6 +8,7 @@ import torch
 
 import tiny_models as tiny
 from omni_dist_offload import OffloadConfig, OffloadConfigError, apply_offload
+from omni_dist_offload.layout import layout_block
 from omni_dist_offload.plan import module_bytes
 from toys import ToyDiT
 
@@ -292,6 +293,63 @@ def test_a_pipeline_under_a_budget_replans_each_ring_and_stays_bitwise_equal():
 
 
 # -- blocks that keep a part on the device ---------------------------------------------------------
+def test_a_rank_local_host_copy_gives_up_a_kept_part(monkeypatch):
+    from omni_dist_offload.hostmem import HostBuffer, PinMemoryError
+    from omni_dist_offload.transfer.protocol import TransferStreams
+    from omni_dist_offload.transfer.rank_local import RankLocalTransfer
+
+    image = torch.randint(0, 256, (70_000,), dtype=torch.uint8)
+    start = 20_480
+
+    def transfer() -> RankLocalTransfer:
+        buf = HostBuffer(image.numel())
+        buf.tensor.copy_(image)
+        return RankLocalTransfer([buf], [image.numel()], TransferStreams(), torch.device("cpu"))
+
+    t = transfer()
+    host = t.keep_part(0, start, image[start:])
+    assert t.host_bytes() == image.numel() - start and torch.equal(host, image[start:])
+    # Fills and write-backs still address the block: from the cut on, and nothing before it.
+    dst = torch.zeros(image.numel() - start, dtype=torch.uint8)
+    t.fill(0, dst, None, None, start=start)
+    assert torch.equal(dst, image[start:])
+    t.write_back(0, torch.full((10,), 7, dtype=torch.uint8), start=start + 5)
+    assert host[5:15].eq(7).all() and torch.equal(host[15:], image[start + 15:])
+    with pytest.raises(ValueError, match="starts at byte 20480 .* found start=0"):
+        t.fill(0, torch.zeros(image.numel(), dtype=torch.uint8), None, None)
+    with pytest.raises(ValueError, match="already keeps its first 20480 bytes"):
+        t.keep_part(0, start, image[start:])
+    for bad in (0, image.numel()):
+        with pytest.raises(ValueError, match="cannot keep"):
+            transfer().keep_part(0, bad, image[bad:])
+    dropped = transfer()
+    dropped.drop(0)
+    with pytest.raises(ValueError, match="no host copy"):
+        dropped.keep_part(0, start, image[start:])
+
+    # A page-locked copy: the old one is unlocked first, and locked again if the new one cannot
+    # be; the block then streams from it as before.
+    t = transfer()
+    old = t.buffers[0]
+    calls: list[str] = []
+    monkeypatch.setattr(HostBuffer, "release", lambda self: calls.append("release") or setattr(self, "pinned", False))
+
+    def pin(self):
+        calls.append("pin")
+        if self is not old:
+            raise PinMemoryError("could not page-lock (simulated)")
+        self.pinned = True
+
+    monkeypatch.setattr(HostBuffer, "pin", pin)
+    old.pinned = True
+    with pytest.raises(PinMemoryError):
+        t.keep_part(0, start, image[start:])
+    assert calls == ["release", "pin", "pin"] and old.pinned and t.buffers[0] is old
+    dst = torch.zeros(image.numel(), dtype=torch.uint8)
+    t.fill(0, dst, None, None)
+    assert torch.equal(dst, image)
+
+
 def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
     model = tiny.tiny_wan_transformer(num_layers=4)
     batch = tiny.wan_transformer_inputs(model)
@@ -307,11 +365,20 @@ def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
         with pytest.raises(ValueError, match="cannot keep"):
             ring.apply_plan((), 2, settle=False, kept=bad)
         assert handle.summary() == [before]  # bad input changed nothing
+    # A plan that does not settle keeps whole host copies: another plan may follow it.
+    ring.apply_plan((), 2, settle=False, kept=halves)
+    (row,) = handle.summary()
+    assert row["kept_blocks"] == [0, 2, 3] and row["host_bytes"] == before["host_bytes"]
+    with torch.no_grad():
+        assert torch.equal(model(**batch)[0], ref)
     ring.apply_plan((1,), 2, settle=True, kept=halves)
     (row,) = handle.summary()
     assert row["kept_blocks"] == [0, 2, 3] and row["resident_blocks"] == [1]
     kept = ring.kept_tensor_bytes()
     assert 0 < kept and row["resident_bytes"] == module_bytes(model.blocks[1]) + kept
+    # Settled: the kept parts left the host copies, as the resident block did.
+    resident_host = layout_block(1, "b", model.blocks[1]).nbytes
+    assert row["host_bytes"] == before["host_bytes"] - resident_host - sum(halves.values())
     # Slots hold only the parts that stream: smaller than the largest block.
     assert row["device_slot_bytes"] < before["device_slot_bytes"]
     with torch.no_grad():
@@ -320,5 +387,20 @@ def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
     # The kept tensors live on the device for good, the others only while their block runs.
     first = next(model.blocks[0].parameters())
     assert first.data_ptr() == ring._kept_bufs[0].data_ptr()
+    # The plan is final: another is refused, and changes nothing.
+    with pytest.raises(ValueError, match="no other plan"):
+        ring.apply_plan((), 2, settle=True)
+    assert handle.summary() == [row]
+    # An edit of a partly kept block lands in both parts: the kept one on the device, the rest
+    # in the host copy that now starts at the cut.
+    edited = tiny.tiny_wan_transformer(num_layers=4)
+    edited.load_state_dict(state)
+    with torch.no_grad():
+        for t in edited.blocks[0].parameters():
+            t.mul_(2)
+        want = edited(**batch)[0]
+        ring.edit_block(0, lambda: [t.mul_(2) for t in model.blocks[0].parameters()])
+        for _ in range(2):
+            assert torch.equal(model(**batch)[0], want)
     handle.remove()
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in edited.state_dict().items())
