@@ -1,8 +1,9 @@
 """Run a test's worker function on several ranks, as torchrun would start them.
 
 ``run_ranks(worker, world=2)`` starts ``world`` processes with torchrun's environment (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``PORT`` on a
-free port, ``OMP_NUM_THREADS=1``, ``OMNI_OFFLOAD_ALLOW_GLOO=1``), initialises the process group on
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``PORT`` of
+a rendezvous store this process holds, as torchrun's agent does, ``OMP_NUM_THREADS=1``,
+``OMNI_OFFLOAD_ALLOW_GLOO=1``), initialises the process group on
 each (gloo on the CPU; NCCL with one GPU per rank, ``cuda:LOCAL_RANK``, on CUDA; gloo with ranks
 sharing GPUs where a host has fewer GPUs than ranks), calls
 ``worker(rank, *args)`` there and returns what each rank's call returned, in rank order.
@@ -28,7 +29,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -82,9 +82,13 @@ def run_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | 
     assert world % local_world == 0, (world, local_world)
     device = torch.device(device)
     context = _context(device)
-    port = _free_port()
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(local_world), "OMP_NUM_THREADS": "1", "OMNI_OFFLOAD_ALLOW_GLOO": "1"}
+    # The rendezvous store is this process's, on a port it holds until the ranks are done (as
+    # torchrun's agent does): a port picked and released here could be taken, or picked by
+    # another job's ranks too, before rank 0 bound it.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local_world), "OMP_NUM_THREADS": "1", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
     for key, value in (env or {}).items():
         if value is None:
             base.pop(key, None)
@@ -146,12 +150,6 @@ def _context(device: torch.device) -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
     return context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(procs: list, results: list[Path], timeout: float) -> tuple[set[int], int | None]:

@@ -4,7 +4,7 @@ job that tears down its process group and starts another gets fresh groups."""
 
 from __future__ import annotations
 
-import socket
+import os
 
 import torch
 import torch.distributed as dist
@@ -34,22 +34,22 @@ def _apply_remove(counts: dict, key: str) -> bool:
     return equal
 
 
-def _owned_groups(rank, port: int) -> dict:
+def _owned_groups(rank) -> dict:
     counts = {"before": _groups()}
     counts["equal"] = _apply_remove(counts, "first")
     # The job ends its process group and starts another: nothing of the first may be reused.
+    # (A second rendezvous on the launcher's store, under keys of its own.)
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank.rank, world_size=rank.world)
+    launcher = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("restarted", launcher), rank=rank.rank,
+                            world_size=rank.world)
     counts["restarted"] = _groups()
     counts["equal_again"] = _apply_remove(counts, "second")
     return counts
 
 
 def test_groups_are_released_with_the_handle_and_never_outlive_the_job():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for r in run_ranks(_owned_groups, 2, args=(port,)):
+    for r in run_ranks(_owned_groups, 2):
         assert r["first_transfer"] == r["second_transfer"] == "allgather"
         assert r["equal"] and r["equal_again"]
         # During: the weight group only (the side group was released once setup agreed).
