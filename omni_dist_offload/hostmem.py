@@ -24,7 +24,7 @@ import torch
 
 from .config import PIN_FAILURES
 
-__all__ = ["HUGE_PAGES_ENV", "HostBuffer", "HostPinner", "PinMemoryError", "huge_pages_wanted"]
+__all__ = ["HUGE_PAGES_ENV", "HostBuffer", "HostPinner", "PinMemoryError", "huge_pages_wanted", "pin_instead"]
 
 _PAGE = 4096
 #: Threads that page-lock host buffers during setup (``pin_failure: "error"``).
@@ -106,6 +106,20 @@ class HostBuffer:
             self._finalizer()
             self._finalizer = None
         self.pinned = False
+
+
+def pin_instead(old: HostBuffer, new: HostBuffer) -> None:
+    """``new`` replaces ``old`` (a smaller copy of part of it): page-lock ``new`` if ``old`` was.
+    ``old`` is unlocked first, so the two never need more locked memory than ``old`` had; if
+    ``new`` cannot be locked, ``old`` is locked again and the :class:`PinMemoryError` raised."""
+    if not old.pinned:
+        return
+    old.release()
+    try:
+        new.pin()
+    except PinMemoryError:
+        old.pin()
+        raise
 
 
 class HostPinner:

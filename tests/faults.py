@@ -34,6 +34,24 @@ def failing_pin(fail_at: int | None):
         yield
 
 
+def only_pinned(monkeypatch, old: HostBuffer) -> list[str]:
+    """``old`` "page-locked" (a flag), and every other buffer failing to be, the way an exhausted
+    memlock limit does: for a copy that replaces ``old``. Returns the list ``release`` and
+    ``pin`` calls are recorded in, in order."""
+    calls: list[str] = []
+    monkeypatch.setattr(HostBuffer, "release", lambda self: calls.append("release") or setattr(self, "pinned", False))
+
+    def pin(self: HostBuffer) -> None:
+        calls.append("pin")
+        if self is not old:
+            raise PinMemoryError("could not page-lock (simulated)")
+        self.pinned = True
+
+    monkeypatch.setattr(HostBuffer, "pin", pin)
+    old.pinned = True
+    return calls
+
+
 @contextlib.contextmanager
 def failing_shard(fail_at: int):
     """The ``fail_at``-th block's shard cannot be written: setup fails part-way through."""

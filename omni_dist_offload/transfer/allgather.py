@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..hostmem import HostBuffer, PinMemoryError
+from ..hostmem import HostBuffer, pin_instead
 from .groups import WeightGroup
 from .protocol import TransferStreams, plain_slots
 from .sharding import ShardPlan, plan_shards, shard_pieces, write_shard
@@ -99,15 +99,7 @@ class AllGatherTransfer:
         plan = self._part_plan(block, rest.numel())
         shard = HostBuffer(plan.shard_nbytes)
         write_shard(plan, rest, shard.tensor)
-        if old.pinned:
-            # Unregister the old shard first, so the new (smaller) one never needs more locked
-            # memory than the block had; put it back if the new one cannot be locked.
-            old.release()
-            try:
-                shard.pin()
-            except PinMemoryError:
-                old.pin()
-                raise
+        pin_instead(old, shard)
         self.shards[block], self.plans[block], self._start[block] = shard, plan, start
         self._chunks[block] = self._chunk_table(plan)
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ..hostmem import HostBuffer, PinMemoryError
+from ..hostmem import HostBuffer, pin_instead
 from .protocol import TransferStreams, plain_slots
 
 __all__ = ["RankLocalTransfer"]
@@ -66,15 +66,7 @@ class RankLocalTransfer:
             raise ValueError(f"block {block} cannot keep {start} of its {old.nbytes} bytes on the device")
         new = HostBuffer(old.nbytes - start)
         new.tensor.copy_(old.tensor[start:])
-        if old.pinned:
-            # Unregister the old copy first, so the new (smaller) one never needs more locked
-            # memory than the block had; lock it again if the new one cannot be locked.
-            old.release()
-            try:
-                new.pin()
-            except PinMemoryError:
-                old.pin()
-                raise
+        pin_instead(old, new)
         self.buffers[block], self._start[block] = new, start
         return new.tensor
 

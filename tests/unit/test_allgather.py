@@ -120,7 +120,8 @@ def _transfer(image: torch.Tensor, world: int, rank: int, chunk: int):
 
 
 def test_keep_part_cuts_each_shard_again_from_what_streams(monkeypatch):
-    from omni_dist_offload.hostmem import HostBuffer, PinMemoryError
+    from faults import only_pinned
+    from omni_dist_offload.hostmem import PinMemoryError
 
     image = torch.randint(0, 256, (70_000,), dtype=torch.uint8)
     start, world, chunk = 20_480, 2, 1 << 14
@@ -152,17 +153,7 @@ def test_keep_part_cuts_each_shard_again_from_what_streams(monkeypatch):
     # cannot be; the block then streams as before.
     t = _transfer(image, world, 1, chunk)
     old, old_plan = t.shards[0], t.plans[0]
-    calls: list[str] = []
-    monkeypatch.setattr(HostBuffer, "release", lambda self: calls.append("release") or setattr(self, "pinned", False))
-
-    def pin(self):
-        calls.append("pin")
-        if self is not old:
-            raise PinMemoryError("could not page-lock (simulated)")
-        self.pinned = True
-
-    monkeypatch.setattr(HostBuffer, "pin", pin)
-    old.pinned = True
+    calls = only_pinned(monkeypatch, old)
     with pytest.raises(PinMemoryError):
         t.keep_part(0, start, image[start:])
     assert calls == ["release", "pin", "pin"] and old.pinned

@@ -294,6 +294,7 @@ def test_a_pipeline_under_a_budget_replans_each_ring_and_stays_bitwise_equal():
 
 # -- blocks that keep a part on the device ---------------------------------------------------------
 def test_a_rank_local_host_copy_gives_up_a_kept_part(monkeypatch):
+    from faults import only_pinned
     from omni_dist_offload.hostmem import HostBuffer, PinMemoryError
     from omni_dist_offload.transfer.protocol import TransferStreams
     from omni_dist_offload.transfer.rank_local import RankLocalTransfer
@@ -331,17 +332,7 @@ def test_a_rank_local_host_copy_gives_up_a_kept_part(monkeypatch):
     # be; the block then streams from it as before.
     t = transfer()
     old = t.buffers[0]
-    calls: list[str] = []
-    monkeypatch.setattr(HostBuffer, "release", lambda self: calls.append("release") or setattr(self, "pinned", False))
-
-    def pin(self):
-        calls.append("pin")
-        if self is not old:
-            raise PinMemoryError("could not page-lock (simulated)")
-        self.pinned = True
-
-    monkeypatch.setattr(HostBuffer, "pin", pin)
-    old.pinned = True
+    calls = only_pinned(monkeypatch, old)
     with pytest.raises(PinMemoryError):
         t.keep_part(0, start, image[start:])
     assert calls == ["release", "pin", "pin"] and old.pinned and t.buffers[0] is old
