@@ -160,8 +160,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The serve subcommand's own flags (the model flags come from the CLI)."""
     d = ServeOptions()
     parser.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=port, default=d.port, help="TCP port; 0: a free one, named in the 'serving ... on' log line "
-                        "(default: %(default)s)")
+    parser.add_argument("--port", type=port, default=d.port,
+                        help="TCP port; 0: a free one, named in the 'serving ... on' log line (default: %(default)s)")
     parser.add_argument("--max-n", type=positive_int, default=d.max_n, metavar="N",
                         help="largest n of one request (default: %(default)s)")
     parser.add_argument("--max-frames", type=positive_int, default=d.max_frames, metavar="N",
