@@ -114,9 +114,13 @@ def memory_and_edits(rank: Rank) -> dict:
         HostPinner.pin_later = pin_later
     ring = handle.rings[0]
     blocks = ring.transfer.blocks
-    out = {"pss": _pss_shmem() - before, "allocated": blocks.allocated_bytes(),
-           "summary": handle.summary()[0], "equal": torch.equal(model(x), ref), "handed": sorted(handed),
-           "written": [blocks.written(i) for i in range(8)]}
+    out = {"equal": torch.equal(model(x), ref), "allocated": blocks.allocated_bytes(),
+           "summary": handle.summary()[0], "handed": sorted(handed), "written": [blocks.written(i) for i in range(8)]}
+    # Once both ranks have streamed every block, each maps every page of the copy: its
+    # proportional share is then half of each (measured before, it depended on which pages the
+    # other rank had touched yet).
+    dist.barrier()
+    out["pss"] = _pss_shmem() - before
     dist.barrier()
     # Rank 1 edits block 0 (as fusing an adapter does): it gets a copy of its own; rank 0 keeps
     # reading the shared one, unchanged.
