@@ -32,6 +32,7 @@ from omni_dist_offload.app.serve.service import (  # noqa: E402
     Service,
     Slot,
     WaveQueue,
+    prompt_tokenizer,
 )
 
 from serving import CONFIG, IMAGES, VIDEOS, Server, call, decode, metric, reference  # noqa: E402
@@ -236,6 +237,23 @@ def in_process(omni: Omni, options: ServeOptions):
         loop.join(timeout=30)
         server.stop()
         omni.close()
+
+
+def test_counting_a_prompt_leaves_the_pipelines_tokenizer_as_the_generation_set_it() -> None:
+    # The generation thread encodes prompts with the pipeline's tokenizer, padded and cut to its
+    # window; an HTTP thread counting a prompt in between used to reset both on that same
+    # tokenizer (and the next encode could run unpadded). It counts with a copy of its own.
+    with Omni("tiny-flux", CONFIG, progress=False) as omni:
+        service = Service(omni, DistContext(), ServeOptions(port=0), None)
+        tokenizer, window = prompt_tokenizer(omni.pipeline)
+        text = "a red fox " * 10
+        want = len(tokenizer(text, truncation=False)["input_ids"])
+        tokenizer("a red fox", padding="max_length", max_length=window, truncation=True)
+        backend = tokenizer.backend_tokenizer
+        state = (backend.truncation, backend.padding)
+        assert state[0] is not None and state[1] is not None
+        assert service.prompts.count(text) == want
+        assert (backend.truncation, backend.padding) == state
 
 
 def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:

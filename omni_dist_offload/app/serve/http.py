@@ -55,7 +55,6 @@ from .service import (
     Service,
     ServiceUnavailable,
     Slot,
-    prompt_tokens,
 )
 
 __all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoJobRequest", "VideoRequest", "build_app"]
@@ -356,7 +355,7 @@ def _check_prompts(service: Service, body: _GenerationRequest) -> None:
     for field in ("prompt", "negative_prompt"):
         text = getattr(body, field)
         if text:
-            count = prompt_tokens(service.omni.pipeline, text)
+            count = service.prompts.count(text)
             if count > limit:
                 raise RequestError(f"{field} is {count} tokens; {service.limits.model} reads at most {limit}: "
                                    "shorten it.", field, code="prompt_too_long")

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
 import dataclasses
 import importlib.util
 import inspect
@@ -72,6 +73,7 @@ from ..outputs import VIDEO_FORMATS, resolve_video_format
 __all__ = [
     "GenerationFailed",
     "ModelLimits",
+    "PromptCounter",
     "QueueFull",
     "RankLink",
     "ServeOptions",
@@ -288,12 +290,28 @@ def prompt_tokenizer(pipe: Any) -> tuple[Any, int] | None:
     return best
 
 
-def prompt_tokens(pipe: Any, text: str) -> int:
-    """How many tokens ``text`` is for the tokenizer :func:`prompt_tokenizer` picks."""
-    found = prompt_tokenizer(pipe)
-    if found is None:
-        return 0
-    return len(found[0](text, truncation=False, verbose=False)["input_ids"])
+class PromptCounter:
+    """Counts a prompt's tokens for the HTTP side with a copy of the pipeline's tokenizer (the one
+    :func:`prompt_tokenizer` picks) of its own, made before serving starts.
+
+    The pipeline's own tokenizer is not for other threads: a fast tokenizer sets truncation and
+    padding on its backend at every call, so a count (no truncation, no padding) on an HTTP
+    thread while the generation thread encodes a prompt (padded and cut to the window) could
+    unpad that prompt, and the output would change (a serve test saw it, rarely: an image off
+    by a few levels), or the backend refuse a call ("Already borrowed"). The copy is used by
+    one HTTP thread at a time."""
+
+    def __init__(self, pipe: Any) -> None:
+        found = prompt_tokenizer(pipe)
+        self._tokenizer = copy.deepcopy(found[0]) if found is not None else None
+        self._lock = threading.Lock()
+
+    def count(self, text: str) -> int:
+        """How many tokens ``text`` is; 0 without a tokenizer."""
+        if self._tokenizer is None:
+            return 0
+        with self._lock:
+            return len(self._tokenizer(text, truncation=False, verbose=False)["input_ids"])
 
 
 class RedactPromptText(logging.Filter):
@@ -470,6 +488,8 @@ class Service:
         self.ctx = ctx
         self.options = options
         self.limits = ModelLimits.of(omni)
+        self.prompts = PromptCounter(omni.pipeline)
+        """Prompt lengths for the HTTP side (never the pipeline's own tokenizer)."""
         self.queue = WaveQueue(options.max_queue)
         self.metrics = metrics
         self.started = time.time()
