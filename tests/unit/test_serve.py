@@ -256,6 +256,24 @@ def test_counting_a_prompt_leaves_the_pipelines_tokenizer_as_the_generation_set_
         assert (backend.truncation, backend.padding) == state
 
 
+def test_offload_gauges_follow_the_residency_plan() -> None:
+    # Under a device budget the plan settles after a measured forward: resident blocks and kept
+    # parts leave the host, and /metrics says so after the next wave.
+    with Omni("tiny-flux", CONFIG, progress=False) as omni:
+        total = sum(row.block_bytes for row in omni.summary_rows())
+    config = {**json.loads(CONFIG), "device_budget": int(0.7 * total)}
+    omni = Omni("tiny-flux", config, progress=False)
+    with in_process(omni, ServeOptions(port=0)) as service:
+        port = service.options.port
+        before = metric(call(port, "/metrics")[1], "omni_offload_host_bytes", component="transformer")
+        for seed in range(2):
+            assert call(port, IMAGES, {"prompt": "a red fox", "seed": seed})[0] == 200
+        after = metric(call(port, "/metrics")[1], "omni_offload_host_bytes", component="transformer")
+        (row,) = [r for r in omni.summary_rows() if r.component == "transformer"]
+        assert row.resident_blocks or row.kept_blocks
+        assert after == row.host_bytes < before
+
+
 def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
     omni = Omni("tiny-flux", CONFIG, progress=False)
     generate = omni.generate

@@ -60,27 +60,34 @@ class ServeMetrics:
 
     def _offload_gauges(self, service: Service) -> None:
         labels = ["component"]
-        figures = {key: Gauge(f"omni_offload_{key}", f"Offload summary: {key} of each streamed "
-                              "ring (rank 0).", labels, registry=self.registry)
-                   for key in ("num_blocks", "block_bytes", "host_bytes", "device_slot_bytes")}
-        for row in service.omni.summary_rows():
-            for key, gauge in figures.items():
-                gauge.labels(row.component).set(getattr(row, key))
+        self.offload = {key: Gauge(f"omni_offload_{key}", f"Offload summary: {key} of each streamed "
+                                   "ring (rank 0), as of the last wave.", labels, registry=self.registry)
+                        for key in ("num_blocks", "block_bytes", "host_bytes", "device_slot_bytes")}
+        self._set_offload(service.omni)
         self.trace_wait = Gauge("omni_offload_exposed_wait_seconds", "Trace (OMNI_OFFLOAD_TRACE=1): "
                                 "compute standing still for weights in the last forward (rank 0).",
                                 labels, registry=self.registry)
         self.trace_forward = Gauge("omni_offload_forward_seconds", "Trace (OMNI_OFFLOAD_TRACE=1): "
                                    "the last forward of each ring (rank 0).", labels, registry=self.registry)
 
+    def _set_offload(self, omni: Omni) -> None:
+        # A residency plan changes them after a measured forward (resident blocks and kept parts
+        # leave the host, the slots shrink): read again after every wave this rank ran.
+        for row in omni.summary_rows():
+            for key, gauge in self.offload.items():
+                gauge.labels(row.component).set(getattr(row, key))
+
     def wave_done(self, kind: str, done: int, padded: int, seconds: float, omni: Omni | None) -> None:
         """Called by rank 0 after each wave (free ranks: each slot), from its generation loop
         or, for a slot another rank ran, from that rank's dispatcher thread (``omni`` None).
         Thread-safe: prometheus_client's counters and histograms lock, and only the generation
-        loop, which ran the slot on this rank, reads the offload trace."""
+        loop, which ran the slot on this rank, reads the offload summary and trace."""
         self.waves.inc()
         self.padded.inc(padded)
         self.outputs.labels(kind).inc(done)
         self.wave_seconds.observe(seconds)
+        if omni is not None:
+            self._set_offload(omni)
         handle = omni.handle if omni is not None else None
         if handle is not None and handle.rings and all(r.tracer is not None for r in handle.rings):
             for row in handle.trace_report():
