@@ -63,6 +63,19 @@ def test_close_restores_resident_tensors_with_equal_output() -> None:
         omni.close()  # idempotent
 
 
+def test_threads_sharing_one_omni_get_what_they_would_alone() -> None:
+    # A web app's handlers call generate from several threads; a streamed ring holds one block
+    # per slot, so the calls run one at a time (without that, most came out wrong or raised).
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Omni("tiny-flux", STREAM_ALL, progress=False) as omni:
+        seeds = list(range(6))
+        alone = [omni.generate("a red fox", seed=s).frames for s in seeds]
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda s: omni.generate("a red fox", seed=s).frames, seeds))
+    assert [np.array_equal(a, b) for a, b in zip(together, alone)] == [True] * len(seeds)
+
+
 def test_local_folder_loads_through_from_pretrained(tmp_path: Path) -> None:
     from tiny_models import TINY_FLUX_DEFAULTS, tiny_flux_pipeline
 
