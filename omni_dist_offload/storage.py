@@ -175,7 +175,7 @@ class LayerUpcasts:
         self._tensors = tensors
 
     def commit(self) -> None:
-        pass
+        """Setup succeeded: nothing to let go (the ring keeps the originals until then)."""
 
     def compute_dtypes(self) -> dict[int, torch.dtype]:
         """``id(tensor) -> the model's dtype`` of every 8-bit tensor of the blocks."""
