@@ -106,7 +106,7 @@ class RingSummary:
     """Device bytes this ring's resident blocks and slots may take (its share of
     ``device_budget``, after ``"auto"`` is resolved); None without a budget."""
     kept_blocks: list[int] = dataclasses.field(default_factory=list)
-    """Streamed blocks that keep their first tensors on the device and stream the rest (a
+    """Streamed blocks that keep their largest tensors on the device and stream the rest (a
     residency plan's partly kept blocks)."""
     found_by: str = ""
     """How the block lists were found: ``declared`` (the class's

@@ -274,7 +274,7 @@ def _log_plan(ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> None:
     streamed = len(ring.layouts) - len(plan.resident)
     logger.info(
         "%s: residency plan from a measured forward: %d of %d blocks resident (%s), %d streamed "
-        "(%d of them keeping %s of their first tensors on the device) through %d slots (%s); "
+        "(%d of them keeping %s of their largest tensors on the device) through %d slots (%s); "
         "predicted forward %.1f ms, %.3fx resident (%.1f ms); budget %s",
         ring.component.name, len(plan.resident), len(ring.layouts),
         format_bytes(sum(ring.resident_nbytes(i) for i in plan.resident)), streamed, len(plan.kept),

@@ -112,8 +112,7 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
     see [Note: 8-bit storage] in ``storage.py``. ``per_layer`` (``upcast: "layer"``): those
     tensors are also 8-bit on the device, so the block's buffer is laid out in their stored
     dtype, as if the model held them so (it will: [Note: upcast per layer])."""
-    entries = []
-    offset = 0
+    found = []
     seen: set[int] = set()
     for mod_name, mod in block.named_modules(remove_duplicate=False):
         for registry in (mod._parameters, mod._buffers):
@@ -128,12 +127,20 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
                         "(e.g. call to_empty() and load a state dict, or build the model with "
                         "from_pretrained without leaving weights on 'meta')."
                     )
-                storage_shape, inverse_perm = _dense_order(t)
                 dtype = cast.get(id(t), t.dtype) if cast and per_layer else t.dtype
-                nbytes = t.numel() * dtype.itemsize
-                entries.append(TensorEntry(qual, t, offset, nbytes, dtype, storage_shape,
-                                           inverse_perm, t.device))
-                offset = align(offset + nbytes)
+                found.append((qual, t, dtype))
+    # Largest tensors first (ties in module order). A streamed block can keep a leading part on
+    # the device and stream the rest ([Note: residency planner]); with the small tensors last,
+    # the streamed part can be sized in small steps, which is where it must be small: where a
+    # block copies much slower than it computes, only a small part hides under the compute.
+    found.sort(key=lambda f: -f[1].numel() * f[2].itemsize)
+    entries = []
+    offset = 0
+    for qual, t, dtype in found:
+        storage_shape, inverse_perm = _dense_order(t)
+        nbytes = t.numel() * dtype.itemsize
+        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, storage_shape, inverse_perm, t.device))
+        offset = align(offset + nbytes)
     if cast and not per_layer and any(id(e.tensor) in cast for e in entries):
         return _stored_layout(index, name, block, entries, cast)
     return BlockLayout(index, name, block, tuple(entries), offset)

@@ -310,8 +310,8 @@ def streamed_bytes(costs: RingCosts, plan: ResidencyPlan) -> int:
     return sum(moved[i] - kept.get(i, 0) for i in range(len(moved)) if i not in resident)
 
 
-#: Partial plans: slot sizes tried, as fractions of the largest block.
-_PARTIAL_CAPS = tuple(k / 12 for k in range(1, 12))
+#: Partial plans: slot sizes closer than this share of the largest block count as one.
+_PARTIAL_CAP_STEP = 1 / 64
 #: The smallest step by which a partial plan keeps more of a block, as a share of the block.
 _PARTIAL_STEP = 1 / 16
 
@@ -325,7 +325,7 @@ def _partial_plans(costs: RingCosts, budget: int):
     budget holds. Yields every plan on the way."""
     sizes, nbytes, cuts = costs.slot_bytes, costs.nbytes, costs.cuts
     n = len(sizes)
-    for cap in sorted({max(1, int(max(sizes) * f)) for f in _PARTIAL_CAPS}):
+    for cap in _partial_caps(sizes, cuts):
         kept: dict[int, int] = {}
         resident: set[int] = set()
         for i in range(n):
@@ -363,6 +363,20 @@ def _partial_plans(costs: RingCosts, budget: int):
                 if step is None:
                     break
                 plan_kept[step[0]] = step[1]
+
+
+def _partial_caps(sizes: Sequence[int], cuts: Sequence[Sequence[int]]) -> list[int]:
+    """Slot sizes for partial plans: the sizes a streamed part can have (a block less one of its
+    cuts, or the whole block), those within :data:`_PARTIAL_CAP_STEP` of the largest block
+    below a larger one dropped (the larger one holds both). A slot of exactly a part's size
+    wastes nothing on that part, and where blocks copy much slower than they compute, the parts
+    that fit under the compute are small, so the small sizes are the ones that matter."""
+    step = max(sizes) * _PARTIAL_CAP_STEP
+    caps: list[int] = []
+    for part in sorted({s - c for s, cs in zip(sizes, cuts) for c in cs} | set(sizes), reverse=True):
+        if not caps or caps[-1] - part >= step:
+            caps.append(part)
+    return caps[::-1]
 
 
 def _rounded(ms: float) -> float:

@@ -255,6 +255,33 @@ def test_blocks_that_keep_a_part_beat_whole_blocks_within_the_same_budget():
     assert plan_residency(whole, int(0.7 * total)).predicted_ratio > 1.1
 
 
+def _flux12b_at_512px() -> RingCosts:
+    """Flux-12B's 19 blocks as the ring lays them out (tensors largest first, MiB), computing as
+    at 512 px on an H200, where a block copies in about six times its compute."""
+    mib, bias = 2**20, 12 * 2**10
+    double = [108, 108, 72, 72, 72, 72] + [18] * 8   # norms' linears, feed-forwards, attention
+    single = [90, 72, 54, 18, 18, 18]                 # proj_out, proj_mlp, norm linear, q k v
+    # Every weight has a bias, and the biases, the smallest, come last.
+    tensors = [[w * mib for w in t] + [bias] * len(t) for t in [double] * 6 + [single] * 13]
+    nbytes = tuple(sum(t) for t in tensors)
+    cuts = tuple(tuple(sum(t[:k]) for k in range(1, len(t))) for t in tensors)
+    compute = tuple(21.9 * b / sum(nbytes) for b in nbytes)
+    copy = tuple(b / 55.47e9 * 1e3 for b in nbytes)
+    return RingCosts(nbytes, nbytes, compute, copy, cuts=cuts)
+
+
+def test_parts_are_sized_to_what_the_compute_hides_where_copies_are_slow():
+    # At 85% of the bytes the parts that stream must be small (54 MiB and the biases for a
+    # single block): slots sized from the parts themselves find them; slots in twelfths of the
+    # largest block (54 MiB steps, a part with its biases just over one) came out at 1.24x.
+    costs = _flux12b_at_512px()
+    plan = plan_residency(costs, int(0.85 * sum(costs.nbytes)))
+    assert plan.kept and plan.predicted_ratio < 1.2
+    kept = dict(plan.kept)
+    parts = {costs.slot_bytes[i] - kept.get(i, 0) for i in range(19) if i not in plan.resident}
+    assert min(parts) < 60 * 2**20 < max(parts)  # single blocks stream 54 MiB and their biases
+
+
 def test_a_third_slot_is_bought_where_it_beats_a_resident_block():
     # Uneven compute (alternating short and long blocks) with copies as long as the average
     # block: two slots expose the copy behind every short block, three absorb it.

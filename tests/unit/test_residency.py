@@ -376,8 +376,10 @@ def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
         for _ in range(3):
             assert torch.equal(model(**batch)[0], ref)
     # The kept tensors live on the device for good, the others only while their block runs.
-    first = next(model.blocks[0].parameters())
-    assert first.data_ptr() == ring._kept_bufs[0].data_ptr()
+    # The layout puts the largest first, so the kept part is the block's largest tensors.
+    first, *_, last = ring.layouts[0].entries
+    assert first.tensor.data_ptr() == ring._kept_bufs[0].data_ptr()
+    assert first.nbytes == max(t.nbytes for t in model.blocks[0].parameters()) >= last.nbytes
     # The plan is final: another is refused, and changes nothing.
     with pytest.raises(ValueError, match="no other plan"):
         ring.apply_plan((), 2, settle=True)

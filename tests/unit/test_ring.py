@@ -56,6 +56,12 @@ def test_mixed_dtypes_strides_tied_and_buffers():
     # Tied weight stored once; the transposed weight kept its strides on the host.
     entries = handle.rings[0].layouts[0].entries
     assert sum(e.name.endswith("gate.weight") for e in entries) == 1
+    # Largest tensors first, equal sizes in module order, each after the one before.
+    order = [n for n, _ in model.blocks[0].named_parameters()] + [n for n, _ in model.blocks[0].named_buffers()]
+    key = [(-e.nbytes, order.index(e.name.removeprefix("blocks.0."))) for e in entries]
+    assert key == sorted(key) and len({e.nbytes for e in entries}) > 1
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(entries, entries[1:]))
+    assert [e.name for e in entries] != ["blocks.0." + n for n in order if any(e.name == "blocks.0." + n for e in entries)]
     assert model.blocks[1].down.weight.stride() == strides["blocks.1.down.weight"]
     assert model.blocks[1].gate_again.weight is model.blocks[1].gate.weight
     handle.remove()
