@@ -56,6 +56,17 @@ frames while the other runs 17, then the other way round), and reports every ran
 one row each: transfers that let ranks run different work (rank-local, shared) measured as a
 data-parallel job runs them.
 
+**Interleaved.** ``--interleave`` holds every variant at once instead, each as its own copy of
+the model (offloaded once, removed at the end), and runs ``--repeats`` rounds of one timed
+forward of each, in an order that turns every round, after ``--warmup`` forwards of each. A
+variant's overhead is then the median over rounds of its forward over the resident forward of
+the same round: where the forward is bound by the host launching kernels (Flux at 512 px), the
+host's speed changes from one second to the next, and passes measure when they ran more than
+what ran. It needs device memory for the copies' non-block weights and host memory for each
+streamed copy; peak device memory is each variant's own (its weights on the device and its
+forward's activations) beside what every variant shares (inputs, references). Not with
+``--stagger``, context parallelism, ``--cache`` or ``--memory-fraction``.
+
 **Floor.** Per block, a streamed forward cannot beat ``max(compute, block bytes / bandwidth)``,
 with the block's resident compute time measured by timing each block of the resident model, and
 the pinned host-to-device bandwidth measured at start (allgather: each rank moves 1/N of the
@@ -84,6 +95,7 @@ block). Only rank 0 prints and writes.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import importlib.util
@@ -274,6 +286,9 @@ class BenchOptions:
     context_parallel: ContextParallel | None = None
     """Split every forward across groups of ranks (diffusers' context parallelism), for
     resident and streamed variants alike."""
+    interleave: bool = False
+    """Hold every variant at once (a copy of the model each) and alternate their forwards round
+    by round (``--interleave``, :func:`_interleaved`)."""
 
 
 #: The attention projections a ``--lora`` adapter targets (diffusers' names, Wan and Flux).
@@ -610,10 +625,77 @@ def _plan_info(handle) -> dict[str, Any]:
             "streamed_bytes": row.block_bytes}
 
 
+def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[], torch.Tensor]],
+                 reference_of: Callable[[str], torch.Tensor],
+                 budgets_of: Callable[[str], Mapping[str, tuple[int | str, str]]],
+                 opts: BenchOptions) -> dict[str, list[_Pass]]:
+    """Every variant at once, each on its own copy of ``model`` (resident: ``model`` itself),
+    timed one forward each per round, in an order that turns every round and reverses every
+    other one (see the module docstring). One :class:`_Pass` per variant."""
+    dev = opts.device
+    variants = list(dict.fromkeys(schedule(opts.variants, opts.world, opts.budgets)))
+    allocated = (lambda: torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else (lambda: 0)
+    shared = allocated() - sum(t.nbytes for t in (*model.parameters(), *model.buffers()) if t.device == dev)
+    held: dict[str, int] = {}
+    runs: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {}
+    undos: list[Callable[[], None]] = []
+    infos: dict[str, dict] = {}
+    handles: dict[str, Any] = {}
+    try:
+        for variant in variants:
+            before = allocated()
+            copy_ = model if variant == RESIDENT else copy.deepcopy(model)
+            label = variant.split("@")[1] if "@" in variant else None
+            device_budget, budget_note = budgets_of(variant).get(label, (None, "")) if label else (None, "")
+            t0 = time.perf_counter()
+            undo, info, handle = _apply_variant(variant, copy_, dev, device_budget, restore=False)
+            undos.append(undo)
+            _sync(dev)
+            info["setup_s"] = time.perf_counter() - t0 if variant != RESIDENT else 0.0
+            if budget_note:
+                info["note"] = "; ".join(n for n in (info.get("note"), budget_note) if n)
+            fn = forward_of(copy_)
+            for _ in range(opts.warmup + (MEASURED_FORWARD if label is not None else 0)):
+                fn()
+            _sync(dev)
+            runs[variant], infos[variant], handles[variant] = (copy_, fn), info, handle
+            held[variant] = allocated() - before if variant != RESIDENT else allocated() - shared
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        activations: dict[str, float] = dict.fromkeys(variants, 0.0)
+        outs: dict[str, torch.Tensor] = {}
+        for r in range(opts.repeats):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for variant in order if r % 2 == 0 else order[::-1]:
+                _reset_peak(dev)
+                base = allocated()
+                (ms,), outs[variant] = _timed(runs[variant][1], dev, 0, 1)
+                times[variant].append(ms)
+                activations[variant] = max(activations[variant], _peak(dev) * 2**20 - base)
+        passes: dict[str, list[_Pass]] = {}
+        for variant in variants:
+            info = infos[variant]
+            if handles[variant] is not None:
+                info = {**info, **_plan_info(handles[variant])}
+            outside = info.get("outside_allocator_bytes", 0)
+            peak = (shared + held[variant] + activations[variant] + outside) / 2**20 if dev.type == "cuda" else 0.0
+            passes[variant] = [_Pass(times=times[variant], equal=bool(torch.equal(outs[variant], reference_of(variant))),
+                                     peak_mib=peak, **info)]
+        outs.clear()
+        if opts.world > 1:
+            dist.barrier()  # every rank has read what it holds before any undoes a variant
+    finally:
+        for undo in reversed(undos):
+            undo()
+        runs.clear()
+        _empty(dev)
+    return passes
+
+
 def _apply_variant(variant: str, model: nn.Module, device: torch.device,
-                   device_budget: int | str | None = None) -> tuple[Callable[[], None], dict, Any]:
+                   device_budget: int | str | None = None, restore: bool = True) -> tuple[Callable[[], None], dict, Any]:
     """Apply one variant; returns how to undo it, what it holds (host bytes, what ran) and our
-    offload handle (None for resident and the peer)."""
+    offload handle (None for resident and the peer). ``restore=False``: the model is a copy
+    that goes after the variant, so undoing need not bring back its original weights."""
     if variant == RESIDENT:
         return (lambda: None), {}, None
     if variant == "peer":
@@ -625,7 +707,7 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device,
     if variant == "fp8-resident":
         return layerwise_casting(model), {"transfer": RESIDENT, "note": f"diffusers layerwise casting ({FP8_STORAGE})"}, None
     saved = None
-    if variant.startswith(_FP8_STREAMED):
+    if variant.startswith(_FP8_STREAMED) and restore:
         # remove() leaves 8-bit-stored weights at their 8-bit values (the offloaded model's
         # state): a host copy of the originals lets the next pass start from the same model.
         saved = [(t, t.detach().to("cpu", copy=True)) for t in (*model.parameters(), *model.buffers())]
@@ -683,10 +765,13 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     inputs = case_inputs(preset, model, shape, opts.device, opts.dtype)
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
     block_modules = [m for _, m in component.blocks]
-    if opts.steps > 1:
-        forward = denoising_loop(model, inputs, opts.steps)
-    else:
-        forward = lambda: model(**inputs)[0]
+
+    def forward_of(m: nn.Module) -> Callable[[], torch.Tensor]:
+        if opts.steps > 1:
+            return denoising_loop(m, inputs, opts.steps)
+        return lambda: m(**inputs)[0]
+
+    forward = forward_of(model)
     block_bytes = [module_bytes(m) for m in block_modules]
     block_nbytes = [layout_block(i, n, b).nbytes for i, (n, b) in enumerate(component.blocks)]
     budgets = {b.label: b.config_value(block_nbytes) for b in opts.budgets}
@@ -725,12 +810,21 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             uncompile(model)
             after = compile_seconds()
             first_compile = after - before if before is not None and after is not None else 0.0
-        for variant in schedule(opts.variants, opts.world, opts.budgets):
+        def reference_of(variant: str) -> torch.Tensor:
             base = variant.split("@")[0]
-            key = "fp8" if base in _FP8 else base in _COMPILED
+            return references["fp8" if base in _FP8 else base in _COMPILED]
+
+        def budgets_of(variant: str) -> Mapping[str, tuple[int | str, str]]:
+            base = variant.split("@")[0]
+            if base in _FP8:
+                return layer_budgets if base.endswith("-layer") else fp8_budgets
+            return budgets
+
+        if opts.interleave:
+            passes = _interleaved(model, forward_of, reference_of, budgets_of, opts)
+        for variant in schedule(opts.variants, opts.world, opts.budgets) if not opts.interleave else ():
             passes.setdefault(variant, []).append(
-                _run_pass(variant, model, forward, references[key], opts,
-                          (layer_budgets if base.endswith("-layer") else fp8_budgets) if key == "fp8" else budgets))
+                _run_pass(variant, model, forward, reference_of(variant), opts, budgets_of(variant)))
         # A loop's floor is the resident loop (see _summarise): no per-block times needed.
         compute = (_block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
                    if opts.steps == 1 else [0.0] * len(block_modules))
@@ -765,8 +859,20 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
                compute: list[float], block_bytes: list[int], opts: BenchOptions) -> list[CaseResult]:
     pooled = {v: [t for p in ps for t in p.times] for v, ps in passes.items()}
     medians = {v: statistics.median(ts) for v, ts in pooled.items()}
+    # Interleaved: a variant's ratio to a baseline is the median over rounds of its forward over
+    # the baseline's forward of the same round (one pass each: times line up by round).
+    paired: dict[str, dict[str, float]] = {}
+    for base in (RESIDENT, "compiled", "fp8-resident") if opts.interleave else ():
+        if base in pooled:
+            paired[base] = {v: statistics.median(a / b for a, b in zip(ts, pooled[base], strict=True))
+                            for v, ts in pooled.items()}
     if not opts.stagger:
         medians = _slowest_rank(medians, opts.world)
+        paired = {base: _slowest_rank(ratios, opts.world) for base, ratios in paired.items()}
+
+    def ratio(variant: str, base: str) -> float:
+        return paired[base][variant] if base in paired else medians[variant] / medians[base]
+
     memory = _every_rank({v: (max(p.peak_mib for p in ps), ps[0].host_bytes / 2**20) for v, ps in passes.items()},
                          opts.world if not opts.stagger else 1)
     res_ms = medians[RESIDENT]
@@ -790,7 +896,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
         ms = medians[variant]
         out.append(CaseResult(
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
-            overhead=ms / res_ms, floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
+            overhead=ratio(variant, RESIDENT), floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
             host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
             bitwise_equal=all(p.equal for p in ps), floor_overhead=floor / res_ms, to_floor=ms / floor,
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
@@ -798,8 +904,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
             resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
             streamed_mib=ps[0].streamed_bytes / 2**20, compile_s=max(p.compile_s for p in ps),
-            vs_compiled=ms / compiled_ms if variant.startswith("compiled-streamed") and compiled_ms else None,
-            vs_fp8=ms / fp8_ms if variant.startswith(_FP8_STREAMED) and fp8_ms else None,
+            vs_compiled=ratio(variant, "compiled") if variant.startswith("compiled-streamed") and compiled_ms else None,
+            vs_fp8=ratio(variant, "fp8-resident") if variant.startswith(_FP8_STREAMED) and fp8_ms else None,
             computed_steps=opts.computed_steps,
             peak_device_mib_ranks=[m[variant][0] for m in memory] if memory else None,
             host_mib_ranks=[m[variant][1] for m in memory] if memory else None))
@@ -982,6 +1088,10 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="untimed forwards per pass (budget variants add the measured forward)")
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed forwards per pass; each variant runs two passes")
+    p.add_argument("--interleave", action="store_true",
+                   help="hold every variant at once (a copy of the model each) and time one forward of each "
+                   "per round, --repeats rounds; ratios are medians of per-round ratios (for forwards bound "
+                   "by the host, whose speed varies)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
     p.add_argument("--png", default=None, metavar="PATH", help="draw the overhead chart here (rank 0)")
     p.add_argument("--timeline", default=None, metavar="PATH",
@@ -1069,6 +1179,14 @@ def _check_args(args: argparse.Namespace) -> None:
         if "peer" in args.variants:
             raise BenchUsageError(f"{flag}: the peer (diffusers group offloading) does not run context "
                                   "parallel here; leave it out of --variants")
+    if args.interleave:
+        clash = [flag for flag, on in (("--transfer-mib", args.transfer_mib is not None), ("--stagger", args.stagger),
+                                        ("--memory-fraction", args.memory_fraction is not None),
+                                        ("--cache", args.cache is not None),
+                                        ("--ulysses-degree/--ring-degree", args.context_parallel is not None)) if on]
+        if clash:
+            raise BenchUsageError(f"--interleave holds every variant at once on copies of one model, which "
+                                  f"{clash[0]} does not allow: leave out one of them")
     preset = PRESETS[args.preset]
     if preset.video and any(d % 16 for d in (args.height, args.width)):
         raise BenchUsageError(f"--height {args.height} --width {args.width}: both must be multiples "
@@ -1094,7 +1212,7 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
                         bandwidth=bandwidth, world=world, variants=tuple(args.variants), budgets=args.budgets,
                         memory_fraction=args.memory_fraction, lora=args.lora, lora_fused=args.lora_fused,
                         steps=args.steps, cache=args.cache_spec, stagger=args.stagger and world > 1,
-                        context_parallel=args.context_parallel)
+                        context_parallel=args.context_parallel, interleave=args.interleave)
     preset = PRESETS[args.preset]
     shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
     cases: list[CaseResult] = []
@@ -1154,7 +1272,7 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
             "nccl_max_ctas": os.environ.get("OMNI_OFFLOAD_NCCL_MAX_CTAS"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world, args.budgets),
-            "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
+            "interleave": args.interleave, "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
             "context_parallel": None if args.context_parallel is None else {
                 **args.context_parallel.to_dict(), "groups": world // args.context_parallel.size},
             "lora": None if args.lora is None else {"rank": args.lora, "fused": args.lora_fused,

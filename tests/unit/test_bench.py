@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 import torch
@@ -142,6 +143,8 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--budget", "50", "50%"], "each budget once"),
     (["--cache", "first-block:0.1"], "give --steps 2 or more"),
     (["--cache", "warp", "--steps", "4"], "unknown step cache 'warp'"),
+    (["--interleave", "--stagger"], "--interleave holds every variant at once"),
+    (["--interleave", "--steps", "3", "--cache", "first-block:0.1"], "which --cache does not allow"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
     assert cli_main(["bench", *flags]) == 2
@@ -170,6 +173,27 @@ def test_budget_sweep_runs_each_budget_and_reports_the_plan(tmp_path, capsys) ->
     assert schedule(["peer", "rank-local"], 1, [bench.Budget.parse("0"), bench.Budget.parse("50")]) == [
         "resident", "peer", "rank-local@0%", "rank-local@50%", "rank-local@50%", "rank-local@0%", "peer",
         "resident"]
+
+
+def test_interleaved_variants_run_side_by_side_and_ratios_pair_rounds(tmp_path, capsys) -> None:
+    out_json = tmp_path / "interleaved.json"
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "5", "--interleave",
+             "--variants", "peer", "rank-local", "fp8-resident", "fp8-streamed", "--budget", "0", "100",
+             "--json", str(out_json)]
+    assert cli_main(["bench", *flags]) == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["meta"]["interleave"] is True
+    rows = {r["variant"]: r for r in doc["results"]}
+    assert list(rows) == ["resident", "peer", "rank-local@0%", "rank-local@100%", "fp8-resident",
+                          "fp8-streamed@0%", "fp8-streamed@100%"]
+    assert all(r["bitwise_equal"] for r in rows.values()) and all(len(r["timings_ms"]) == 5 for r in rows.values())
+    # A ratio is the median over rounds of the forward over the baseline's of the same round.
+    res, fp8 = rows["resident"]["timings_ms"], rows["fp8-resident"]["timings_ms"]
+    for name, row in rows.items():
+        assert row["overhead"] == pytest.approx(statistics.median(a / b for a, b in zip(row["timings_ms"], res)))
+        if name.startswith("fp8-streamed"):
+            assert row["vs_fp8"] == pytest.approx(statistics.median(a / b for a, b in zip(row["timings_ms"], fp8)))
+    assert rows["rank-local@0%"]["host_mib"] > 0 and rows["rank-local@100%"]["resident_blocks"] == 5
 
 
 def test_compiled_variants_compare_with_the_compiled_resident_model(tmp_path) -> None:
