@@ -114,6 +114,8 @@ def main():
     p.add_argument("--budgets", type=float, nargs="*", default=[100, 85])
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--old", action="store_true", help="also each budget with the old layout and slot sizes")
+    p.add_argument("--profile-filter", default=None, help="also print the profiled functions matching this regex")
+    p.add_argument("--profile-forwards", type=int, default=1, help="forwards per profile")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,11 +172,15 @@ def main():
             sync()
             prof = cProfile.Profile()
             prof.enable()
-            models[name](**inputs)
+            for _ in range(args.profile_forwards):
+                models[name](**inputs)
             prof.disable()
             sync()
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+            stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
+            stats.print_stats(18)
+            if args.profile_filter:  # e.g. the ring's own functions and the CUDA calls they make
+                stats.print_stats(args.profile_filter, 30)
             out["profile"][name] = s.getvalue()
         # Apply and remove one more offload, then time the resident model straight after.
         spare = copy.deepcopy(base)
@@ -201,7 +207,7 @@ def main():
     print("resident after remove:        gpu", [round(x, 1) for x in ar["after_gpu"]])
     print("                              host", [round(x, 1) for x in ar["after_host"]])
     for name in names:
-        print(f"== profile {name}\n" + "\n".join(out["profile"][name].splitlines()[:30]))
+        print(f"== profile {name}\n" + "\n".join(out["profile"][name].splitlines()[:30 if not args.profile_filter else 90]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
