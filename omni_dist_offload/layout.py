@@ -105,6 +105,11 @@ class BlockSource(Protocol):
         every ``(offset, n, at)`` in ``pieces``; bytes past the block's end are zero."""
 
 
+#: In a block's layout, tensors smaller than this share of its largest come first (see
+#: :func:`layout_block`).
+TINY_SHARE = 1 / 64
+
+
 def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, torch.dtype] | None = None,
                  per_layer: bool = False) -> BlockLayout:
     """Plan the buffer of one block. Reads the block, changes nothing. ``cast``: tensors (by
@@ -133,7 +138,12 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
     # the device and stream the rest ([Note: residency planner]); with the small tensors last,
     # the streamed part can be sized in small steps, which is where it must be small: where a
     # block copies much slower than it computes, only a small part hides under the compute.
-    found.sort(key=lambda f: -f[1].numel() * f[2].itemsize)
+    # Tensors of no size to speak of (biases, norm weights) go before all of them: any kept
+    # part keeps them, so a streamed part is a few weights, each rebound at every use.
+    sizes = [t.numel() * dtype.itemsize for _, t, dtype in found]
+    tiny = max(sizes, default=0) * TINY_SHARE
+    order = sorted(range(len(found)), key=lambda k: (sizes[k] >= tiny, -sizes[k]))
+    found = [found[k] for k in order]
     entries = []
     offset = 0
     for qual, t, dtype in found:

@@ -80,18 +80,25 @@ def twelfths(sizes, cuts):
     return sorted({max(1, int(max(sizes) * k / 12)) for k in range(1, 12)})
 
 
+OLD = "module"
+
+
 @contextlib.contextmanager
 def old_planner(on):
-    """Module-order layouts and slot sizes in twelfths while ``on``."""
+    """While ``on``: with ``--old-mode module``, module-order layouts and slot sizes in twelfths;
+    with ``largest``, largest first with no small tensors ahead of them."""
     if not on:
         yield
         return
-    saved = apply_mod.layout_block, residency_mod._partial_caps
-    apply_mod.layout_block, residency_mod._partial_caps = module_order_layout, twelfths
+    saved = apply_mod.layout_block, residency_mod._partial_caps, layout_mod.TINY_SHARE
+    if OLD == "module":
+        apply_mod.layout_block, residency_mod._partial_caps = module_order_layout, twelfths
+    else:
+        layout_mod.TINY_SHARE = 0.0
     try:
         yield
     finally:
-        apply_mod.layout_block, residency_mod._partial_caps = saved
+        apply_mod.layout_block, residency_mod._partial_caps, layout_mod.TINY_SHARE = saved
 
 
 def sync():
@@ -113,11 +120,15 @@ def main():
     p.add_argument("--px", type=int, default=512)
     p.add_argument("--budgets", type=float, nargs="*", default=[100, 85])
     p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--old", action="store_true", help="also each budget with the old layout and slot sizes")
+    p.add_argument("--old", action="store_true", help="also each budget with an earlier layout (--old-mode)")
+    p.add_argument("--old-mode", choices=["module", "largest"], default="module",
+                   help="module: module order, slot sizes in twelfths; largest: largest first, no small tensors ahead")
     p.add_argument("--profile-filter", default=None, help="also print the profiled functions matching this regex")
     p.add_argument("--profile-forwards", type=int, default=1, help="forwards per profile")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    global OLD
+    OLD = args.old_mode
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     preset = PRESETS[args.preset]

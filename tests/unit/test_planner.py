@@ -3,6 +3,7 @@ the plans it makes within a budget, and size parsing."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -11,7 +12,8 @@ from toys import ToyDiT
 
 from omni_dist_offload.config import OffloadConfig
 from omni_dist_offload.hostmem import HostBuffer
-from omni_dist_offload.layout import layout_block
+from omni_dist_offload.layout import align, layout_block
+from omni_dist_offload.models import PRESETS, build_model
 from omni_dist_offload.plan import discover
 from omni_dist_offload.residency import (
     RingCosts,
@@ -255,31 +257,58 @@ def test_blocks_that_keep_a_part_beat_whole_blocks_within_the_same_budget():
     assert plan_residency(whole, int(0.7 * total)).predicted_ratio > 1.1
 
 
-def _flux12b_at_512px() -> RingCosts:
-    """Flux-12B's 19 blocks as the ring lays them out (tensors largest first, MiB), computing as
-    at 512 px on an H200, where a block copies in about six times its compute."""
-    mib, bias = 2**20, 12 * 2**10
-    double = [108, 108, 72, 72, 72, 72] + [18] * 8   # norms' linears, feed-forwards, attention
-    single = [90, 72, 54, 18, 18, 18]                 # proj_out, proj_mlp, norm linear, q k v
-    # Every weight has a bias, and the biases, the smallest, come last.
-    tensors = [[w * mib for w in t] + [bias] * len(t) for t in [double] * 6 + [single] * 13]
-    nbytes = tuple(sum(t) for t in tensors)
-    cuts = tuple(tuple(sum(t[:k]) for k in range(1, len(t))) for t in tensors)
+@functools.cache
+def _flux12b_layouts():
+    """One double- and one single-stream block of Flux-12B, real diffusers classes at real size
+    (uninitialised memory: only the shapes are read), as the ring lays them out."""
+    model = build_model(PRESETS["flux-12b"], 2, torch.device("meta"), torch.bfloat16).to_empty(device="cpu")
+    (comp,) = discover(model, OffloadConfig.parse({"mode": "layer"}))
+    return [layout_block(i, name, b) for i, (name, b) in enumerate(comp.blocks)]
+
+
+def _module_order_cuts(layout) -> tuple[int, ...]:
+    """The cuts the block would offer laid out in module order (as it was before)."""
+    rank = {id(t): k for k, t in enumerate(t for m in layout.module.modules()
+                                           for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)}
+    offset, cuts = 0, []
+    for e in sorted(layout.entries, key=lambda e: rank[id(e.tensor)]):
+        if offset:
+            cuts.append(offset)
+        offset = align(offset + e.nbytes)
+    return tuple(cuts)
+
+
+def _flux12b_at_512px(module_order: bool = False) -> RingCosts:
+    """Flux-12B's 19 blocks (6 double-, 13 single-stream), computing as at 512 px on an H200,
+    where a block copies in about six times its compute."""
+    double, single = _flux12b_layouts()
+    layouts = [double] * 6 + [single] * 13
+    nbytes = tuple(l.nbytes for l in layouts)
+    cuts = tuple(_module_order_cuts(l) if module_order else tuple(e.offset for e in l.entries[1:]) for l in layouts)
     compute = tuple(21.9 * b / sum(nbytes) for b in nbytes)
     copy = tuple(b / 55.47e9 * 1e3 for b in nbytes)
     return RingCosts(nbytes, nbytes, compute, copy, cuts=cuts)
 
 
 def test_parts_are_sized_to_what_the_compute_hides_where_copies_are_slow():
-    # At 85% of the bytes the parts that stream must be small (54 MiB and the biases for a
-    # single block): slots sized from the parts themselves find them; slots in twelfths of the
-    # largest block (54 MiB steps, a part with its biases just over one) came out at 1.24x.
+    # At 85% of the bytes the parts that stream must be small (54 MiB of a 270 MiB single-stream
+    # block, about 90 of a 648 MiB double-stream one). Laid out largest first, a block's tail
+    # is its 18 MiB attention weights, so it can stream any multiple of 18 MiB up to 144; in
+    # module order a double-stream block streamed 72 or 144 MiB, and the plan came out at 1.29x.
     costs = _flux12b_at_512px()
     plan = plan_residency(costs, int(0.85 * sum(costs.nbytes)))
     assert plan.kept and plan.predicted_ratio < 1.2
     kept = dict(plan.kept)
     parts = {costs.slot_bytes[i] - kept.get(i, 0) for i in range(19) if i not in plan.resident}
-    assert min(parts) < 60 * 2**20 < max(parts)  # single blocks stream 54 MiB and their biases
+    assert min(parts) < 60 * 2**20 < max(parts)
+    before = _flux12b_at_512px(module_order=True)
+    assert plan_residency(before, int(0.85 * sum(before.nbytes))).predicted_ratio > 1.25
+    # Biases and norm weights come first, so a streamed part is weights only: few tensors to
+    # rebind at every use.
+    double, single = _flux12b_layouts()
+    for layout in (double, single):
+        big = [e for e in layout.entries if e.nbytes >= 2**20]
+        assert layout.entries[-len(big):] == tuple(sorted(big, key=lambda e: -e.nbytes))
 
 
 def test_a_third_slot_is_bought_where_it_beats_a_resident_block():

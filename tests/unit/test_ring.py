@@ -8,6 +8,7 @@ import torch
 
 from omni_dist_offload import OffloadConfigError, apply_offload
 from omni_dist_offload import apply as apply_mod
+from omni_dist_offload.layout import TINY_SHARE
 from toys import OddDiT, ToyDiT, assert_same, snapshot
 
 DIT = {"mode": "layer", "components": ["dit"]}
@@ -56,10 +57,12 @@ def test_mixed_dtypes_strides_tied_and_buffers():
     # Tied weight stored once; the transposed weight kept its strides on the host.
     entries = handle.rings[0].layouts[0].entries
     assert sum(e.name.endswith("gate.weight") for e in entries) == 1
-    # Largest tensors first, equal sizes in module order, each after the one before.
+    # Tensors of no size to speak of first, then the largest first; equal sizes in module order;
+    # each after the one before.
     order = [n for n, _ in model.blocks[0].named_parameters()] + [n for n, _ in model.blocks[0].named_buffers()]
-    key = [(-e.nbytes, order.index(e.name.removeprefix("blocks.0."))) for e in entries]
-    assert key == sorted(key) and len({e.nbytes for e in entries}) > 1
+    tiny = max(e.nbytes for e in entries) * TINY_SHARE
+    key = [(e.nbytes >= tiny, -e.nbytes, order.index(e.name.removeprefix("blocks.0."))) for e in entries]
+    assert key == sorted(key) and len({e.nbytes for e in entries}) > 1 and key[0][0] is False
     assert all(a.offset + a.nbytes <= b.offset for a, b in zip(entries, entries[1:]))
     assert [e.name for e in entries] != ["blocks.0." + n for n in order if any(e.name == "blocks.0." + n for e in entries)]
     assert model.blocks[1].down.weight.stride() == strides["blocks.1.down.weight"]
