@@ -36,3 +36,24 @@ def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> 
         assert rows["allgather"]["weight_transfer"] == "allgather" and rows["shared"]["weight_transfer"] == "shared"
         assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard
         assert rows["shared"]["host_mib"] < rows["rank-local"]["host_mib"]  # and its share of one copy
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
+def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path) -> None:
+    # Every variant held at once on both ranks (allgather and shared collectives per forward,
+    # in the same turning order on each), ratios paired by round.
+    out_json = tmp_path / "interleaved.json"
+    env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
+           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32", "--interleave",
+         "--variants", "rank-local", "shared", "allgather", "--warmup", "1", "--repeats", "3",
+         "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["interleave"] is True and data["meta"]["world_size"] == 2
+    rows = {r["variant"]: r for r in data["results"]}
+    assert list(rows) == ["resident", "rank-local", "shared", "allgather"]
+    assert all(r["bitwise_equal"] and len(r["timings_ms"]) == 3 for r in rows.values())
+    assert rows["allgather"]["weight_transfer"] == "allgather" and rows["shared"]["weight_transfer"] == "shared"
+    assert rows["allgather"]["host_mib_ranks"][1] < rows["rank-local"]["host_mib_ranks"][1]
