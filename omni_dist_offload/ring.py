@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import warnings
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -88,6 +89,12 @@ def _keep_in(name: str, tensor: torch.Tensor, view: torch.Tensor, stored: bool =
     view.copy_(data)
 
 
+def _alive(ident: int) -> bool:
+    """Whether the thread with this ident is still running (a dead thread's interrupted
+    forward is simply released)."""
+    return any(t.ident == ident for t in threading.enumerate())
+
+
 def _list_slot(root: torch.nn.Module, name: str) -> tuple[dict, str]:
     """The ``_modules`` dict of the list holding block ``name`` (a dotted path under ``root``,
     such as ``blocks.0``) and the block's key in it."""
@@ -144,9 +151,11 @@ class BlockRing:
         self.budget: int | None = None
         """The device bytes this ring's plan may use, when it has a budget."""
         self._configure(num_slots)
-        # The block between its pre- and post-forward, and its slot (blocks do not nest).
+        # The block between its pre- and post-forward, and its slot (blocks do not nest), and
+        # the thread running it.
         self._current = _EMPTY
         self._current_slot = _EMPTY
+        self._current_thread = 0
         # The last forward was cut short (an exception, or an interrupt that skipped the
         # post-forward): the next on-demand fetch is expected, not an ordering problem.
         self._disrupted = False
@@ -287,10 +296,13 @@ class BlockRing:
                 or self.component.module._compiled_call_impl is not seen[2]):
             self._check_compiled(i, module)
         if self._current != _EMPTY:
+            if self._current_thread != threading.get_ident() and _alive(self._current_thread):
+                self._refuse_concurrent(i)
             # The last block's post-forward never ran: torch calls always_call hooks on
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
             self._release(self._current, self._current_slot)
             self._disrupted = True
+        self._current_thread = threading.get_ident()
         if self.skip_probe is not None and i not in self.resident and self.skip_probe(module):
             self._skip(i)
             return
@@ -317,6 +329,17 @@ class BlockRing:
         self._prefetch(i)
         if not self._warned_grad and torch.is_grad_enabled():
             self._warn_grad()
+
+    def _refuse_concurrent(self, i: int) -> None:
+        """Block ``i`` starts while another thread's block of this ring is running: the two
+        forwards would take each other's slots. Nothing has changed yet."""
+        raise RuntimeError(
+            f"{self.component.name}: block {self.layouts[i].name} started in one thread while block "
+            f"{self.layouts[self._current].name} of the same component was running in another. A "
+            "streamed component runs one forward at a time (its slots hold the forward's blocks): "
+            "hold a lock around each call of the offloaded model or pipeline (Omni.generate does), "
+            "or give each thread its own. (If that other thread's forward was interrupted, run one "
+            "forward from it first.)")
 
     def _prefetch(self, i: int) -> None:
         """Have the blocks after ``i`` in slots (round robin), keeping ``i``'s."""
@@ -388,7 +411,8 @@ class BlockRing:
         self._compile_seen[i] = (module._compiled_call_impl, entry, root._compiled_call_impl)
 
     def _post_forward(self, i: int, module, args, output) -> None:
-        if self._current != i:  # the pre-forward did not get as far as binding: nothing to release
+        # The pre-forward did not get as far as binding (or refused this thread): nothing to release.
+        if self._current != i or self._current_thread != threading.get_ident():
             return
         if self._current_slot == _SKIPPED:
             self._current = self._current_slot = _EMPTY

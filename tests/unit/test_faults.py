@@ -4,6 +4,7 @@ dist/test_faults_ranks.py (a diverging rank: dist/test_allgather_ranks.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import types
@@ -289,4 +290,68 @@ def test_an_exception_in_a_block_gives_no_false_order_warning():
         assert torch.equal(model(x), ref)
     with pytest.warns(RuntimeWarning, match="not prefetched"):  # a real order problem still warns
         model(x, order=[0, 2, 3])
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_forward_from_another_thread_while_a_block_runs_is_refused_and_changes_nothing():
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    handle = apply_offload(model, DIT)
+    model(x)
+    inside, go = threading.Event(), threading.Event()
+    body = model.blocks[2].forward
+
+    def held(*args, **kwargs):  # thread A stays inside block 2 until told to go on
+        inside.set()
+        go.wait(30)
+        return body(*args, **kwargs)
+
+    model.blocks[2].forward = held
+    results: dict[str, torch.Tensor] = {}
+
+    def run_a():
+        with torch.no_grad():
+            results["a"] = model(x)
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    try:
+        assert inside.wait(30)
+        del model.blocks[2].forward  # thread B's forward would run block 2 as it is
+        with pytest.raises(RuntimeError, match=r"block blocks.0 started in one thread while block blocks.2 .* another"):
+            model(x)
+    finally:
+        go.set()
+        a.join(30)
+    assert torch.equal(results["a"], ref)  # thread A's forward went on untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model(x), ref)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_block_left_by_a_thread_that_ended_is_released_by_the_next_forward():
+    """A thread whose forward was cut short (a KeyboardInterrupt skips the post-forward) and
+    that then ended: the next forward, from any thread, releases its block."""
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    ref = model(x)
+    handle = apply_offload(model, DIT)
+    model(x)
+
+    def run():
+        with torch.no_grad(), interrupt(model.blocks[2], "body"), contextlib.suppress(KeyboardInterrupt):
+            model(x)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert handle.rings[0]._current == 2  # left bound by the interrupted forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model(x), ref)
+    assert _unbound(handle) == []
     handle.remove()
