@@ -58,7 +58,8 @@ data-parallel job runs them.
 
 **Interleaved.** ``--interleave`` holds every variant at once instead, each as its own copy of
 the model (offloaded once, removed at the end), and runs ``--repeats`` rounds of one timed
-forward of each, in an order that turns every round, after ``--warmup`` forwards of each. A
+forward of each, in an order that turns every round, after ``--warmup`` forwards of each (the
+device idles between two, so one variant's copies never run beside another's compute). A
 variant's overhead is then the median over rounds of its forward over the resident forward of
 the same round: where the forward is bound by the host launching kernels (Flux at 512 px), the
 host's speed changes from one second to the next, and passes measure when they ran more than
@@ -671,6 +672,10 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
                 (ms,), outs[variant] = _timed(runs[variant][1], dev, 0, 1)
                 times[variant].append(ms)
                 activations[variant] = max(activations[variant], _peak(dev) * 2**20 - base)
+                # Every stream, not only the forward's: the copies a ring issues at the end of its
+                # forward (the next forward's first blocks) finish before another copy of the model
+                # runs, rather than beside its compute.
+                _sync(dev)
         passes: dict[str, list[_Pass]] = {}
         for variant in variants:
             info = infos[variant]
