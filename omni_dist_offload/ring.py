@@ -89,12 +89,6 @@ def _keep_in(name: str, tensor: torch.Tensor, view: torch.Tensor, stored: bool =
     view.copy_(data)
 
 
-def _alive(ident: int) -> bool:
-    """Whether the thread with this ident is still running (a dead thread's interrupted
-    forward is simply released)."""
-    return any(t.ident == ident for t in threading.enumerate())
-
-
 def _list_slot(root: torch.nn.Module, name: str) -> tuple[dict, str]:
     """The ``_modules`` dict of the list holding block ``name`` (a dotted path under ``root``,
     such as ``blocks.0``) and the block's key in it."""
@@ -155,7 +149,7 @@ class BlockRing:
         # the thread running it.
         self._current = _EMPTY
         self._current_slot = _EMPTY
-        self._current_thread = 0
+        self._current_thread: threading.Thread | None = None
         # The last forward was cut short (an exception, or an interrupt that skipped the
         # post-forward): the next on-demand fetch is expected, not an ordering problem.
         self._disrupted = False
@@ -296,13 +290,14 @@ class BlockRing:
                 or self.component.module._compiled_call_impl is not seen[2]):
             self._check_compiled(i, module)
         if self._current != _EMPTY:
-            if self._current_thread != threading.get_ident() and _alive(self._current_thread):
+            owner = self._current_thread
+            if owner is not threading.current_thread() and owner is not None and owner.is_alive():
                 self._refuse_concurrent(i)
             # The last block's post-forward never ran: torch calls always_call hooks on
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
             self._release(self._current, self._current_slot)
             self._disrupted = True
-        self._current_thread = threading.get_ident()
+        self._current_thread = threading.current_thread()
         if self.skip_probe is not None and i not in self.resident and self.skip_probe(module):
             self._skip(i)
             return
@@ -412,7 +407,7 @@ class BlockRing:
 
     def _post_forward(self, i: int, module, args, output) -> None:
         # The pre-forward did not get as far as binding (or refused this thread): nothing to release.
-        if self._current != i or self._current_thread != threading.get_ident():
+        if self._current != i or self._current_thread is not threading.current_thread():
             return
         if self._current_slot == _SKIPPED:
             self._current = self._current_slot = _EMPTY
