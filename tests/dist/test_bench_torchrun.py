@@ -15,18 +15,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
-def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> None:
-    out_json = tmp_path / "dist.json"
+def _bench(tmp_path: Path, *flags: str) -> tuple[str, dict]:
+    """launch/bench.sh on two gloo ranks, tiny Flux, rank-local, shared and allgather: rank 0's
+    table and the JSON."""
+    out_json = tmp_path / "bench.json"
     env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
            "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32", "48", "--stagger",
-         "--variants", "rank-local", "shared", "allgather", "--warmup", "1", "--repeats", "1",
-         "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--variants", "rank-local", "shared",
+         "allgather", "--warmup", "1", *flags, "--json", str(out_json)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" allgather ") == 4  # one table, from rank 0: 2 sizes x 2 ranks
-    data = json.loads(out_json.read_text())
+    return proc.stdout, json.loads(out_json.read_text())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
+def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> None:
+    stdout, data = _bench(tmp_path, "--px", "32", "48", "--stagger", "--repeats", "1")
+    assert stdout.count(" allgather ") == 4  # one table, from rank 0: 2 sizes x 2 ranks
     assert data["meta"]["world_size"] == 2
     # --stagger: each rank ran each size, at the same time as the other rank ran the other.
     assert sorted({(r["shape"], r["rank"]) for r in data["results"]}) == [("32", 0), ("32", 1), ("48", 0), ("48", 1)]
@@ -42,15 +48,7 @@ def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> 
 def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path) -> None:
     # Every variant held at once on both ranks (allgather and shared collectives per forward,
     # in the same turning order on each), ratios paired by round.
-    out_json = tmp_path / "interleaved.json"
-    env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
-           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--px", "32", "--interleave",
-         "--variants", "rank-local", "shared", "allgather", "--warmup", "1", "--repeats", "3",
-         "--json", str(out_json)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out_json.read_text())
+    _, data = _bench(tmp_path, "--px", "32", "--interleave", "--repeats", "3")
     assert data["meta"]["interleave"] is True and data["meta"]["world_size"] == 2
     rows = {r["variant"]: r for r in data["results"]}
     assert list(rows) == ["resident", "rank-local", "shared", "allgather"]

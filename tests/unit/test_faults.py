@@ -256,15 +256,22 @@ def test_an_interrupted_forward_is_followed_by_correct_ones(where, exc):
     assert_same(before, model)
 
 
-@torch.no_grad()
-def test_a_keyboard_interrupt_is_released_by_the_next_forward_without_a_false_warning():
-    """torch runs always_call forward hooks on Exception only, so after a KeyboardInterrupt the
-    interrupted block stays bound to its slot until the next forward releases it."""
+def _warm_toy():
+    """A four-block toy streamed rank-local after one forward (block 0 prefetched): the
+    model, an input, the resident output and the handle."""
     model = ToyDiT(4)
     x = torch.randn(2, 8)
     ref = model(x)
     handle = apply_offload(model, DIT)
     model(x)
+    return model, x, ref, handle
+
+
+@torch.no_grad()
+def test_a_keyboard_interrupt_is_released_by_the_next_forward_without_a_false_warning():
+    """torch runs always_call forward hooks on Exception only, so after a KeyboardInterrupt the
+    interrupted block stays bound to its slot until the next forward releases it."""
+    model, x, ref, handle = _warm_toy()
     with interrupt(model.blocks[2], "body"), pytest.raises(KeyboardInterrupt):
         model(x)
     with warnings.catch_warnings():
@@ -278,11 +285,7 @@ def test_a_keyboard_interrupt_is_released_by_the_next_forward_without_a_false_wa
 
 @torch.no_grad()
 def test_an_exception_in_a_block_gives_no_false_order_warning():
-    model = ToyDiT(4)
-    x = torch.randn(2, 8)
-    ref = model(x)
-    handle = apply_offload(model, DIT)
-    model(x)
+    model, x, ref, handle = _warm_toy()
     with interrupt(model.blocks[1], "body", RuntimeError), pytest.raises(RuntimeError):
         model(x)
     with warnings.catch_warnings():
@@ -295,11 +298,7 @@ def test_an_exception_in_a_block_gives_no_false_order_warning():
 
 @torch.no_grad()
 def test_a_forward_from_another_thread_while_a_block_runs_is_refused_and_changes_nothing():
-    model = ToyDiT(4)
-    x = torch.randn(2, 8)
-    ref = model(x)
-    handle = apply_offload(model, DIT)
-    model(x)
+    model, x, ref, handle = _warm_toy()
     inside, go = threading.Event(), threading.Event()
     body = model.blocks[2].forward
 
@@ -336,11 +335,7 @@ def test_a_forward_from_another_thread_while_a_block_runs_is_refused_and_changes
 def test_a_block_left_by_a_thread_that_ended_is_released_by_the_next_forward():
     """A thread whose forward was cut short (a KeyboardInterrupt skips the post-forward) and
     that then ended: the next forward, from any thread, releases its block."""
-    model = ToyDiT(4)
-    x = torch.randn(2, 8)
-    ref = model(x)
-    handle = apply_offload(model, DIT)
-    model(x)
+    model, x, ref, handle = _warm_toy()
 
     def run():
         with torch.no_grad(), interrupt(model.blocks[2], "body"), contextlib.suppress(KeyboardInterrupt):
