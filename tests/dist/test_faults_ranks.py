@@ -137,7 +137,7 @@ def test_allgather_soak_alternating_shapes():
         assert soak["passed"], soak["failures"]
         assert soak["weight_transfer"] == "allgather"
         assert soak["equal"] == soak["forwards_done"] == 60 and soak["equal_after_remove"]
-        assert soak["rss_growth_mib"] <= 8 and soak["live_tensors"][1] <= soak["live_tensors"][0]
+        assert soak["rss_kept_mib"] <= 8 and soak["live_tensors"][1] <= soak["live_tensors"][0]
 
 
 # -- setup failing on one rank ---------------------------------------------------------------
