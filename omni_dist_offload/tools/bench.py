@@ -65,8 +65,9 @@ the same round: where the forward is bound by the host launching kernels (Flux a
 host's speed changes from one second to the next, and passes measure when they ran more than
 what ran. It needs device memory for the copies' non-block weights and host memory for each
 streamed copy; peak device memory is each variant's own (its weights on the device and its
-forward's activations) beside what every variant shares (inputs, references). Not with
-``--stagger``, context parallelism, ``--cache`` or ``--memory-fraction``.
+forward's activations) beside what every variant shares (inputs, references). With
+``--stagger`` each rank alternates the variants on its own shape. Not with context
+parallelism, ``--cache`` or ``--memory-fraction``.
 
 **Floor.** Per block, a streamed forward cannot beat ``max(compute, block bytes / bandwidth)``,
 with the block's resident compute time measured by timing each block of the resident model, and
@@ -1185,7 +1186,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise BenchUsageError(f"{flag}: the peer (diffusers group offloading) does not run context "
                                   "parallel here; leave it out of --variants")
     if args.interleave:
-        clash = [flag for flag, on in (("--transfer-mib", args.transfer_mib is not None), ("--stagger", args.stagger),
+        clash = [flag for flag, on in (("--transfer-mib", args.transfer_mib is not None),
                                         ("--memory-fraction", args.memory_fraction is not None),
                                         ("--cache", args.cache is not None),
                                         ("--ulysses-degree/--ring-degree", args.context_parallel is not None)) if on]

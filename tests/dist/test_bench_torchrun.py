@@ -47,7 +47,8 @@ def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> 
 @pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
 def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path) -> None:
     # Every variant held at once on both ranks (allgather and shared collectives per forward,
-    # in the same turning order on each), ratios paired by round.
+    # in the same turning order on each), ratios paired by round; with --stagger each rank on
+    # its own size, reporting its own rows.
     _, data = _bench(tmp_path, "--px", "32", "--interleave", "--repeats", "3")
     assert data["meta"]["interleave"] is True and data["meta"]["world_size"] == 2
     rows = {r["variant"]: r for r in data["results"]}
@@ -55,3 +56,6 @@ def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path)
     assert all(r["bitwise_equal"] and len(r["timings_ms"]) == 3 for r in rows.values())
     assert rows["allgather"]["weight_transfer"] == "allgather" and rows["shared"]["weight_transfer"] == "shared"
     assert rows["allgather"]["host_mib_ranks"][1] < rows["rank-local"]["host_mib_ranks"][1]
+    _, data = _bench(tmp_path, "--px", "32", "48", "--stagger", "--interleave", "--repeats", "2")
+    assert sorted({(r["shape"], r["rank"]) for r in data["results"]}) == [("32", 0), ("32", 1), ("48", 0), ("48", 1)]
+    assert all(r["bitwise_equal"] and len(r["timings_ms"]) == 2 for r in data["results"])

@@ -143,7 +143,7 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--budget", "50", "50%"], "each budget once"),
     (["--cache", "first-block:0.1"], "give --steps 2 or more"),
     (["--cache", "warp", "--steps", "4"], "unknown step cache 'warp'"),
-    (["--interleave", "--stagger"], "--interleave holds every variant at once"),
+    (["--interleave", "--ulysses-degree", "2"], "which --ulysses-degree/--ring-degree does not allow"),
     (["--interleave", "--steps", "3", "--cache", "first-block:0.1"], "which --cache does not allow"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
