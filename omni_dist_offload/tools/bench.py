@@ -637,7 +637,8 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
     dev = opts.device
     variants = list(dict.fromkeys(schedule(opts.variants, opts.world, opts.budgets)))
     allocated = (lambda: torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else (lambda: 0)
-    shared = allocated() - sum(t.nbytes for t in (*model.parameters(), *model.buffers()) if t.device == dev)
+    # What every variant shares on the device (inputs, references): all but the model's own tensors.
+    common = allocated() - sum(t.nbytes for t in (*model.parameters(), *model.buffers()) if t.device == dev)
     held: dict[str, int] = {}
     runs: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {}
     undos: list[Callable[[], None]] = []
@@ -661,7 +662,7 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
                 fn()
             _sync(dev)
             runs[variant], infos[variant], handles[variant] = (copy_, fn), info, handle
-            held[variant] = allocated() - before if variant != RESIDENT else allocated() - shared
+            held[variant] = allocated() - before if variant != RESIDENT else allocated() - common
         times: dict[str, list[float]] = {v: [] for v in variants}
         activations: dict[str, float] = dict.fromkeys(variants, 0.0)
         outs: dict[str, torch.Tensor] = {}
@@ -683,7 +684,7 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
             if handles[variant] is not None:
                 info = {**info, **_plan_info(handles[variant])}
             outside = info.get("outside_allocator_bytes", 0)
-            peak = (shared + held[variant] + activations[variant] + outside) / 2**20 if dev.type == "cuda" else 0.0
+            peak = (common + held[variant] + activations[variant] + outside) / 2**20 if dev.type == "cuda" else 0.0
             passes[variant] = [_Pass(times=times[variant], equal=bool(torch.equal(outs[variant], reference_of(variant))),
                                      peak_mib=peak, **info)]
         outs.clear()
@@ -816,6 +817,7 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
             uncompile(model)
             after = compile_seconds()
             first_compile = after - before if before is not None and after is not None else 0.0
+
         def reference_of(variant: str) -> torch.Tensor:
             base = variant.split("@")[0]
             return references["fp8" if base in _FP8 else base in _COMPILED]
@@ -828,9 +830,10 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
 
         if opts.interleave:
             passes = _interleaved(model, forward_of, reference_of, budgets_of, opts)
-        for variant in schedule(opts.variants, opts.world, opts.budgets) if not opts.interleave else ():
-            passes.setdefault(variant, []).append(
-                _run_pass(variant, model, forward, reference_of(variant), opts, budgets_of(variant)))
+        else:
+            for variant in schedule(opts.variants, opts.world, opts.budgets):
+                passes.setdefault(variant, []).append(
+                    _run_pass(variant, model, forward, reference_of(variant), opts, budgets_of(variant)))
         # A loop's floor is the resident loop (see _summarise): no per-block times needed.
         compute = (_block_compute_ms(block_modules, forward, opts.device, max(1, min(3, opts.repeats)))
                    if opts.steps == 1 else [0.0] * len(block_modules))

@@ -3,8 +3,8 @@
 Every output must be bitwise equal to the resident model's for its shape. After warm-up the
 device memory allocated between forwards must not change, host RSS must not stay above its
 value at the end of warm-up by more than a tolerance (a leak raises every later sample; a
-passing peak of the allocator, one) and the number of live tensors must not grow; after the run, ``remove()`` must give
-back a model with the same outputs. Figures are printed every ``--report-every`` forwards; the
+passing peak of the allocator, one) and the number of live tensors must not grow; after the
+run, ``remove()`` must give back a model with the same outputs. Figures are printed every ``--report-every`` forwards; the
 last line is ``soak PASS`` or ``soak FAIL`` with the figures, and the exit status is 1 on FAIL.
 
     python -m omni_dist_offload.tools.soak --model wan-14b --forwards 500                    # one GPU
