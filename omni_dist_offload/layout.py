@@ -143,12 +143,11 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
     sizes = [t.numel() * dtype.itemsize for _, t, dtype in found]
     tiny = max(sizes, default=0) * TINY_SHARE
     order = sorted(range(len(found)), key=lambda k: (sizes[k] >= tiny, -sizes[k]))
-    found = [found[k] for k in order]
     entries = []
     offset = 0
-    for qual, t, dtype in found:
+    for k in order:
+        (qual, t, dtype), nbytes = found[k], sizes[k]
         storage_shape, inverse_perm = _dense_order(t)
-        nbytes = t.numel() * dtype.itemsize
         entries.append(TensorEntry(qual, t, offset, nbytes, dtype, storage_shape, inverse_perm, t.device))
         offset = align(offset + nbytes)
     if cast and not per_layer and any(id(e.tensor) in cast for e in entries):

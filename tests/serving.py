@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from omni_dist_offload import Omni
+from omni_dist_offload.tools.serve_stress import SERVING_LINE
 
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos/generations"
@@ -67,10 +68,6 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-# The line a server logs once it listens, with the port it took.
-_SERVING = re.compile(r"serving \S+ \(\w+\) on http://\S+?:(\d+) ")
-
-
 class Server:
     """``omni-offload serve`` as a subprocess (or two ranks under torchrun). It binds a free port
     itself (``--port 0``) and says which: a port picked here and passed on could be taken by
@@ -92,7 +89,7 @@ class Server:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.output()
-            if not self.port and (match := _SERVING.search(self.output())):
+            if not self.port and (match := SERVING_LINE.search(self.output())):
                 self.port = int(match[1])
             try:
                 if self.port and call(self.port, "/health", timeout=2)[0] == 200:

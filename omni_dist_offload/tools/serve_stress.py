@@ -85,7 +85,7 @@ from typing import Literal, NamedTuple
 from ..runtime.proc import exit_with, rss_mib
 from ..runtime.flags import non_negative_int, positive_int
 
-__all__ = ["AbuseFigures", "LoadFigures", "SizeFigures", "StressOptions", "StressResult", "ThroughputFigures",
+__all__ = ["SERVING_LINE", "AbuseFigures", "LoadFigures", "SizeFigures", "StressOptions", "StressResult", "ThroughputFigures",
            "main", "run_stress"]
 
 IMAGES = "/v1/images/generations"
@@ -342,9 +342,10 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 # -- the server ------------------------------------------------------------------------------
-# The line a server logs once it listens; ``--port 0`` lets it pick a free port and say which,
-# where a port picked here and passed on could be taken by another process before it binds.
-_SERVING = re.compile(r"serving \S+ \(\w+\) on http://\S+?:(\d+) ")
+#: The line a server logs once it listens (``app/serve/run.py``), with the port it took: with
+#: ``--port 0`` it picks a free port and says which, where a port picked here and passed on could
+#: be taken by another process before it binds.
+SERVING_LINE = re.compile(r"serving \S+ \(\w+\) on http://\S+?:(\d+) ")
 
 
 class _ServerProcess:
@@ -387,7 +388,7 @@ class _ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {self.proc.returncode} before it "
                                    f"was ready; its log ends:\n{_tail(self.log)}")
-            if self.port is None and (match := _SERVING.search(self.log.read_text(errors="replace"))):
+            if self.port is None and (match := SERVING_LINE.search(self.log.read_text(errors="replace"))):
                 self.port = int(match[1])
             try:
                 if self.port is not None and _http(_Target(self.port, self.proc.pid, self.log, api_key),

@@ -76,6 +76,7 @@ def _serve_rank0(service: Service) -> int:
         how = ("" if service.ctx.world_size == 1 else
                ", in padded waves (a ring gathers its weights: lockstep)" if service.lockstep else
                ", each taking the next request when free")
+        # Tools and tests read the port from this line (tools/serve_stress.py: SERVING_LINE).
         logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)%s", omni.model,
                     service.limits.kind, options.host, server.port, service.ctx.world_size, how)
         service.run()
