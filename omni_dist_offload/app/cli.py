@@ -30,6 +30,7 @@ import torch
 
 from ..config import STORAGE_DTYPES, UPCASTS, OffloadConfig, OffloadConfigError
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
+from ..loading.checkpoint import CheckpointError
 from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
@@ -201,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}", every_rank=False)
         return 2
-    except ModelLoadError as exc:
+    except (ModelLoadError, CheckpointError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}", every_rank=True)
         return 1
 

@@ -42,9 +42,12 @@ DTYPES: dict[str, torch.dtype] = {
     **({"F8_E5M2": torch.float8_e5m2} if hasattr(torch, "float8_e5m2") else {}),
 }
 
-#: Weight file names of diffusers models, then transformers models: single file, index of shards.
+#: Weight file names of diffusers models, then transformers models, each pair in the order its
+#: library's ``from_pretrained`` looks for them: diffusers takes an index of shards before a single
+#: file, transformers a single file before an index. A folder saved twice (sharded, then not, or
+#: the other way) can hold both, and the cold start must read what the ordinary load reads.
 WEIGHT_NAMES: tuple[tuple[str, str], ...] = (
-    ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json"),
+    ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
     ("model.safetensors", "model.safetensors.index.json"),
 )
 
@@ -78,26 +81,32 @@ class TensorInfo:
 
 
 def find_weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of one model folder: the shards its index names, or its one file."""
-    for single, index in WEIGHT_NAMES:
-        if (folder / index).is_file():
-            try:
-                weight_map = json.loads((folder / index).read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{folder / index}: not a safetensors index ({exc}); "
-                                      "it needs a 'weight_map' of tensor name -> file.") from exc
-            files = sorted({folder / name for name in weight_map.values()})
-            missing = [str(f) for f in files if not f.is_file()]
-            if missing:
-                raise CheckpointError(f"{folder / index} names shard(s) that do not exist: {missing}; "
-                                      "download or copy the complete checkpoint.")
-            return files
-        if (folder / single).is_file():
-            return [folder / single]
+    """The safetensors files of one model folder: the shards its index names, or its one file.
+
+    Within each library's names the first that exists wins (:data:`WEIGHT_NAMES`), as in that
+    library's own loader."""
+    for first, second in WEIGHT_NAMES:
+        for name in (first, second):
+            if (folder / name).is_file():
+                return _index_files(folder / name) if name.endswith(".index.json") else [folder / name]
     raise CheckpointError(
         f"{folder} has no safetensors weights (looked for {[n for pair in WEIGHT_NAMES for n in pair]}); "
         "save the model with safe_serialization (the default of save_pretrained)."
     )
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a safetensors index ({exc}); "
+                              "it needs a 'weight_map' of tensor name -> file.") from exc
+    files = sorted({index.parent / name for name in weight_map.values()})
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index} names shard(s) that do not exist: {missing}; "
+                              "download or copy the complete checkpoint.")
+    return files
 
 
 class SafetensorsCheckpoint:

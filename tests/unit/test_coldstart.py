@@ -285,3 +285,62 @@ def test_a_cold_start_with_upcast_per_layer_reads_8_bit_blocks(wan_folder, dtype
     out = pipe(generator=torch.Generator().manual_seed(1), **kwargs).frames
     assert (out == ref(generator=torch.Generator().manual_seed(1), **kwargs).frames).all()
     handle.remove()
+
+
+def test_weight_files_are_chosen_as_each_library_chooses_them(tmp_path):
+    """A folder saved twice can hold a single file and an index: diffusers' loader reads the
+    index first, transformers' the single file first, and so does the cold start."""
+    from omni_dist_offload.loading.checkpoint import find_weight_files
+
+    def index(folder, stem, shards):
+        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {f"w{i}": name for i, name in enumerate(shards)}}))
+
+    dit = tmp_path / "dit"
+    dit.mkdir()
+    for name in ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model-00001-of-00002.safetensors",
+                 "diffusion_pytorch_model-00002-of-00002.safetensors"):
+        (dit / name).touch()
+    index(dit, "diffusion_pytorch_model", ["diffusion_pytorch_model-00001-of-00002.safetensors",
+                                           "diffusion_pytorch_model-00002-of-00002.safetensors"])
+    assert [p.name for p in find_weight_files(dit)] == ["diffusion_pytorch_model-00001-of-00002.safetensors",
+                                                        "diffusion_pytorch_model-00002-of-00002.safetensors"]
+    encoder = tmp_path / "encoder"
+    encoder.mkdir()
+    (encoder / "model.safetensors").touch()
+    index(encoder, "model", ["model-00001-of-00002.safetensors"])  # stale: its shards are gone
+    assert find_weight_files(encoder) == [encoder / "model.safetensors"]
+    (encoder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="names shard"):
+        find_weight_files(encoder)
+
+
+def test_a_stale_single_file_beside_shards_is_read_as_transformers_reads_it(wan_folder, tmp_path):
+    """The text encoder re-saved unsharded over a sharded save keeps the old index beside the
+    new file; transformers loads the file, and the cold start reads the same weights."""
+    folder = _copy_folder(wan_folder, tmp_path / "resaved")
+    te = UMT5EncoderModel.from_pretrained(folder / "text_encoder")
+    with torch.no_grad():
+        for p in te.parameters():
+            p.add_(1.0)
+    shards = sorted((folder / "text_encoder").glob("model-*.safetensors"))
+    te.save_pretrained(folder / "text_encoder", max_shard_size="100GB")  # one file, the index stays
+    for shard in shards:  # as if the old shards had been cleaned up
+        shard.unlink(missing_ok=True)
+    assert (folder / "text_encoder/model.safetensors.index.json").is_file()
+    pipe, handle = load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+    handle.remove()
+    _assert_same_module(pipe.text_encoder, UMT5EncoderModel.from_pretrained(folder / "text_encoder"))
+
+
+def test_cli_reports_a_damaged_checkpoint_in_one_line(wan_folder, tmp_path, capsys):
+    from omni_dist_offload.app.cli import main
+
+    folder = _copy_folder(wan_folder, tmp_path / "damaged")
+    shard = sorted((folder / "transformer").glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    rc = main(["generate", "--model", str(folder), "--num-inference-steps", "1", "--no-progress",
+               "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "omni-offload generate: error:" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
