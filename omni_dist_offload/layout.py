@@ -1,9 +1,11 @@
 """Host layout of a block: every parameter and buffer at an aligned offset in one byte buffer.
 
 A block's tensors, whatever their dtypes, are packed into one flat ``uint8`` buffer. Each
-tensor keeps its shape and strides: a dense tensor (contiguous or a permutation of contiguous,
-e.g. a transposed weight) is stored in its own memory order, so the views rebuilt on the device
-have the strides of the original and kernels see exactly what they saw before offloading.
+tensor keeps its shape and strides: a dense tensor (contiguous, or any other order without gaps
+or overlaps: a transposed weight, a ``channels_last`` convolution, strides of size-1 dimensions
+included) is stored in its own memory order, so the views rebuilt on the device have exactly
+the strides of the original, and kernels (which pick their memory format from the strides)
+see what they saw before offloading.
 """
 
 from __future__ import annotations
@@ -36,10 +38,9 @@ class TensorEntry:
     offset: int
     nbytes: int
     dtype: torch.dtype
-    storage_shape: tuple[int, ...]
-    """Shape of the tensor in its dense memory order."""
-    inverse_perm: tuple[int, ...] | None
-    """Permutation from ``storage_shape`` back to the tensor's shape (None: identity)."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    """The tensor's strides (a tensor with gaps or overlaps: contiguous ones, see ``_strides``)."""
     origin: torch.device
     """Device the tensor was on before offloading (restored there if setup fails)."""
 
@@ -47,9 +48,7 @@ class TensorEntry:
         """This tensor as a view into a block buffer (host or device); ``base``: the block
         offset where ``buffer`` starts (a buffer holding only the block's later tensors)."""
         start = self.offset - base
-        flat = buffer[start : start + self.nbytes].view(self.dtype)
-        view = flat.view(self.storage_shape)
-        return view.permute(self.inverse_perm) if self.inverse_perm is not None else view
+        return _strided(buffer[start : start + self.nbytes].view(self.dtype), self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +146,7 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
     offset = 0
     for k in order:
         (qual, t, dtype), nbytes = found[k], sizes[k]
-        storage_shape, inverse_perm = _dense_order(t)
-        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, storage_shape, inverse_perm, t.device))
+        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, tuple(t.shape), _strides(t), t.device))
         offset = align(offset + nbytes)
     if cast and not per_layer and any(id(e.tensor) in cast for e in entries):
         return _stored_layout(index, name, block, entries, cast)
@@ -181,8 +179,7 @@ def _stored_layout(index: int, name: str, block: nn.Module, entries: list[Tensor
         image0, slot0 = image, slot
         for e in members:
             at = slot0 + (image - image0) * ratio
-            placed.append(TensorEntry(e.name, e.tensor, at, e.nbytes, e.dtype, e.storage_shape,
-                                      e.inverse_perm, e.origin))
+            placed.append(TensorEntry(e.name, e.tensor, at, e.nbytes, e.dtype, e.shape, e.stride, e.origin))
             offsets.append(image)
             dtypes.append(stored)
             image = align(image + e.nbytes // ratio)
@@ -191,7 +188,7 @@ def _stored_layout(index: int, name: str, block: nn.Module, entries: list[Tensor
     image0, slot0 = image, slot
     for e in plain:
         placed.append(TensorEntry(e.name, e.tensor, slot0 + image - image0, e.nbytes, e.dtype,
-                                  e.storage_shape, e.inverse_perm, e.origin))
+                                  e.shape, e.stride, e.origin))
         offsets.append(image)
         dtypes.append(e.dtype)
         image = align(image + e.nbytes)
@@ -204,8 +201,7 @@ def _stored_layout(index: int, name: str, block: nn.Module, entries: list[Tensor
 
 def _stored_view(entry: TensorEntry, buffer: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = entry.nbytes // entry.dtype.itemsize * dtype.itemsize
-    view = buffer[offset : offset + nbytes].view(dtype).view(entry.storage_shape)
-    return view.permute(entry.inverse_perm) if entry.inverse_perm is not None else view
+    return _strided(buffer[offset : offset + nbytes].view(dtype), entry)
 
 
 def align(n: int) -> int:
@@ -213,22 +209,33 @@ def align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-def _dense_order(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """The tensor's memory order, if it is a permutation of a contiguous tensor.
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides a tensor keeps in its block buffer: its own where its elements fill a range of
+    memory without gaps or overlaps (then the buffer holds them in memory order), else
+    contiguous ones (an expanded or sliced view: its values are kept, its strides cannot be)."""
+    if t.numel() <= 1 or _dense(t):
+        return tuple(t.stride())
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
-    Non-dense tensors (views with gaps or overlaps) are stored contiguously: their values are
-    kept, their strides cannot be.
-    """
-    if t.is_contiguous() or t.dim() < 2:
-        return tuple(t.shape), None
-    perm = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-    permuted = t.permute(perm)
-    if not permuted.is_contiguous():
-        return tuple(t.shape), None
-    inverse = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inverse[p] = i
-    return tuple(permuted.shape), tuple(inverse)
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether the elements fill ``numel`` consecutive places: the strides of the dimensions
+    longer than one, smallest first, are 1 and then each the product of the sizes before."""
+    expected = 1
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _strided(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """``entry``'s tensor over ``flat``, its elements in memory order."""
+    return flat.as_strided(entry.shape, entry.stride, flat.storage_offset())
 
 
 def bind(entries: Sequence[TensorEntry], tensors: Sequence[torch.Tensor]) -> None:

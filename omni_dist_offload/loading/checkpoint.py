@@ -345,8 +345,7 @@ def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor, dtype
     dtype = dtype or entry.dtype
     nbytes = entry.nbytes // entry.dtype.itemsize * dtype.itemsize
     image = torch.empty(nbytes, dtype=torch.uint8)
-    shifted = TensorEntry(entry.name, entry.tensor, 0, nbytes, dtype, entry.storage_shape,
-                          entry.inverse_perm, entry.origin)
+    shifted = TensorEntry(entry.name, entry.tensor, 0, nbytes, dtype, entry.shape, entry.stride, entry.origin)
     shifted.view_in(image).copy_(entry.tensor.detach().to(dtype))
     out.copy_(image[start : start + out.numel()])
 

@@ -84,8 +84,7 @@ def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
     for layout in layouts:
         h = hashlib.sha256(f"{layout.name}|{layout.nbytes}".encode())
         for e in layout.entries:
-            h.update(f"|{e.name}:{e.dtype}:{tuple(e.tensor.shape)}:{e.storage_shape}:"
-                     f"{e.inverse_perm}:{e.offset}:{e.nbytes}".encode())
+            h.update(f"|{e.name}:{e.dtype}:{e.shape}:{e.stride}:{e.offset}:{e.nbytes}".encode())
         out.append(h.hexdigest()[:16])
     return out
 

@@ -72,6 +72,55 @@ def test_mixed_dtypes_strides_tied_and_buffers():
     assert torch.equal(model(x), ref)
 
 
+class _ConvBlock(torch.nn.Module):
+    """A pointwise and a depthwise convolution in channels_last: dense weights whose size-1
+    dimensions carry strides the kernels read to pick their memory format."""
+
+    def __init__(self):
+        super().__init__()
+        self.pw = torch.nn.Conv2d(8, 16, 1).to(memory_format=torch.channels_last)
+        self.dw = torch.nn.Conv2d(16, 8, 3, padding=1, groups=8).to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        return self.dw(self.pw(x))
+
+
+class _ConvDiT(torch.nn.Module):
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_ConvBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [1]}])
+@torch.no_grad()
+def test_strides_of_size_one_dimensions_are_kept(options):
+    model = _ConvDiT()
+    x = torch.randn(2, 8, 5, 5)
+    ref = model(x)
+    strides = {n: p.stride() for n, p in model.named_parameters()}
+    assert strides["blocks.0.pw.weight"] == (8, 1, 8, 8) and model.blocks[0].pw.weight.is_contiguous()
+    seen = {}
+    hook = model.blocks[0].register_forward_pre_hook(
+        lambda block, args: seen.update({n: p.stride() for n, p in block.named_parameters()}))
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
+    for _ in range(2):
+        out = model(x)
+        assert torch.equal(out, ref) and out.stride() == ref.stride()
+    hook.remove()
+    assert seen == {n.removeprefix("blocks.0."): s for n, s in strides.items() if n.startswith("blocks.0.")}
+    handle.remove()
+    assert {n: p.stride() for n, p in model.named_parameters()} == strides
+    assert torch.equal(model(x), ref)
+
+
 @torch.no_grad()
 def test_skipped_and_reordered_blocks_stay_correct_and_warn_once():
     model = ToyDiT(4)
