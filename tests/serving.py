@@ -30,11 +30,12 @@ CONFIG = '{"mode":"layer","components":["dit","text_encoder"]}'
 
 
 def call(port: int, path: str, body: object | bytes | None = None,
-         timeout: float = 120) -> tuple[int, dict | str]:
-    """``POST`` JSON (or raw bytes) when ``body`` is given, else ``GET``; (status, parsed body)."""
+         timeout: float = 120, content_type: str = "application/json") -> tuple[int, dict | str]:
+    """``POST`` JSON (or raw bytes, sent as ``content_type``) when ``body`` is given, else ``GET``;
+    (status, parsed body)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"} if data is not None else {})
+                                     headers={"Content-Type": content_type} if data is not None else {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, text = response.status, response.read().decode()

@@ -89,6 +89,10 @@ BAD_REQUESTS = {  # body, param, OpenAI-style error code (every one a 400)
     "other model": ({"prompt": "x", "model": "dall-e-3"}, "model", "model_not_found"),
     "seed + n past 2**63": ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, "seed", "invalid_value"),
     "too narrow": ({"prompt": "x", "size": "1024x16"}, "size", "invalid_value"),
+    # Bodies that used to crash a handler (500) or get no code.
+    "size of 5000 digits": ({"prompt": "x", "size": "1" * 5000 + "x16"}, "size", "invalid_value"),
+    "not UTF-8": (b'{"prompt": "\xff\xfe"}', None, "invalid_json"),
+    "nested too deeply": (b"[" * 10_000 + b"]" * 10_000, None, "invalid_json"),
 }
 
 
@@ -140,6 +144,75 @@ def test_the_official_openai_client_generates_and_gets_its_own_errors(flux) -> N
         client.models.retrieve("dall-e-3")
     assert client.models.retrieve("tiny-flux").id == "tiny-flux"
     assert [m.id for m in client.models.list()] == ["tiny-flux"]
+
+
+def test_null_is_the_default_as_openai_clients_send_it(flux) -> None:
+    from omni_dist_offload.app.serve.http import VideoJobRequest, VideoRequest
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{flux.port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    # openai-python sends these as null; OpenAI's API takes null as the default.
+    result = client.images.generate(prompt="a red fox", n=None, response_format=None, size=None, quality=None,
+                                    extra_body={"seed": 3})
+    (item,) = result.data
+    assert decode({"b64_json": item.b64_json, "format": "png"}).shape == (1, 16, 16, 3)
+    nulls = {"n": None, "response_format": None, "num_frames": None, "fps": None, "seed": None}
+    body = VideoRequest.model_validate({"prompt": "x", **nulls})
+    assert (body.n, body.response_format, body.num_frames) == (1, "b64_json", None)
+    assert VideoJobRequest.model_validate({"prompt": "x", "seconds": None, "size": None}).seconds is None
+    status, answer = call(flux.port, IMAGES, {"prompt": None})  # a required field stays required
+    assert (status, answer["error"]["param"]) == (400, "prompt")
+
+
+def test_video_job_bodies_that_crashed_the_handler_get_400(flux) -> None:
+    from omni_dist_offload.app.serve.http import RequestError, VideoJobRequest, plan_job
+
+    before = call(flux.port, "/metrics")[1]
+    # The body is read before the model's kind is checked: an image model answers these too.
+    for body, content_type, param, code in (
+            (b'{"prompt": "a fox", "seconds": 1e999}', "application/json", "seconds", "invalid_value"),
+            (b"prompt=a+fox&seconds=inf", "application/x-www-form-urlencoded", "seconds", "invalid_value"),
+            (b"[" * 10_000 + b"]" * 10_000, "application/json", None, "invalid_json")):
+        status, answer = call(flux.port, "/v1/videos", body, content_type=content_type)
+        assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, param, code), answer
+    after = call(flux.port, "/metrics")[1]
+    assert (metric(after, "omni_serve_request_errors_total", endpoint="/v1/videos", code="400")
+            - metric(before, "omni_serve_request_errors_total", endpoint="/v1/videos", code="400")) == 3
+    # Finite, but too many frames to count: round() cannot take it.
+    limits = ModelLimits(model="m", kind="video", size_multiple=16, frame_step=4)
+    with pytest.raises(RequestError, match=r"seconds=1e\+308 is longer") as err:
+        plan_job(VideoJobRequest(prompt="x", seconds=1e308), limits)
+    assert err.value.param == "seconds"
+    # A query parameter's error names it, not where it was.
+    status, answer = call(flux.port, "/v1/videos?limit=abc")
+    assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, "limit", "invalid_value"), answer
+
+
+def test_get_routes_answer_head_and_405_says_what_is_allowed(flux) -> None:
+    import http.client
+
+    def send(method: str, path: str) -> tuple[int, dict, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", flux.port, timeout=30)
+        try:
+            conn.request(method, path)
+            response = conn.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            conn.close()
+
+    for path in ("/health", "/v1/models", "/v1/models/tiny-flux", "/metrics", "/v1/videos"):
+        status, headers, body = send("HEAD", path)
+        assert (status, body) == (200, b""), path
+        assert int(headers["content-length"]) > 0  # the GET's length, without its body
+    for method, path, allow in (("GET", IMAGES, "POST"), ("DELETE", "/v1/videos", "GET, HEAD, POST"),
+                                ("PUT", "/v1/videos/video_0", "DELETE, GET, HEAD")):
+        status, headers, body = send(method, path)
+        error = json.loads(body)["error"]
+        assert (status, headers.get("allow"), error["code"]) == (405, allow, "method_not_allowed"), (path, body)
+        assert method in error["message"] and allow in error["message"]
+    status, _, body = send("GET", "/nope")
+    assert (status, json.loads(body)["error"]["code"]) == (404, "not_found")
 
 
 def test_health_models_and_metrics(flux) -> None:
@@ -296,6 +369,63 @@ def test_a_failing_generation_gets_500_and_the_next_request_works() -> None:
         time.sleep(0.5)  # the loop sees the stop
         assert call(service.options.port, IMAGES, {"prompt": "late"})[0] == 503
         assert call(service.options.port, "/health")[1]["status"] == "stopping"
+
+
+def test_an_unexpected_exception_gets_a_500_in_openai_shape_logged_once_and_counted(caplog) -> None:
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    with in_process(omni, ServeOptions(port=0)) as service:
+        port = service.options.port
+        service.submit = lambda slots: (_ for _ in ()).throw(RuntimeError("bug at /srv/secret.py"))
+        caplog.clear()
+        status, body = call(port, IMAGES, {"prompt": "a red fox"})
+        assert (status, body["error"]["code"], body["error"]["type"]) == (500, "internal_error", "server_error"), body
+        assert "secret" not in json.dumps(body)  # the reason stays in the log
+        # Logged and counted once the framework has sent the answer and raised on.
+        _until(lambda: metric(call(port, "/metrics")[1], "omni_serve_request_errors_total", endpoint=IMAGES,
+                              code="500") == 1, timeout=10)
+        logged = [r for r in caplog.records if "unexpected error answering" in r.getMessage()]
+        assert len(logged) == 1 and str(logged[0].exc_info[1]) == "bug at /srv/secret.py"  # its traceback
+        # Not left to uvicorn's log, cut to a line a second.
+        assert not any("Exception in ASGI application" in r.getMessage() for r in caplog.records)
+
+
+def test_front_answers_an_exception_before_the_answer_and_leaves_a_started_one() -> None:
+    import asyncio
+
+    from omni_dist_offload.app.serve.guards import Front
+
+    class Counted:
+        def __init__(self) -> None:
+            self.answers = []
+
+        def answered(self, endpoint: str, code: int, seconds: float) -> None:
+            self.answers.append((endpoint, code))
+
+    async def before(scope, receive, send) -> None:
+        raise RuntimeError("before the answer")
+
+    async def during(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("during the answer")
+
+    for app, want in ((before, 500), (during, 200)):
+        metrics, sent = Counted(), []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": IMAGES, "headers": []}
+        asyncio.run(Front(app, metrics, None, {IMAGES})(scope, receive, send))
+        starts = [m for m in sent if m["type"] == "http.response.start"]
+        assert [m["status"] for m in starts] == [want] and metrics.answers == [(IMAGES, want)]
+        if want == 500:
+            body = json.loads(b"".join(m.get("body", b"") for m in sent))
+            assert body["error"]["code"] == "internal_error" and "before" not in json.dumps(body)
+        else:
+            assert len(sent) == 1  # nothing added to an answer already started
 
 
 def _oversized(port: int) -> list[tuple[int, dict]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["RequestError", "error_response"]
+__all__ = ["RequestError", "error_response", "internal_error_response"]
 
 
 class RequestError(Exception):
@@ -32,3 +32,10 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     kind = _ERROR_TYPES.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+def internal_error_response() -> JSONResponse:
+    """500 for an exception no handler expected. The body holds no traceback or exception text
+    (they may hold internals); the server logs them."""
+    return error_response(500, "the server failed unexpectedly while answering this request; its log has the reason.",
+                          code="internal_error")

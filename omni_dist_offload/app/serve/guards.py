@@ -22,7 +22,7 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ...runtime.proc import rss_mib
-from .errors import error_response
+from .errors import error_response, internal_error_response
 from .metrics import ServeMetrics
 
 try:
@@ -110,7 +110,14 @@ def _authorised(headers: dict[bytes, bytes], key: str) -> bool:
 
 class Front:
     """ASGI middleware: the API key (every path but ``/health``), then the answered-requests
-    metrics of the generation endpoints' POSTs (not for requests whose client went away)."""
+    metrics of the generation endpoints' POSTs (not for requests whose client went away).
+
+    It is also the last stop of an exception no handler caught: logged here, once, with its
+    traceback (uvicorn's own log of it is cut to a line a second, see :func:`throttle_server_logs`),
+    and answered 500 ``internal_error`` if no answer had started (the app's own handler answers
+    those raised inside the framework, see ``http.build_app``), so it is counted like any other
+    error. An answer already started is left as it is (uvicorn closes a connection whose answer
+    was cut short)."""
 
     def __init__(self, app: Any, metrics: ServeMetrics, key: str | None, endpoints: set[str]) -> None:
         self.app, self.metrics, self.key, self.endpoints = app, metrics, key, endpoints
@@ -131,7 +138,13 @@ class Front:
                     status.append(message["status"])
                 await send(message)
 
-            await self.app(scope, receive, sent)
+            try:
+                await self.app(scope, receive, sent)
+            except Exception:
+                logger.exception("unexpected error answering %s %r (%s)", scope["method"], path,
+                                 f"status {status[0]} sent" if status else "answered 500 internal_error")
+                if not status:
+                    await internal_error_response()(scope, receive, sent)
         if scope["method"] == "POST" and path in self.endpoints and status and status[0] != ABANDONED:
             self.metrics.answered(path, status[0], time.perf_counter() - start)
 

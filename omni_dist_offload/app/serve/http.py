@@ -8,9 +8,11 @@ the server against misbehaving clients is in ``guards.py``; the error shape in `
 Errors are JSON, in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``;
 ``param`` names the offending field and ``code`` is a string (or null). 400: the body is not
 JSON, a field is unknown, of the wrong type or out of range, or the model makes the other kind
-of output; 401: a missing or wrong API key; 404: no such route or model; 413: the body is larger
-than ``--max-body``; 429 (with ``Retry-After``): the queue is full; 503: shutting down; 500: the
-pipeline raised while generating (the body names the request; the reason is in the log only).
+of output; 401: a missing or wrong API key; 404: no such route or model; 405 (with ``Allow``):
+a method the route does not take; 413: the body is larger than ``--max-body``; 429 (with
+``Retry-After``): the queue is full; 503: shutting down; 500: the pipeline raised while
+generating (the body names the request), or a handler raised unexpectedly (``internal_error``);
+either way the reason is in the log only. Every GET route answers HEAD too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import math
 import re
+import reprlib
 import secrets
 import threading
 import time
@@ -31,11 +35,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from ..api import DEFAULT_FPS
-from .errors import RequestError, error_response
+from .errors import RequestError, error_response, internal_error_response
 from .guards import (
     ABANDONED,
     Buffered,
@@ -62,7 +67,7 @@ __all__ = ["HttpServer", "ImageRequest", "RequestError", "VideoJobRequest", "Vid
 _PATHS = {"image": "/v1/images/generations", "video": "/v1/videos/generations"}
 #: OpenAI's video job API: POST creates a job, GET polls and lists, .../content downloads.
 _JOBS = "/v1/videos"
-_SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
+_SIZE = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")
 # Seconds a graceful stop waits for open connections before closing them: answers in flight are
 # written by then (the running wave finished before the stop), and a stalled upload must not hold
 # the shutdown up.
@@ -82,7 +87,21 @@ logger = logging.getLogger(__name__)
 
 
 # -- request bodies --------------------------------------------------------------------------
-class _GenerationRequest(BaseModel):
+class _OpenAIBody(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's clients send ``null`` for optional fields left unset (openai-python's
+        ``n=None``), and OpenAI's API takes it as the default: so does this one. A required
+        field stays required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class _GenerationRequest(_OpenAIBody):
     # Unknown fields are refused (a typo must not be silently ignored); JSON types are strict.
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -119,7 +138,7 @@ class VideoRequest(_GenerationRequest):
     fps: int | None = Field(None, ge=1, le=240)
 
 
-class VideoJobRequest(BaseModel):
+class VideoJobRequest(_OpenAIBody):
     """``POST /v1/videos``: OpenAI's video job fields, then this service's own.
 
     OpenAI's client sends it as a multipart form (every value a string), so types are converted
@@ -129,7 +148,7 @@ class VideoJobRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    seconds: float | None = Field(None, gt=0)
+    seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Length of the clip: ``num_frames`` becomes the nearest count the model takes at ``fps``."""
     size: str | None = None
     input_reference: Any = None
@@ -152,7 +171,11 @@ def plan_job(body: VideoJobRequest, limits: ModelLimits) -> VideoRequest:
         if num_frames is not None:
             raise RequestError("give seconds or num_frames, not both.", "seconds")
         step, fps = max(limits.frame_step, 1), body.fps or DEFAULT_FPS
-        num_frames = max(1, round(body.seconds * fps / step)) * step + 1
+        steps = body.seconds * fps / step
+        if not math.isfinite(steps):  # 1e308 seconds at 16 fps: no integer count of frames
+            raise RequestError(f"seconds={body.seconds:g} is longer than any video this service makes: "
+                               "ask for a few seconds.", "seconds")
+        num_frames = max(1, round(steps)) * step + 1
     return VideoRequest(prompt=body.prompt, model=body.model, size=body.size, seed=body.seed,
                         num_frames=num_frames, fps=body.fps, num_inference_steps=body.num_inference_steps,
                         negative_prompt=body.negative_prompt, user=body.user)
@@ -200,9 +223,13 @@ def _parse_size(size: str | None, limits: ModelLimits,
                 options: ServeOptions) -> tuple[int | None, int | None]:
     if size is None:
         return None, None
-    match = _SIZE.match(size)
+    match = _SIZE.fullmatch(size)
     if match is None:
-        raise RequestError(f"size {size!r} is not WIDTHxHEIGHT (for example '1024x768').", "size")
+        raise RequestError(f"size {_shown(size)} is not WIDTHxHEIGHT (for example '1024x768').", "size")
+    # A side with more digits than --max-size is larger than it; int() would refuse thousands.
+    if max(len(match[1]), len(match[2])) > len(str(options.max_size)):
+        raise RequestError(f"size {_shown(size)} is larger than this service allows (--max-size "
+                           f"{options.max_size} pixels a side).", "size")
     width, height = int(match[1]), int(match[2])
     m = limits.size_multiple
     if width % m or height % m:
@@ -261,13 +288,38 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _shown(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` for a message: a long string cut to its first ``limit`` characters, a
+    list or object to a few items and levels (a deeply nested one would exhaust the stack)."""
+    if isinstance(value, str):
+        return f"{value[:limit]!r}..." if len(value) > limit else repr(value)
+    return reprlib.repr(value)
+
+
+def _unreadable_json(exc: BaseException) -> str:
+    """Why a body could not be read as JSON, for a 400 ``invalid_json``."""
+    if isinstance(exc, RecursionError):
+        return "the body is nested too deeply to read as JSON: send a flat JSON object."
+    if isinstance(exc, UnicodeDecodeError):
+        return f"the body is not valid JSON: it is not UTF-8 text ({exc.reason} at byte {exc.start})."
+    return f"the body is not valid JSON ({exc})."
+
+
 # -- the app ---------------------------------------------------------------------------------
+#: The first part of a FastAPI validation error's ``loc``: where the field was.
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+#: Methods of the routes that read: GET, and HEAD (the same answer without its body).
+_READ = ["GET", "HEAD"]
+
+
 def _validationerror_response(exc: RequestValidationError | ValidationError) -> JSONResponse:
     """The first problem, as one message naming the field: 400 for a body that is not JSON."""
     errors = exc.errors()
     first = errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "missing"}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = loc[0] if loc else None
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in _LOCATIONS:  # where FastAPI found it: the param is the name after
+        loc = loc[1:]
+    param = str(loc[0]) if loc else None
     if first["type"] == "json_invalid":
         return error_response(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}).",
                       code="invalid_json")
@@ -279,9 +331,8 @@ def _validationerror_response(exc: RequestValidationError | ValidationError) -> 
                       param, code="unknown_parameter")
     if first["type"] == "missing":
         return error_response(400, f"{param} is required.", param, code="missing_required_parameter")
-    shown = first.get("input")
-    shown = f"{shown[:40]!r}..." if isinstance(shown, str) and len(shown) > 40 else repr(shown)
-    return error_response(400, f"{param}: {first['msg']} (got {shown}).", param, code="invalid_value")
+    return error_response(400, f"{param}: {first['msg']} (got {_shown(first.get('input'))}).", param,
+                          code="invalid_value")
 
 
 def build_app(service: Service, store: VideoStore | None = None) -> Any:
@@ -299,8 +350,13 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
         return _validationerror_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _http_error_response(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # The framework sends this answer, then raises on: Front logs the exception and counts it.
+        return internal_error_response()
 
     @app.post(_PATHS["image"])
     async def images(body: ImageRequest, request: Request) -> Response:
@@ -313,7 +369,7 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
     if store is not None:
         _video_job_routes(app, service, store)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=_READ)
     async def health() -> JSONResponse:
         body = {"status": "stopping" if service.draining else "ok", "model": service.omni.model,
                 "kind": service.limits.kind, "world_size": service.ctx.world_size,
@@ -327,23 +383,49 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
                 "world_size": service.ctx.world_size,
                 "offload_config": omni.config.to_dict() if omni.config else None}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=_READ)
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=_READ)
     async def model(model_id: str) -> JSONResponse:
         if model_id != service.omni.model:
             return error_response(404, f"model {model_id!r} is not served here; this service serves "
                           f"{service.omni.model!r}.", "model", code="model_not_found")
         return JSONResponse(model_card())
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=_READ)
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     buffered = Buffered(app, limit=service.options.max_body_bytes, deadline_s=service.options.read_timeout_s)
     return Front(buffered, metrics=metrics, key=service.options.api_key, endpoints=endpoints)
+
+
+def _http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """The framework's own errors, in OpenAI's shape with their headers: 404 (no route), 405 (a
+    method the route does not take; ``Allow`` lists those every route of the path takes), 400
+    (a body it could not read)."""
+    headers = dict(exc.headers or {})
+    method, path = request.method, _shown(request.url.path, 100)
+    if exc.status_code == 404:
+        return error_response(404, f"no route {method} {path}: see docs/serving.md for the endpoints.",
+                              code="not_found", headers=headers)
+    if exc.status_code == 405:
+        # The router answers from the first route of the path, which may not be the only one.
+        allowed = {name for route in request.app.router.routes
+                   if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE
+                   for name in route.methods}
+        headers["Allow"] = ", ".join(sorted(allowed)) or headers.get("Allow", "")
+        return error_response(405, f"{method} is not allowed on {path}: use {headers['Allow']}.",
+                              code="method_not_allowed", headers=headers)
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, (ValueError, RecursionError)):
+        # A JSON body FastAPI could not decode (not UTF-8, nested too deeply).
+        return error_response(400, _unreadable_json(cause), code="invalid_json", headers=headers)
+    if exc.status_code == 400:  # a form the multipart parser refused
+        return error_response(400, str(exc.detail), code="invalid_body", headers=headers)
+    return error_response(exc.status_code, str(exc.detail), headers=headers)
 
 
 def _check_prompts(service: Service, body: _GenerationRequest) -> None:
@@ -443,8 +525,8 @@ async def _job_fields(request: Request) -> dict[str, Any]:
             return fields
     try:
         fields = await request.json()
-    except ValueError as exc:
-        raise RequestError(f"the body is not valid JSON ({exc}).", None, code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+        raise RequestError(_unreadable_json(exc), None, code="invalid_json") from None
     if not isinstance(fields, dict):
         raise RequestError("the body must be a JSON object with at least 'prompt'.", None, code="invalid_body")
     return fields
@@ -501,7 +583,7 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
             return error_response(429, str(exc), code="too_many_jobs", headers={"Retry-After": str(_RETRY_AFTER_S)})
         return JSONResponse(video.card())
 
-    @app.get(_JOBS)
+    @app.api_route(_JOBS, methods=_READ)
     async def listing(after: str | None = None, limit: int = 20, order: str = "desc") -> JSONResponse:
         if not 1 <= limit <= _MAX_PAGE:
             return error_response(400, f"limit={limit}: give 1 to {_MAX_PAGE}.", "limit", code="invalid_value")
@@ -515,12 +597,12 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": more})
 
-    @app.get(_JOBS + "/{video_id}")
+    @app.api_route(_JOBS + "/{video_id}", methods=_READ)
     async def retrieve(video_id: str) -> JSONResponse:
         video = store.get(video_id)
         return missing(video_id) if video is None else JSONResponse(video.card())
 
-    @app.get(_JOBS + "/{video_id}/content")
+    @app.api_route(_JOBS + "/{video_id}/content", methods=_READ)
     async def content(video_id: str, variant: str = "video") -> Response:
         video = store.get(video_id)
         if video is None:
