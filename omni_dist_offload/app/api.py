@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import logging
+import math
 import platform
 import threading
 import time
@@ -59,6 +60,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "DTYPES",
     "GenerationOptionError",
+    "MAX_SEED",
     "ModelLoadError",
     "Omni",
     "SamplingOptions",
@@ -73,12 +75,16 @@ logger = logging.getLogger(__name__)
 #: Frames per second of written videos when the caller gives none (Wan's rate).
 DEFAULT_FPS = 16
 
+#: The largest seed torch's generators take (``manual_seed`` reads an unsigned 64-bit value).
+MAX_SEED = 2**64 - 1
+
 # Pipeline arguments that Omni sets itself.
 _RESERVED = frozenset({"prompt", "generator", "output_type", "return_dict"})
 
 
 class GenerationOptionError(ValueError):
-    """A generation option the pipeline does not take (``num_frames`` for an image model, say)."""
+    """A generation option the pipeline does not take (``num_frames`` for an image model, say),
+    a value it refuses in its own input check, or a seed torch cannot take."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,10 +143,14 @@ def with_storage(config: OffloadConfig | None, storage_dtype: str | None) -> Off
 def with_upcast(config: OffloadConfig | None, upcast: str | None) -> OffloadConfig | None:
     """``config`` with ``upcast`` set on its DiT components (text encoders from transformers
     keep ``"block"``: see ``LayerOptions.upcast``). Raises :class:`OffloadConfigError` for a value
-    it does not know, or where the DiT stores nothing in 8 bits."""
+    it does not know, where the DiT stores nothing in 8 bits, or for no config (nothing streams)."""
     if upcast is None:
         return config
-    base = (config or OffloadConfig.parse({"mode": "layer", "components": ["dit"]})).to_dict()
+    if config is None:
+        raise OffloadConfigError(f"upcast={upcast!r} says where streamed 8-bit weights are upcast; with "
+                                 "diffusion_offload_config=None nothing streams: give a config (or "
+                                 "storage_dtype=, which streams the DiT), or drop upcast.")
+    base = config.to_dict()
     if "dit" not in base["components"]:
         raise OffloadConfigError(f"upcast {upcast!r} applies to the DiT, which this config does not stream "
                                  f"(components: {base['components']}).")
@@ -188,10 +198,15 @@ class Omni:
         ``cache``: a step cache on the DiTs, ``"first-block:0.1"`` or ``{"type": "first-block",
         "threshold": 0.1}`` (:data:`~omni_dist_offload.loading.adapters.CACHES`); its state is
         reset before every generation. Both are checked before anything loads (raising
-        :class:`AdapterError`) and recorded in the output metadata. ``storage_dtype``
+        :class:`AdapterError` for a missing or unreadable LoRA file, a cache option out of range)
+        and recorded in the output metadata; a LoRA diffusers cannot load into this model raises
+        :class:`AdapterError` once the offload is undone. ``storage_dtype``
         (``"float8_e4m3fn"``, ``"float8_e5m2"``) stores every streamed component's block weights
-        in 8 bits on the host, upcast on the device (sets ``layer_options.<c>.storage_dtype``);
-        ``upcast`` (``"block"``, ``"layer"``) says where, for the DiT (``layer_options.dit.upcast``).
+        (without a config, the DiT's) in 8 bits on the host, upcast on the device (sets
+        ``layer_options.<c>.storage_dtype``);
+        ``upcast`` (``"block"``, ``"layer"``) says where, for the DiT (``layer_options.dit.upcast``);
+        with no config, no ``storage_dtype`` and no ``device_budget`` nothing streams, and it is
+        refused (:class:`OffloadConfigError`) before anything loads.
         ``context_parallel``: ``{"ulysses_degree": 2, "ring_degree": 1}`` splits each sample of
         the DiTs across that many ranks with diffusers' context parallelism (after offloading;
         under torchrun, in groups of consecutive ranks: :attr:`parallel`); every rank of a group
@@ -222,18 +237,18 @@ class Omni:
         self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
         self.parallel: ParallelGroups | None = None
         """Context parallelism's groups, when ``context_parallel`` split the DiTs."""
-        if split is not None:
-            try:
+        try:
+            if split is not None:
                 self.parallel = enable_context_parallel(self.pipeline, split, self.device)
-            except BaseException:
-                self.close()
-                raise
-        # After offloading, as users do: the ring adopts the adapters ([Note: tenants]).
-        load_loras(self.pipeline, self.loras)
-        self._cached = enable_cache(self.pipeline, self.cache) if self.cache is not None else []
-        self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
-        self.set_progress(progress)
-        self._signature = inspect.signature(self.pipeline.__call__)
+            # After offloading, as users do: the ring adopts the adapters ([Note: tenants]).
+            load_loras(self.pipeline, self.loras)
+            self._cached = enable_cache(self.pipeline, self.cache) if self.cache is not None else []
+            self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
+            self.set_progress(progress)
+            self._signature = inspect.signature(self.pipeline.__call__)
+        except BaseException:
+            self.close()  # a LoRA that does not fit, say: undo the offload and context parallelism
+            raise
         logger.info("%s ready on %s (%s) in %.1f s (load %.1f s, %s %.1f s)", model, self.device,
                     _dtype_name(self.dtype), self.timings.setup_s, self.timings.load_s,
                     "offload" if self.config else "move", self.timings.place_s)
@@ -273,7 +288,9 @@ class Omni:
         given = {k: v for k, v in options.items() if v is not None}
         params = self._signature.parameters
         open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        for key in given:
+        for key, value in given.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise GenerationOptionError(f"{key}={value!r} is not a finite number: give a finite value.")
             if key in _RESERVED:
                 raise GenerationOptionError(
                     f"{key!r} is set by Omni.generate itself: drop it (the seed is the 'seed' argument)."
@@ -300,7 +317,13 @@ class Omni:
         (``num_inference_steps``, ``height``, ``width``, ``num_frames``, ``guidance_scale``,
         ``negative_prompt`` and any other the pipeline takes); ``None`` keeps the default.
         The noise comes from a CPU generator seeded with ``seed``, so a seed gives the same
-        latents on every device and rank. Calls from several threads run one at a time."""
+        latents on every device and rank. Calls from several threads run one at a time. Raises
+        :class:`GenerationOptionError`, before the pipeline runs, for a seed torch cannot take
+        (an integer up to :data:`MAX_SEED`) or an option the pipeline does not take, and for
+        one its own input check refuses (a height its sizes do not divide, say)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed <= MAX_SEED:
+            raise GenerationOptionError(f"seed {seed!r} is not one torch's generator takes: give an "
+                                        f"integer from 0 to {MAX_SEED} (2**64 - 1).")
         with self._lock:
             return self._generate(prompt, seed, name, fps, options)
 
@@ -312,7 +335,14 @@ class Omni:
         for module in self._cached:  # a generation's cache starts empty, as the first one's did
             module._reset_stateful_cache()
         start = time.perf_counter()
-        out = self.pipeline(prompt=prompt, generator=generator, output_type="np", **call)
+        try:
+            out = self.pipeline(prompt=prompt, generator=generator, output_type="np", **call)
+        except ValueError as exc:
+            if not _raised_in(exc, "check_inputs"):
+                raise
+            message = " ".join(str(exc).split()).rstrip(".")
+            raise GenerationOptionError(f"{type(self.pipeline).__name__} ({self.model}) refused the options in "
+                                        f"its input check: {message}. Change the option it names.") from exc
         pixels = to_uint8(out.frames[0] if hasattr(out, "frames") else out.images[0])
         elapsed = time.perf_counter() - start
         after = compile_seconds() if compiling is not None else None
@@ -382,6 +412,17 @@ class Omni:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _raised_in(exc: BaseException, function: str) -> bool:
+    """Whether ``exc`` passed through a frame of a function of that name (diffusers pipelines
+    check their arguments in ``check_inputs`` before they run)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _builtin_defaults(model: str) -> dict[str, Any]:

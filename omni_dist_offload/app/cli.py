@@ -10,8 +10,8 @@
 
 Under torchrun (``launch/generate.py``) prompts are split across ranks; see ``dp.py``. ``bench``
 runs :mod:`omni_dist_offload.tools.bench`.
-Bad flags, a bad config or an option the pipeline does not take: one line on stderr, exit
-status 2, nothing written.
+Bad flags, a bad config, or an option the pipeline does not take or its input check refuses:
+one line on stderr, exit status 2, nothing written.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import argparse
 import functools
 import importlib.metadata
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,19 +31,19 @@ from typing import Any
 import torch
 
 from ..config import STORAGE_DTYPES, UPCASTS, OffloadConfig, OffloadConfigError
+from ..layout import BlockLayout
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.checkpoint import CheckpointError
 from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
-from ..plan import module_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
 from ..runtime.logs import current_rank, rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
-from .api import GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage, with_upcast
+from .api import MAX_SEED, GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage, with_upcast
 from .dp import run_prompts
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
@@ -166,16 +168,17 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt", action="append", default=None,
                          help=f"a prompt; repeat for several (default: {DEFAULT_PROMPT!r})")
     prompts.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
-                         help="one prompt per line; blank lines and lines starting with # are skipped")
+                         help="one prompt per line (UTF-8, with or without a BOM); blank lines and lines "
+                         "starting with # are skipped")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--num-inference-steps", type=positive_int, default=None, metavar="N")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--num-frames", type=positive_int, default=None, metavar="N",
                         help="video pipelines only")
-    parser.add_argument("--guidance-scale", type=float, default=None, metavar="G")
+    parser.add_argument("--guidance-scale", type=_finite_float, default=None, metavar="G")
     parser.add_argument("--seed", type=non_negative_int, default=0,
-                        help="seed of prompt 0; prompt k uses seed + k (default: %(default)s)")
+                        help="seed of prompt 0; prompt k uses seed + k, at most 2**64 - 1 (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
                         help="where outputs and their JSON sidecars go (default: %(default)s)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
@@ -249,15 +252,17 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
             resolve_video_format(ns.video_format)
         except ValueError as exc:
             raise UsageError(f"--video-format: {exc}") from None
-        if ns.output_dir.exists() and not ns.output_dir.is_dir():
-            raise UsageError(f"--output-dir {str(ns.output_dir)!r} is a file: give a folder.")
+        _check_output_dir(ns.output_dir)
     sampling = SamplingOptions(
         num_inference_steps=ns.num_inference_steps, height=ns.height, width=ns.width,
         num_frames=ns.num_frames, guidance_scale=ns.guidance_scale,
         negative_prompt=ns.negative_prompt) if generating else SamplingOptions()
+    prompts = _prompts(ns) if generating else []
+    if generating:
+        _check_seed(ns.seed, len(prompts))
     return RunPlan(
         command=ns.command, model=ns.model, config=config, device=ns.device, dtype=ns.dtype,
-        prompts=_prompts(ns) if generating else [], seed=getattr(ns, "seed", 0), sampling=sampling,
+        prompts=prompts, seed=getattr(ns, "seed", 0), sampling=sampling,
         output_dir=getattr(ns, "output_dir", Path("outputs")),
         video_format=getattr(ns, "video_format", "auto"), fps=getattr(ns, "fps", None),
         progress=not getattr(ns, "no_progress", True), as_json=getattr(ns, "json", False),
@@ -274,7 +279,7 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
         return prompts
     path: Path = ns.prompts_file
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM, as some editors write, is dropped
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--prompts-file {str(path)!r} cannot be read ({type(exc).__name__}: "
                          f"{getattr(exc, 'strerror', None) or exc}).") from None
@@ -282,6 +287,35 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
     if not prompts:
         raise UsageError(f"--prompts-file {str(path)!r} has no prompts: write one per line.")
     return prompts
+
+
+def _check_seed(seed: int, count: int) -> None:
+    """Prompt k uses seed + k; under torchrun a padded last wave goes on to the next multiple of
+    the ranks (``dp.plan_jobs``). Every one of those seeds must be one torch takes."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    last = seed + math.ceil(count / world_size) * world_size - 1
+    if last > MAX_SEED:
+        raise UsageError(f"--seed {seed}: prompt k uses seed + k, up to {last} here, past {MAX_SEED} (2**64 - 1, "
+                         f"the largest seed torch takes): give --seed {seed - (last - MAX_SEED)} or less.")
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """The folder, or the first of its parents that exists, must be a folder: a file on the way
+    would fail only when the first output is written."""
+    existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == output_dir else f"is below {str(existing)!r}, a file"
+        raise UsageError(f"--output-dir {str(output_dir)!r} {where}: give a folder.")
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one such as 5.0")
+    return value
 
 
 def _check_model(model: str) -> None:
@@ -366,11 +400,14 @@ def _load(plan: RunPlan) -> Omni:
 
 # -- the plan table ------------------------------------------------------------------------
 def plan_rows(omni: Omni) -> list[dict[str, Any]]:
-    """One row per pipeline module: its streamed ring (if any) and what stays resident."""
+    """One row per pipeline module: its streamed ring (if any) and what stays on the device."""
     streamed = {row.component: row for row in omni.summary_rows()}
+    rings = {ring.component.name: ring for ring in omni.handle.rings} if omni.handle is not None else {}
     rows = []
     for name, module in omni.components().items():
         ring = streamed.get(name)
+        layouts = rings[name].layouts if ring else ()
+        outside = _outside_block_bytes(module, layouts)
         block_bytes = ring.block_bytes if ring else 0
         rows.append({
             "component": name,
@@ -380,7 +417,9 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "block_bytes": block_bytes,
             "host_bytes": ring.host_bytes if ring else 0,
             "device_slot_bytes": ring.device_slot_bytes if ring else 0,
-            "resident_bytes": module_bytes(module) - block_bytes,
+            # What stays on the device: the tensors outside the blocks, and the ring's resident
+            # blocks and kept parts as it holds them.
+            "resident_bytes": outside + (ring.resident_bytes if ring else 0),
             "weight_transfer": ring.weight_transfer if ring else None,
             "gather": ring.gather if ring else None,
             "fallback_reason": ring.fallback_reason if ring else None,
@@ -388,8 +427,9 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "resident_blocks": list(ring.resident_blocks) if ring else [],
             "device_budget": ring.device_budget if ring else None,
             "predicted_ratio": ring.predicted_ratio if ring else None,
-            # The share of the module's bytes that stream, and how its blocks were found.
-            "streamed_share": block_bytes / max(1, module_bytes(module)),
+            # The share of the module's bytes that stream, both as stored (8-bit blocks count
+            # 8 bits), and how its blocks were found.
+            "streamed_share": block_bytes / max(1, outside + sum(l.stored_tensor_bytes for l in layouts)),
             "found_by": ring.found_by if ring else None,
             "storage_dtype": ring.storage_dtype if ring else None,
             "upcast": ring.upcast if ring else None,
@@ -397,6 +437,14 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "host_ranks": ring.host_ranks if ring else None,
         })
     return rows
+
+
+def _outside_block_bytes(module: torch.nn.Module, layouts: Sequence[BlockLayout]) -> int:
+    """Bytes of the module's distinct tensors outside the ring's blocks, in the dtype they are
+    held in (8 bits where ``storage_dtype`` stores layers outside the blocks)."""
+    in_blocks = {id(e.tensor) for layout in layouts for e in layout.entries}
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()] if id(t) not in in_blocks}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _fmt_transfer(row: dict[str, Any]) -> str:

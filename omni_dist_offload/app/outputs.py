@@ -62,17 +62,17 @@ class GenerationResult:
         """Write the media file and its JSON sidecar into ``directory`` (created if missing)."""
         out_dir = Path(directory)
         out_dir.mkdir(parents=True, exist_ok=True)
-        stem = out_dir / self.name
+        # Suffixes are appended: a name with a dot (``fox.v1``) keeps its tail.
         if self.kind == "image":
-            media = stem.with_suffix(".png")
+            media = out_dir / f"{self.name}.png"
             _write_png(media, self.frames)
         elif resolve_video_format(video_format) == "mp4":
-            media = stem.with_suffix(".mp4")
+            media = out_dir / f"{self.name}.mp4"
             _write_mp4(media, self.frames, self.fps)
         else:
-            media = stem.with_suffix(".gif")
+            media = out_dir / f"{self.name}.gif"
             _write_gif(media, self.frames, self.fps)
-        sidecar = stem.with_suffix(".json")
+        sidecar = out_dir / f"{self.name}.json"
         record = {**self.metadata, "file": media.name}
         sidecar.write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
         return SavedOutput(media=media, sidecar=sidecar)

@@ -10,17 +10,26 @@ and recorded in the output metadata (:meth:`LoraSpec.to_dict`, :meth:`CacheSpec.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import diffusers.hooks
+import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-__all__ = ["CACHES", "AdapterError", "CacheSpec", "LoraSpec", "cached_modules", "enable_cache", "load_loras"]
+__all__ = ["CACHES", "LORA_WEIGHT_NAME", "AdapterError", "CacheSpec", "LoraSpec", "cached_modules", "enable_cache",
+           "load_loras"]
+
+
+#: The file diffusers' ``load_lora_weights`` reads from a LoRA folder.
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
 class AdapterError(ValueError):
@@ -54,10 +63,27 @@ class LoraSpec:
         return cls(text)
 
     def check(self) -> None:
-        """The file or folder exists (nothing here downloads)."""
-        if not Path(self.path).exists():
-            raise AdapterError(f"--lora {self.path}: no such file or folder. Give a local .safetensors "
-                               "file, or a folder holding pytorch_lora_weights.safetensors.")
+        """The weights file exists and is a readable safetensors file (nothing here downloads);
+        whether it fits the model only loading tells."""
+        weights = self.weights()
+        if not weights.is_file():
+            found = f"the folder has no {LORA_WEIGHT_NAME}" if Path(self.path).is_dir() else "no such file or folder"
+            raise AdapterError(f"--lora {self.path}: {found}. Give a local .safetensors file, or a folder "
+                               f"holding {LORA_WEIGHT_NAME}.")
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                empty = not f.keys()
+        except (OSError, SafetensorError) as exc:
+            raise AdapterError(f"--lora {self.path}: {weights.name} is not a readable safetensors file ({exc}). "
+                               "Give a LoRA saved as .safetensors (diffusers' save_lora_weights, or the "
+                               "trainer's output).") from None
+        if empty:
+            raise AdapterError(f"--lora {self.path}: {weights.name} holds no tensors. Give a LoRA's weights.")
+
+    def weights(self) -> Path:
+        """The file to load: the path itself, or a folder's ``pytorch_lora_weights.safetensors``."""
+        path = Path(self.path)
+        return path / LORA_WEIGHT_NAME if path.is_dir() else path
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "scale": self.scale}
@@ -73,9 +99,12 @@ def _is_number(text: str) -> bool:
 
 def _scale(value: Any, given: Any) -> float:
     try:
-        return float(value)
+        scale = float(value)
     except (TypeError, ValueError):
         raise AdapterError(f"a LoRA scale is a number; found {value!r} in {given!r}") from None
+    if not math.isfinite(scale):
+        raise AdapterError(f"a LoRA scale is a finite number; found {value!r} in {given!r}")
+    return scale
 
 
 def load_loras(pipeline: Any, specs: Sequence[LoraSpec]) -> list[str]:
@@ -89,14 +118,27 @@ def load_loras(pipeline: Any, specs: Sequence[LoraSpec]) -> list[str]:
     for k, spec in enumerate(specs):
         spec.check()
         name = f"lora_{k}"
-        path = Path(spec.path)
-        if path.is_file():
-            pipeline.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
-        else:
-            pipeline.load_lora_weights(str(path), adapter_name=name)
+        weights = spec.weights()
+        with _loading(pipeline, f"--lora {spec.path}"):
+            pipeline.load_lora_weights(str(weights.parent), weight_name=weights.name, adapter_name=name)
         names.append(name)
-    pipeline.set_adapters(names, adapter_weights=[s.scale for s in specs])
+    with _loading(pipeline, "--lora " + " ".join(s.path for s in specs)):
+        pipeline.set_adapters(names, adapter_weights=[s.scale for s in specs])
     return names
+
+
+@contextlib.contextmanager
+def _loading(pipeline: Any, what: str) -> Iterator[None]:
+    """diffusers' and peft's refusals of a LoRA (keys for another model, shapes that differ)
+    as an :class:`AdapterError` in one line; running out of device memory stays what it is."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
+        raise AdapterError(f"{what}: {type(pipeline).__name__} could not load it ({type(exc).__name__}: {first}). "
+                           "Give a LoRA trained for this model, in a format diffusers reads.") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,17 +148,27 @@ class _Cache:
     primary: str
     """The option ``name:VALUE`` sets."""
     kind: type
+    minimum: float
+    """The smallest value the option means something at: diffusers' config classes do not check
+    (a threshold of nan skips every step after the first; an interval of 0 divides by zero
+    mid-generation)."""
     needs_timestep: bool = False
     """The config takes a ``current_timestep_callback``: the pipeline's current timestep."""
+    alike: tuple[str, ...] = ()
+    """Further options of the same kind and range, checked in the dict form."""
 
 
 #: The caches ``--cache`` names, with the option its short form sets. The dict form takes any
 #: option of the diffusers config class.
 CACHES: dict[str, _Cache] = {
-    "first-block": _Cache("FirstBlockCacheConfig", "threshold", float),
-    "taylorseer": _Cache("TaylorSeerCacheConfig", "cache_interval", int),
-    "pyramid-attention": _Cache("PyramidAttentionBroadcastConfig", "spatial_attention_block_skip_range", int,
-                                needs_timestep=True),
+    # Skips the rest of the blocks while the first block's relative change stays below it.
+    "first-block": _Cache("FirstBlockCacheConfig", "threshold", float, 0),
+    # Steps between full forwards (diffusers takes it modulo).
+    "taylorseer": _Cache("TaylorSeerCacheConfig", "cache_interval", int, 1),
+    # Forwards between computed attentions (diffusers takes the iteration modulo it).
+    "pyramid-attention": _Cache("PyramidAttentionBroadcastConfig", "spatial_attention_block_skip_range", int, 1,
+                                needs_timestep=True,
+                                alike=("temporal_attention_block_skip_range", "cross_attention_block_skip_range")),
 }
 
 
@@ -134,6 +186,7 @@ class CacheSpec:
         config class, so a bad option fails here, before anything loads."""
         if isinstance(value, CacheSpec):
             return value
+        given = value
         if isinstance(value, str) and value.lstrip().startswith("{"):
             try:
                 value = json.loads(value)
@@ -151,11 +204,15 @@ class CacheSpec:
                     try:
                         options[cache.primary] = cache.kind(tail)
                     except ValueError:
-                        raise AdapterError(f"--cache {value}: {cache.primary} is a{'n integer' if cache.kind is int else ' number'}, "
+                        raise AdapterError(f"--cache {value}: {cache.primary} is {_expected(cache)}, "
                                            f"found {tail!r}") from None
         if name not in CACHES:
             raise AdapterError(f"unknown step cache {name!r}: choose one of {sorted(CACHES)} "
                                "(e.g. first-block:0.1)")
+        cache = CACHES[name]
+        for key in (cache.primary, *cache.alike):
+            if options.get(key) is not None and not _in_range(options[key], cache):
+                raise AdapterError(f"--cache {given}: {key} is {_expected(cache)}, found {options[key]!r}")
         spec = cls(name, options)
         spec.build(timestep=lambda: None)  # checks the options against the config class
         return spec
@@ -181,6 +238,18 @@ class CacheSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type, **self.options}
+
+
+def _in_range(value: Any, cache: _Cache) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if cache.kind is int else (int, float)):
+        return False
+    return math.isfinite(value) and value >= cache.minimum
+
+
+def _expected(cache: _Cache) -> str:
+    if cache.kind is int:
+        return f"an integer, {cache.minimum} or more"
+    return f"a number, finite and {cache.minimum} or more"
 
 
 def cached_modules(pipeline_or_model: Any) -> list[nn.Module]:

@@ -49,6 +49,12 @@ def test_cache_specs_round_trip(value, expected):
     ({"threshold": 0.1}, "unknown step cache None"),
     ({"type": "first-block", "thresh": 0.1}, "unexpected keyword argument 'thresh'"),
     ("{not json", "not valid JSON"),
+    # diffusers' config classes take these, then fail or misbehave mid-generation.
+    ("taylorseer:0", "--cache taylorseer:0: cache_interval is an integer, 1 or more, found 0"),
+    ("pyramid-attention:0", "spatial_attention_block_skip_range is an integer, 1 or more, found 0"),
+    ('{"type": "pyramid-attention", "cross_attention_block_skip_range": 0}', "cross_attention_block_skip_range is"),
+    ("first-block:nan", "threshold is a number, finite and 0 or more, found nan"),
+    ("first-block:-1", "threshold is a number, finite and 0 or more, found -1.0"),
 ])
 def test_bad_cache_specs_say_what_to_fix(value, message):
     with pytest.raises(AdapterError, match=message):
@@ -57,13 +63,27 @@ def test_bad_cache_specs_say_what_to_fix(value, message):
 
 @pytest.fixture(scope="module")
 def lora_files(tmp_path_factory):
+    """A LoRA file, and a folder holding one as diffusers saves it."""
     folder = tmp_path_factory.mktemp("loras")
-    paths = []
-    for seed in (0, 1):
-        path = folder / f"lora{seed}.safetensors"
-        save_file(lora_state_dict(seed), str(path))
-        paths.append(str(path))
-    return paths
+    (folder / "lora1").mkdir()
+    save_file(lora_state_dict(0), str(folder / "lora0.safetensors"))
+    save_file(lora_state_dict(1), str(folder / "lora1" / "pytorch_lora_weights.safetensors"))
+    return [str(folder / "lora0.safetensors"), str(folder / "lora1")]
+
+
+def test_lora_files_are_checked_before_anything_loads(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "other.safetensors").write_bytes(b"")
+    (tmp_path / "pickled.safetensors").write_bytes(b"\x80\x04not a header")
+    save_file({}, str(tmp_path / "empty.safetensors"))
+    for path, message in [("folder", "folder: the folder has no pytorch_lora_weights.safetensors"),
+                          ("pickled.safetensors", "pickled.safetensors is not a readable safetensors file"),
+                          ("empty.safetensors", "empty.safetensors holds no tensors")]:
+        with pytest.raises(AdapterError, match=message):
+            LoraSpec.parse(str(tmp_path / path)).check()
+    for scale in ("nan", "inf"):
+        with pytest.raises(AdapterError, match=f"a LoRA scale is a finite number; found '{scale}'"):
+            LoraSpec.parse(f"a.safetensors:{scale}")
 
 
 def _frames(omni: Omni) -> list[torch.Tensor]:
@@ -97,6 +117,18 @@ def test_cli_lora_and_cache_flags_reach_the_metadata(lora_files, tmp_path):
     meta = json.loads((out / "00000.json").read_text())
     assert meta["lora"] == [{"path": lora_files[0], "scale": 0.75}]
     assert meta["cache"] == {"type": "first-block", "threshold": 0.1}
+
+
+def test_a_lora_for_another_model_is_named_and_the_offload_undone(lora_files, monkeypatch):
+    from omni_dist_offload.apply import OffloadHandle
+
+    removed = []
+    remove = OffloadHandle.remove
+    monkeypatch.setattr(OffloadHandle, "remove", lambda self: (removed.append(self), remove(self))[1])
+    with pytest.raises(AdapterError, match=f"--lora {lora_files[0]}: FluxPipeline could not load it "
+                       r"\(.+\)\. Give a LoRA trained for this model"):
+        Omni("tiny-flux", STREAMED, device="cpu", progress=False, lora=[lora_files[0]])  # a Wan LoRA
+    assert len(removed) == 1
 
 
 def test_a_missing_lora_file_is_refused_before_the_model_loads(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from omni_dist_offload import Omni
-from omni_dist_offload.app.api import GenerationOptionError
+from omni_dist_offload.app.api import MAX_SEED, GenerationOptionError
+from omni_dist_offload.config import OffloadConfigError
 from omni_dist_offload.loading.pipelines import ModelLoadError, resolve_dtype
 from omni_dist_offload.app.outputs import GenerationResult, mp4_available
 from media import read_frames
@@ -102,6 +103,22 @@ def test_option_the_pipeline_does_not_take() -> None:
         omni.generate("a cat", num_frames=5)
     with pytest.raises(GenerationOptionError, match="'generator' is set by Omni.generate"):
         omni.generate("a cat", generator=None or torch.Generator())
+    with pytest.raises(GenerationOptionError, match="guidance_scale=nan is not a finite number"):
+        omni.generate("a cat", guidance_scale=float("nan"))
+    with pytest.raises(GenerationOptionError, match="seed 18446744073709551616 is not one torch's generator takes"):
+        omni.generate("a cat", seed=2**64)
+    assert omni.generate("a cat", seed=MAX_SEED).seed == MAX_SEED
+    # Refused by the pipeline's own check_inputs; other ValueErrors pass through as they are.
+    with pytest.raises(GenerationOptionError, match=r"FluxPipeline \(tiny-flux\) refused the options in its input "
+                       "check: `max_sequence_length` cannot be greater than 512"):
+        omni.generate("a cat", max_sequence_length=1024)
+
+    def callback(*args):
+        raise ValueError("from a callback")
+
+    with pytest.raises(ValueError, match="from a callback") as raised:
+        omni.generate("a cat", callback_on_step_end=callback)
+    assert type(raised.value) is ValueError
 
 
 def test_dtype_defaults_and_names() -> None:
@@ -125,6 +142,14 @@ def test_video_written_as_gif_without_mp4(tmp_path: Path) -> None:
     with Image.open(saved.media) as gif:
         assert gif.info["duration"] in (120, 130)  # 125 ms, stored in centiseconds
     assert json.loads(saved.sidecar.read_text())["file"] == "clip.gif"
+
+
+def test_names_with_dots_keep_their_tail(tmp_path: Path) -> None:
+    frames = np.zeros((8, 8, 3), dtype=np.uint8)
+    for name in ("fox.v1", "fox.v2"):
+        saved = GenerationResult(prompt="p", seed=0, kind="image", frames=frames, name=name).save(tmp_path)
+        assert (saved.media.name, saved.sidecar.name) == (f"{name}.png", f"{name}.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fox.v1.json", "fox.v1.png", "fox.v2.json", "fox.v2.png"]
 
 
 @pytest.mark.skipif(not mp4_available(), reason="needs the video extra (imageio, imageio-ffmpeg)")
@@ -157,6 +182,14 @@ def test_setup_shows_a_bar_per_streamed_component(capsys) -> None:
     assert "transformer: filling and page-locking blocks" in err and "text_encoder: filling" in err
     Omni("tiny-wan", config, device="cpu", progress=False).close()
     assert "filling and page-locking" not in capsys.readouterr().err
+
+
+def test_upcast_without_a_config_is_refused_before_anything_loads(monkeypatch):
+    import omni_dist_offload.app.api as api
+
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(OffloadConfigError, match="upcast='block' .* with diffusion_offload_config=None nothing streams"):
+        Omni("tiny-flux", None, upcast="block")
 
 
 def test_context_parallel_is_checked_before_anything_loads():

@@ -123,6 +123,25 @@ def test_inspect_json(capsys) -> None:
     assert rows["transformer"]["category"] == "resident" and rows["transformer"]["block_bytes"] == 0
 
 
+def test_inspect_resident_bytes_are_what_stays_on_the_device(capsys) -> None:
+    def rows(*flags: str) -> dict:
+        assert main(["inspect", "--model", "tiny-wan", "--json", *flags]) == 0
+        return {r["component"]: r for r in json.loads(capsys.readouterr().out)}
+
+    fp8 = ["--storage-dtype", "float8_e4m3fn"]
+    streamed, streamed8 = rows(), rows(*fp8)
+    kept, kept8 = rows("--device-budget", "300KiB"), rows("--device-budget", "300KiB", *fp8)
+    for c in ("transformer", "text_encoder"):
+        outside = streamed[c]["resident_bytes"]  # every block streams: the tensors outside them
+        assert streamed8[c]["resident_bytes"] == outside  # whatever the blocks are stored in
+        assert streamed[c]["streamed_share"] == streamed[c]["block_bytes"] / (outside + streamed[c]["block_bytes"])
+        assert streamed8[c]["streamed_share"] == streamed8[c]["block_bytes"] / (outside + streamed8[c]["block_bytes"])
+        # Every block kept: in the model's dtype, or as 8-bit images.
+        assert kept[c]["num_blocks"] == kept8[c]["num_blocks"] == 0
+        assert kept[c]["resident_bytes"] == outside + streamed[c]["block_bytes"]
+        assert kept8[c]["resident_bytes"] == outside + streamed8[c]["block_bytes"]
+
+
 BAD_INPUT = {
     "bad JSON": (["--diffusion-offload-config", "{mode: layer"], "not valid JSON"),
     "unknown component": (["--diffusion-offload-config", '{"mode":"layer","components":["vae"]}'],
@@ -138,6 +157,13 @@ BAD_INPUT = {
     "unknown cache": (["--cache", "warp:2"], "unknown step cache 'warp'"),
     "bad cache value": (["--cache", "first-block:high"], "--cache first-block:high: threshold is a number"),
     "bad cache option": (["--cache", '{"type": "first-block", "thresh": 0.1}'], "unexpected keyword argument 'thresh'"),
+    "zero cache interval": (["--cache", "taylorseer:0"], "--cache taylorseer:0: cache_interval is an integer, 1 or more"),
+    "nan cache threshold": (["--cache", "first-block:nan"], "threshold is a number, finite and 0 or more"),
+    "nan lora scale": (["--lora", "a.safetensors:nan"], "a LoRA scale is a finite number; found 'nan'"),
+    "nan guidance": (["--guidance-scale", "nan"], "argument --guidance-scale: 'nan' is not a finite number"),
+    "inf guidance": (["--guidance-scale", "inf"], "argument --guidance-scale: 'inf' is not a finite number"),
+    "seed past torch's": (["--seed", str(2**64 - 2), "--prompt", "a", "--prompt", "b", "--prompt", "c"],
+                          f"--seed {2**64 - 2}: prompt k uses seed + k, up to {2**64} here"),
 }
 
 
@@ -153,12 +179,47 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys) ->
     assert list(tmp_path.iterdir()) == []
 
 
-def test_option_the_pipeline_does_not_take_exits_2_before_generating(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "tiny-flux", "--num-frames", "5"], "'num_frames' is not an option of FluxPipeline"),
+    # The pipeline's own check_inputs refuses it.
+    (["--height", "17"], "WanPipeline (tiny-wan) refused the options in its input check: `height` and `width` "
+                         "have to be divisible by 16 but are 17 and 32. Change the option it names."),
+], ids=["not an option", "refused by the pipeline"])
+def test_option_the_pipeline_does_not_take_exits_2_before_generating(argv, expected, tmp_path, capsys) -> None:
     out_dir = tmp_path / "out"
-    assert main(["--model", "tiny-flux", "--num-frames", "5", "--output-dir", str(out_dir)]) == 2
+    assert main([*argv, "--output-dir", str(out_dir), "--no-progress"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "'num_frames' is not an option of FluxPipeline" in errors[0]
+    assert len(errors) == 1 and expected in errors[0]
     assert not out_dir.exists()
+
+
+def test_an_output_dir_below_a_file_is_refused_before_loading(tmp_path, capsys) -> None:
+    (tmp_path / "a_file").write_text("x")
+    assert main(["--output-dir", str(tmp_path / "a_file" / "out" / "more")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is below {str(tmp_path / 'a_file')!r}, a file: give a folder." in err
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
+
+
+def test_a_prompts_file_with_a_byte_order_mark(tmp_path) -> None:
+    from omni_dist_offload.app.cli import _validate, build_parser
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# my prompts\na red fox\n", encoding="utf-8-sig")  # as Notepad saves it
+    plan = _validate(build_parser().parse_args(["generate", "--prompts-file", str(prompts)]))
+    assert plan.prompts == ["a red fox"]
+
+
+def test_the_last_seed_may_be_the_largest_torch_takes(monkeypatch) -> None:
+    from omni_dist_offload.app.cli import UsageError, _validate, build_parser
+
+    def plan(seed: int):
+        return _validate(build_parser().parse_args(["generate", "--seed", str(seed), "--prompt", "a", "--prompt", "b"]))
+
+    assert plan(2**64 - 2).seed == 2**64 - 2
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the wave of 4 is padded: seeds up to seed + 3
+    with pytest.raises(UsageError, match=f"give --seed {2**64 - 4} or less"):
+        plan(2**64 - 2)
 
 
 def test_process_exit_status_and_stderr(tmp_path) -> None:
