@@ -20,7 +20,8 @@ from .config import OffloadConfigError
 from .storage import BlockImage, Run
 
 __all__ = [
-    "ALIGNMENT", "BlockLayout", "BlockSource", "TensorEntry", "align", "bind", "check_ownership", "layout_block", "restore_blocks",
+    "ALIGNMENT", "BlockLayout", "BlockSource", "TensorEntry", "align", "bind", "check_ownership", "layout_block",
+    "restore_blocks", "restored",
 ]
 
 #: Offset alignment of every tensor in a block buffer, in bytes.
@@ -43,6 +44,9 @@ class TensorEntry:
     """The tensor's strides (a tensor with gaps or overlaps: contiguous ones, see ``_strides``)."""
     origin: torch.device
     """Device the tensor was on before offloading (restored there if setup fails)."""
+    inference: bool = False
+    """Whether it was an inference tensor (made under ``torch.inference_mode()``): its storage
+    is given back alike, whatever mode ``remove()`` runs in (:func:`restored`)."""
 
     def view_in(self, buffer: torch.Tensor, base: int = 0) -> torch.Tensor:
         """This tensor as a view into a block buffer (host or device); ``base``: the block
@@ -146,7 +150,8 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
     offset = 0
     for k in order:
         (qual, t, dtype), nbytes = found[k], sizes[k]
-        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, tuple(t.shape), _strides(t), t.device))
+        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, tuple(t.shape), _strides(t), t.device,
+                                   t.is_inference()))
         offset = align(offset + nbytes)
     if cast and not per_layer and any(id(e.tensor) in cast for e in entries):
         return _stored_layout(index, name, block, entries, cast)
@@ -179,7 +184,8 @@ def _stored_layout(index: int, name: str, block: nn.Module, entries: list[Tensor
         image0, slot0 = image, slot
         for e in members:
             at = slot0 + (image - image0) * ratio
-            placed.append(TensorEntry(e.name, e.tensor, at, e.nbytes, e.dtype, e.shape, e.stride, e.origin))
+            placed.append(TensorEntry(e.name, e.tensor, at, e.nbytes, e.dtype, e.shape, e.stride, e.origin,
+                                      e.inference))
             offsets.append(image)
             dtypes.append(stored)
             image = align(image + e.nbytes // ratio)
@@ -188,7 +194,7 @@ def _stored_layout(index: int, name: str, block: nn.Module, entries: list[Tensor
     image0, slot0 = image, slot
     for e in plain:
         placed.append(TensorEntry(e.name, e.tensor, slot0 + image - image0, e.nbytes, e.dtype,
-                                  e.shape, e.stride, e.origin))
+                                  e.shape, e.stride, e.origin, e.inference))
         offsets.append(image)
         dtypes.append(e.dtype)
         image = align(image + e.nbytes)
@@ -253,11 +259,17 @@ def restore_blocks(
     """Give each block tensor ordinary storage again, bitwise equal to its host copy, on
     ``device`` (None: the device it was on before offloading)."""
     for layout, views in zip(layouts, host_views):
-        bind(layout.entries, [
-            torch.empty_strided(v.size(), v.stride(), dtype=v.dtype,
-                                device=device if device is not None else e.origin).copy_(v)
-            for e, v in zip(layout.entries, views)
-        ])
+        bind(layout.entries, [restored(e, v, device) for e, v in zip(layout.entries, views)])
+
+
+def restored(entry: TensorEntry, view: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A copy of ``view`` in storage of its own, with the strides ``entry``'s tensor had, on
+    ``device`` (None: where it was), an inference tensor exactly where it was one before
+    offloading (whatever mode the caller runs in: ``remove()`` under ``inference_mode`` must
+    not leave the model's weights unusable for autograd)."""
+    with torch.inference_mode(entry.inference):
+        return torch.empty_strided(entry.shape, entry.stride, dtype=view.dtype,
+                                   device=device if device is not None else entry.origin).copy_(view)
 
 
 def check_ownership(

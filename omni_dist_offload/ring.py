@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from .layout import BlockLayout, bind
+from .layout import BlockLayout, bind, restored
 from .plan import StreamedComponent
 from .residency import ResidencyPlan, RingCosts, image_slot_bytes
 from .trace import RingTracer
@@ -124,6 +124,11 @@ class BlockRing:
         self._inference = torch.is_inference_mode_enabled()
         for i, buf in self._device_blocks.items():
             bind(self.layouts[i].entries, [e.view_in(buf) for e in self.layouts[i].entries])
+        # Streamed blocks start parked (a block whose host copy is plain may have pointed at it
+        # while a ring of 8-bit images parks every block on placeholders).
+        for i, views in enumerate(self._parked):
+            if views is not None and i not in self._device_blocks:
+                bind(self.layouts[i].entries, views)
         self.resident: frozenset[int] = frozenset(self._device_blocks)
         # Streamed blocks that keep their first tensors on the device (a residency plan's
         # partly kept blocks): block -> how many leading entries stay, and the device buffer
@@ -144,6 +149,13 @@ class BlockRing:
         """What the planner measured (per block compute and copy ms), once it has."""
         self.budget: int | None = None
         """The device bytes this ring's plan may use, when it has a budget."""
+        # Whether the parked views are this rank's own plain host copy, so a tensor written in
+        # place between forwards (load_state_dict) changes what the ring streams; elsewhere they
+        # are placeholders (sharded, 8-bit) or a copy other ranks read too. Such writes are seen
+        # by the tensors' version counters, which inference tensors do not keep (and outside
+        # inference mode nothing can write to those).
+        self._writable = transfer.name == "rank-local" and not self._images and all(l.image is None for l in self.layouts)
+        self._versioned = self._writable and not self._inference
         self._configure(num_slots)
         # The block between its pre- and post-forward, and its slot (blocks do not nest), and
         # the thread running it.
@@ -217,6 +229,11 @@ class BlockRing:
                              else None for i in range(n)] for slot in self.slots]
         self._fill_views = [[slot[: self.transfer.device_nbytes(i) - base[i]] for i in range(n)] for slot in self.slots]
         self._parked_moving = [p[self._kept.get(i, 0):] if p is not None else None for i, p in enumerate(self._parked)]
+        # [Note: changes between forwards]. The moving tensors themselves, where their parked
+        # views start, and per slot the version of each tensor when the slot was filled.
+        self._moving_tensors = [tuple(e.tensor for e in m) for m in moving]
+        self._parked_ptrs = [tuple(v.data_ptr() for v in p) if p is not None else None for p in self._parked_moving]
+        self._fill_versions = [[0] * max(map(len, moving), default=0) for _ in range(count)]
         # ready[s]: recorded by the transfer when slot s holds its block; the compute stream
         # waits on it before the block runs. free[s]: recorded on the compute stream after the
         # block in slot s ran; the transfer waits on it before overwriting slot s.
@@ -310,7 +327,19 @@ class BlockRing:
             self._current, self._current_slot = i, _RESIDENT
             return
         stream = self._stream()
+        for t, ptr in zip(self._moving_tensors[i], self._parked_ptrs[i]):
+            if t.data_ptr() != ptr:  # given new storage between forwards: rare, reads only until then
+                self._take_new_storage(i)
+                break
         slot = self._slot_of(i)
+        if slot != _EMPTY and self._versioned:
+            versions = self._fill_versions[slot]
+            for k, t in enumerate(self._moving_tensors[i]):
+                if t._version != versions[k]:  # its host copy was written since the slot was filled
+                    self._slot_block[slot] = _EMPTY
+                    self._disrupted = True  # fetched again, on demand, without a warning
+                    slot = _EMPTY
+                    break
         if slot == _EMPTY:
             slot = self._fetch_missing(i)
         if tracer is not None:
@@ -460,6 +489,48 @@ class BlockRing:
                 "must run the same steps in lockstep."
             ) from exc
         self._slot_block[slot] = block
+        if self._versioned:
+            versions = self._fill_versions[slot]
+            for k, t in enumerate(self._moving_tensors[block]):
+                versions[k] = t._version
+
+    def _take_new_storage(self, i: int) -> None:
+        """Some of block ``i``'s streamed tensors point elsewhere than their parked host views:
+        the model was changed between forwards by giving them new storage (``tensor.data =``,
+        ``model.to(...)``, peft's hotswap of a grown adapter). A rank-local ring with plain host
+        copies takes new values of the same dtype and shape into its host copy (``pipe.to(
+        "cuda")`` after offloading costs one copy back per tensor, once); anything else is refused,
+        before anything changes. Between forwards; may synchronise."""
+        changed = [(k, t.data) for k, (t, ptr) in enumerate(zip(self._moving_tensors[i], self._parked_ptrs[i]))
+                   if t.data_ptr() != ptr]
+        views = self._parked_moving[i]
+        for k, new in changed:
+            view, name = views[k], self._moving[i][k].name
+            if new.dtype != view.dtype or new.shape != view.shape:
+                raise RuntimeError(
+                    f"{self.component.name}: {name} became {new.dtype} {tuple(new.shape)} after apply_offload "
+                    f"(it is streamed as {view.dtype} {tuple(view.shape)}; e.g. model.to(dtype) or a "
+                    "tensor.data = ... of another dtype or shape). A streamed tensor lives in the ring's host "
+                    "copy: cast the model before apply_offload, or call remove() first and apply again.")
+            if not self._writable:
+                raise RuntimeError(
+                    f"{self.component.name}: {name} was given new storage after apply_offload (tensor.data = "
+                    f"...), which a {self.transfer.name} ring{' of 8-bit images' if self._images else ''} "
+                    "cannot take in: its host copy is shared or sharded or stored in 8 bits. Change weights "
+                    "before apply_offload, through LoRA's fuse/unfuse (edited on the device and written back), "
+                    "or call remove() first and apply again.")
+        with torch.inference_mode(self._inference), torch.no_grad():
+            for k, new in changed:
+                views[k].copy_(new)
+        bind(self._moving[i], views)
+        self.forget_slots()
+
+    def forget_slots(self) -> None:
+        """Between forwards: what the slots hold is copied again before it runs (a host copy was
+        changed in a way the ring cannot see, e.g. a ``.data.copy_``; see ``tenants.py``)."""
+        if self._current == _EMPTY and self._slot_block:
+            self._slot_block = [_EMPTY] * self.num_slots
+            self._disrupted = True
 
     def _fetch_missing(self, i: int) -> int:
         """Block ``i`` was not prefetched: the first block ever, the first after a forward that
@@ -594,6 +665,7 @@ class BlockRing:
             return  # unmoved, or parked on placeholders (a host copy the tensors cannot view)
         self._parked[i] = tuple(e.view_in(host) for e in self.layouts[i].entries)
         self._parked_moving[i] = self._parked[i][self._kept.get(i, 0):]
+        self._parked_ptrs[i] = tuple(v.data_ptr() for v in self._parked_moving[i])
 
     @property
     def held(self) -> frozenset[int]:
@@ -820,11 +892,7 @@ class BlockRing:
                 if self._cuda:
                     self._ready[slot].synchronize()  # teardown, not the per-block path
                 views = [*self._kept_views(i), *self._slot_views[slot][i]]
-            bind(layout.entries, [
-                torch.empty_strided(v.size(), v.stride(), dtype=v.dtype,
-                                    device=device if device is not None else e.origin).copy_(v)
-                for e, v in zip(layout.entries, views)
-            ])
+            bind(layout.entries, [restored(e, v, device) for e, v in zip(layout.entries, views)])
             if self._cuda and i not in self.resident:  # the next fill of slot 0 must wait for these copies
                 self._free[slot].record(torch.cuda.current_stream(self.device))
             self._device_blocks.pop(i, None)

@@ -143,6 +143,9 @@ class StoredLayers:
 
     def __init__(self) -> None:
         self.layers: list[tuple[nn.Module, torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        # id(tensor) -> whether it was an inference tensor before it was stored: diffusers' hook
+        # recasts it at every forward, in whatever mode the forward runs.
+        self.inference: dict[int, bool] = {}
 
     def commit(self) -> None:
         """Setup succeeded: the original tensors are no longer needed."""
@@ -162,7 +165,9 @@ class StoredLayers:
         it computed while offloaded)."""
         for module, compute, _originals in self.layers:
             unhook_layerwise_casting(module)
-            module.to(dtype=compute)
+            for t in (*module.parameters(), *module.buffers()):
+                if t.is_floating_point():
+                    _upcast(t, compute, self.inference.get(id(t), t.is_inference()))
         self.layers = []
 
 
@@ -191,13 +196,20 @@ class LayerUpcasts:
         every 8-bit tensor upcast to its compute dtype, as ``"block"`` leaves the model."""
         self._unhook()
         for t, compute in self._tensors:
-            t.data = t.data.to(compute)
+            _upcast(t, compute, t.is_inference())  # as the ring restored it
         self._tensors = []
 
     def _unhook(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _upcast(t: torch.Tensor, compute: torch.dtype, inference: bool) -> None:
+    """``t`` in ``compute`` for good, an inference tensor if ``inference`` (it was one before
+    offloading), whatever mode ``remove()`` runs in."""
+    with torch.inference_mode(inference):
+        t.data = t.data.to(compute)
 
 
 def upcast_per_layer(root: nn.Module, cast: Mapping[int, torch.dtype], in_blocks: set[int],
@@ -287,6 +299,7 @@ def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_bl
         if tensors and not any(id(t) in in_blocks for t in tensors):
             compute = tensors[0].dtype
             stored.layers.append((layer, compute, [(t, t.data) for t in tensors]))
+            stored.inference.update((id(t), t.is_inference()) for t in tensors)
             apply_layerwise_casting_hook(layer, cast[id(tensors[0])], compute, non_blocking=False)
     return stored
 

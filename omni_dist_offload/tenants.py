@@ -40,7 +40,7 @@ from torch.nn.modules.module import (
 
 from .ring import BlockRing
 
-__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "SKIPPING_HOOKS", "BlockWatch", "skipped_by_hooks"]
+__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "REWRITING_METHODS", "SKIPPING_HOOKS", "BlockWatch", "skipped_by_hooks"]
 
 #: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
 EDITED_METHODS = ("merge", "unmerge")
@@ -113,6 +113,20 @@ def _edited(ring: BlockRing, index: int, method: Callable[..., Any], *args: Any,
     return ring.edit_block(index, functools.partial(method, *args, **kwargs))
 
 
+#: Methods of a component that may write into its blocks' tensors in place without the ring
+#: seeing it (peft's hotswap copies a new adapter into the old one's tensors with
+#: ``.data.copy_``, which bumps no version counter): after one, the slots are copied again.
+REWRITING_METHODS = ("load_lora_adapter",)
+
+
+def _rewriting(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return method(*args, **kwargs)
+    finally:
+        for ring in rings:
+            ring.forget_slots()
+
+
 class BlockWatch:
     """Follows the blocks of ``rings`` until :meth:`close`."""
 
@@ -126,6 +140,14 @@ class BlockWatch:
             ring.skip_ahead_probe = functools.partial(skipped_by_hooks, fixed_only=True)
             for layout in ring.layouts:
                 self._follow(layout.module, ring, layout.index)
+        # Components by root module (a component may have several rings: one per block list).
+        self._roots: list[nn.Module] = []
+        for root in {id(r.component.module): r.component.module for r in rings}.values():
+            mine = [r for r in rings if r.component.module is root]
+            for name in REWRITING_METHODS:
+                if callable(getattr(root, name, None)) and name not in root.__dict__:
+                    setattr(root, name, functools.partial(_rewriting, mine, getattr(root, name)))
+            self._roots.append(root)
         self._hooks = [
             register_module_module_registration_hook(self._on_module),
             register_module_parameter_registration_hook(self._on_tensor),
@@ -141,6 +163,10 @@ class BlockWatch:
             for name in EDITED_METHODS:
                 layer.__dict__.pop(name, None)
         self._wrapped = weakref.WeakSet()
+        for root in self._roots:
+            for name in REWRITING_METHODS:
+                root.__dict__.pop(name, None)
+        self._roots = []
         self._owner = weakref.WeakKeyDictionary()
 
     def _follow(self, module: nn.Module, ring: BlockRing, index: int) -> None:

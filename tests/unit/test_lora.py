@@ -4,6 +4,8 @@ where adapters must reach the device, is tests/gpu/test_gpu_lora.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -154,3 +156,26 @@ def test_an_edit_during_a_forward_is_refused():
     hook.remove()
     assert seen
     handle.remove()
+
+
+def test_a_hotswap_into_adapters_loaded_before_offloading_is_what_later_forwards_run(loras):
+    """Adapters loaded before ``apply_offload`` stream with their block; a hotswap copies the new
+    adapter into their host copies in place, where the ring cannot see it (``.data.copy_``):
+    the blocks the slots still hold are copied again."""
+    a, b = loras
+
+    def run(offload: bool) -> list[torch.Tensor]:
+        pipe = tiny.tiny_wan_pipeline(seed=1)
+        pipe.load_lora_weights({k: v.clone() for k, v in a.items()}, adapter_name="h")
+        handle = apply_offload(pipe, {"mode": "layer", "components": ["dit"]}) if offload else None
+        gen = functools.partial(pipe, prompt="a red fox", output_type="pt", **tiny.TINY_WAN_DEFAULTS)
+        outs = [gen(generator=torch.Generator().manual_seed(0)).frames]
+        pipe.load_lora_weights({k: v.clone() for k, v in b.items()}, adapter_name="h", hotswap=True)
+        outs += [gen(generator=torch.Generator().manual_seed(0)).frames for _ in range(2)]
+        if handle is not None:
+            handle.remove()
+            assert "load_lora_adapter" not in pipe.transformer.__dict__
+        return outs
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, want)

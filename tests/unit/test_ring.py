@@ -245,3 +245,86 @@ def test_summary_byte_counts():
     assert row["device_slot_bytes"] == 2 * max(layout.nbytes for layout in layouts)
     assert all(e.offset % 256 == 0 for layout in layouts for e in layout.entries)
     handle.remove()
+
+
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [1]}, {"storage_dtype": "float8_e4m3fn"},
+                                     {"storage_dtype": "float8_e4m3fn", "upcast": "layer"}])
+def test_remove_under_inference_mode_gives_back_ordinary_tensors(options):
+    """``remove()`` inside ``torch.inference_mode()`` (where forwards run) leaves tensors as they
+    were before offloading: ordinary ones that autograd and in-place updates accept."""
+    import tiny_models as tiny
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    inputs = tiny.flux_transformer_inputs(model)
+    assert not any(t.is_inference() for t in model.state_dict().values())
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}}, device="cpu")
+    with torch.inference_mode():
+        model(**inputs)
+        handle.remove()
+    assert [n for n, t in model.state_dict().items() if t.is_inference()] == []
+    model(**inputs)[0].sum().backward()
+    assert model.transformer_blocks[0].ff.net[2].weight.grad is not None
+
+
+@pytest.mark.parametrize("num_blocks", [2, 4])
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [0]}])
+@torch.no_grad()
+def test_weights_written_in_place_between_forwards_are_what_later_forwards_run(num_blocks, options):
+    """``load_state_dict`` (``copy_`` into the parked host views) between forwards: blocks the
+    slots still hold from the last forward are copied again; resident blocks change in place."""
+    model, other = ToyDiT(num_blocks), ToyDiT(num_blocks, seed=1)
+    x = torch.randn(4, 8)
+    want = other(x)
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
+    model(x)  # leaves blocks in the slots
+    model.load_state_dict(other.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the copies again are no ordering problem
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    handle.remove()
+    assert torch.equal(model(x), want)
+
+
+@torch.no_grad()
+def test_tensors_given_new_storage_between_forwards():
+    """New storage of the same dtype and shape is taken into the host copy; another dtype
+    (``model.to(dtype)``) is refused naming the tensor, the ring unchanged."""
+    model, other = ToyDiT(3), ToyDiT(3, seed=1)
+    x = torch.randn(4, 8)
+    handle = apply_offload(model, DIT)
+    ref = model(x)
+    model.blocks[1].lin.weight.data = other.blocks[1].lin.weight.detach().clone()
+    model.blocks[0].lin.weight.data = other.blocks[0].lin.weight.detach().clone()  # in a slot
+    mixed = ToyDiT(3)
+    mixed.blocks[1].lin.weight.data = other.blocks[1].lin.weight.detach().clone()
+    mixed.blocks[0].lin.weight.data = other.blocks[0].lin.weight.detach().clone()
+    for _ in range(2):
+        assert torch.equal(model(x), mixed(x))
+    host = handle.rings[0].transfer.buffers[1].tensor
+    assert host.data_ptr() <= model.blocks[1].lin.weight.data_ptr() < host.data_ptr() + host.numel()
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.\w+\.\w+ became torch\.float64 .* cast the model before apply_offload"):
+        model(x.double())
+    model.to(torch.float32)
+    assert torch.equal(model(x), mixed(x)) and not torch.equal(model(x), ref)
+    handle.remove()
+    assert torch.equal(model(x), mixed(x))
+
+
+@torch.no_grad()
+def test_new_storage_for_an_8_bit_block_is_refused():
+    import tiny_models as tiny
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    inputs = tiny.flux_transformer_inputs(model)
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}, device="cpu")
+    ref = model(**inputs)[0]
+    weight = model.single_transformer_blocks[1].proj_out.weight
+    kept = weight.data
+    weight.data = torch.zeros_like(weight)
+    with pytest.raises(RuntimeError, match="rank-local ring of 8-bit images cannot take in"):
+        model(**inputs)
+    weight.data = kept
+    assert torch.equal(model(**inputs)[0], ref)
+    handle.remove()
