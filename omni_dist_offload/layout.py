@@ -284,9 +284,11 @@ def check_ownership(
     block_of_module: dict[int, str] = {}
     block_of_tensor: dict[int, tuple[str, str]] = {}
     block_of_storage: dict[tuple[str, int], tuple[str, str]] = {}
+    block_root: dict[int, str] = {}
     for comp, blocks in layouts:
         for layout in blocks:
             where = f"{comp}.{layout.name}"
+            block_root[id(layout.module)] = where
             for mod in layout.module.modules():
                 other = block_of_module.setdefault(id(mod), where)
                 if other != where:
@@ -299,9 +301,23 @@ def check_ownership(
                 if e.nbytes:
                     key = (str(e.tensor.device), e.tensor.untyped_storage().data_ptr())
                     block_of_storage.setdefault(key, (where, f"{comp}.{e.name}"))
+    block_at: dict[str, str] = {}  # the paths a block is registered at -> "component.block"
     for comp, root in modules.items():
         for mod_name, mod in root.named_modules(remove_duplicate=False):
-            here = block_of_module.get(id(mod))
+            # Inside a block by where it is registered, not by what it is: a block's module
+            # registered again outside the blocks (``self.final_norm = self.blocks[-1].norm``)
+            # runs there without the block's hooks, on its parked host copy. A block itself may
+            # be registered twice (an aliased block list): its hooks run either way.
+            path = f"{comp}.{mod_name}" if mod_name else comp
+            if id(mod) in block_root:  # parents come before their children
+                block_at[path] = block_root[id(mod)]
+            here = _block_on_path(path, block_at)
+            other = block_of_module.get(id(mod))
+            if other is not None and other != here:
+                raise OffloadConfigError(
+                    f"module {comp}.{mod_name} is also {other}'s module {type(mod).__name__}: a streamed "
+                    "block's module cannot be used outside the block (it would run on the block's parked "
+                    "host copy). Give it its own copy, or leave this component out of 'components'.")
             for registry in (mod._parameters, mod._buffers):
                 for attr, t in registry.items():
                     if t is None:
@@ -317,3 +333,13 @@ def check_ownership(
                             "streamed tensor must belong to one block. Untie the weights (clone "
                             "one of them) or leave this component out of 'components'."
                         )
+
+
+def _block_on_path(path: str, block_at: Mapping[str, str]) -> str | None:
+    """The streamed block registered at a prefix of ``path`` (``comp.blocks.3.attn`` ->
+    ``comp.blocks.3``), or None."""
+    while path:
+        if path in block_at:
+            return block_at[path]
+        path = path.rpartition(".")[0]
+    return None

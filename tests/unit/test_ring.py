@@ -328,3 +328,32 @@ def test_new_storage_for_an_8_bit_block_is_refused():
     weight.data = kept
     assert torch.equal(model(**inputs)[0], ref)
     handle.remove()
+
+
+def test_a_block_module_registered_outside_the_blocks_is_refused_and_an_aliased_block_list_is_not():
+    class Reused(ToyDiT):
+        def __init__(self):
+            super().__init__(3)
+            self.final_norm = self.blocks[-1].norm  # runs outside the block, on its parked copy
+
+        def forward(self, x):
+            return self.final_norm(super().forward(x))
+
+    model = Reused()
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"module transformer\.final_norm is also transformer\.blocks\.2's module LayerNorm"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
+
+    class Aliased(ToyDiT):
+        def __init__(self):
+            super().__init__(3)
+            self.layers = self.blocks  # the same blocks under a second name: their hooks run either way
+
+    model = Aliased()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+        handle = apply_offload(model, DIT)
+        assert torch.equal(model(x), ref)
+    handle.remove()
