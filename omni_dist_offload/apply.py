@@ -51,7 +51,7 @@ from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .sharedmem import (CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive,
                         small_pages_note)
 from .transfer.casting import CastingTransfer
-from .transfer.groups import ComponentFacts, GroupSession, HostRanks, WeightGroup
+from .transfer.groups import AGREED, ComponentFacts, GroupSession, HostRanks, SetupAsk, WeightGroup
 from .transfer.shared import SharedTransfer
 from .transfer.sharding import (
     ShardPlan,
@@ -370,7 +370,7 @@ def apply_offload(
     groups = GroupSession(cfg.collective_timeout_s)
     try:
         specs = _ring_specs(components, layouts, cfg, dev, process_group, sources, groups)
-        specs = _with_residency(specs, cfg, dev, modules)
+        specs = _with_residency(specs, cfg, dev, modules, groups)
         specs = _with_shared_copies(specs, groups)
     except BaseException:
         groups.close()
@@ -397,20 +397,11 @@ def apply_offload(
                 handle._stored.append(store_outside_blocks(c.module, casts[c.name], in_blocks))
         handle._install(trace_enabled(trace), specs)
     except BaseException as exc:
-        handle._rollback()
-        # Tell the other ranks, which would otherwise wait in their first fill (unless the ranks
-        # have just agreed on this failure: a shared ring's agreement that its copy is written).
-        if groups.active and not getattr(exc, _AGREED, False):
-            with contextlib.suppress(Exception):
-                groups.agree(f"{type(exc).__name__}: {exc}")
-        groups.close()
-        for spec in specs:  # shared copies of rings never built
-            if spec.shared is not None:
-                spec.shared.close()
+        _undo_setup(handle, groups, specs, exc)
         raise
     finally:
         setup.pin.close()
-    _agree_all_or_nothing(handle, groups)
+    _agree_all_or_nothing(handle, groups, specs)
     try:
         # A shared ring of 8-bit images brings its plan's images in from the shared copy, which
         # holds every rank's blocks only now.
@@ -418,8 +409,7 @@ def apply_offload(
             if spec.shared is not None and spec.stored and spec.residency.resident:
                 ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
     except BaseException:
-        handle._rollback()  # this rank's alone: the others' rings and the shared copy stay as they are
-        groups.close()
+        _undo_setup(handle, groups, specs)  # this rank's alone: the others' rings and the shared copy stay
         raise
     handle._commit()
     _log_summary(handle)
@@ -570,7 +560,11 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
                 cfg: OffloadConfig, dev: torch.device, process_group: Any | None,
                 sources: Mapping[str, BlockSource], groups: GroupSession) -> list[_RingSpec]:
     """How each component streams. Components asking for allgather get the weight group that
-    every rank agrees on, or all stream rank-local with the same reason."""
+    every rank agrees on, or all stream rank-local with the same reason. First, where some
+    component asks for allgather or shared, the ranks compare what they ask for."""
+    ask = _setup_ask(components, cfg, process_group)
+    if any(t != "rank-local" for _, t in ask.transfers.values()):
+        groups.compare_asks(ask)
     facts = {c.name: _allgather_facts(c, layouts[c.name], cfg, sources.get(c.name)) for c in components
              if cfg.options_for(c.category).weight_transfer == "allgather"}
     group, reason = groups.resolve(facts, dev, process_group) if facts else (None, None)
@@ -595,6 +589,28 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
             specs.append(dataclasses.replace(base, group=group, gather=_gather_of(cfg, c, group, dev),
                                              chunk_bytes=facts[c.name].chunk_bytes))
     return specs
+
+
+def _setup_ask(components: Sequence[StreamedComponent], cfg: OffloadConfig, process_group: Any | None) -> SetupAsk:
+    """What this rank asks for that the other ranks depend on: every component's transfer; for
+    one whose weights the ranks share, what its bytes are (both transfers) and the sequence of
+    gathers (allgather: chunks, gather, which blocks stream; a ``device_budget`` decides that
+    too, and "auto" takes the smallest over the group, a collective); the process group."""
+    transfers, settings = {}, {}
+    for c in components:
+        opts = cfg.options_for(c.category)
+        key = f"layer_options.{c.category}."
+        transfers[c.name] = (key + "weight_transfer", opts.weight_transfer)
+        if opts.weight_transfer == "rank-local":
+            continue
+        asked: dict[str, Any] = {"storage_dtype": opts.storage_dtype, "upcast": opts.upcast}
+        if opts.weight_transfer == "allgather":
+            asked |= {"chunk_mib": opts.chunk_mib, "gather": opts.gather, "resident_blocks": opts.resident_blocks}
+        settings[c.name] = {key + k: v for k, v in asked.items()}
+        if opts.weight_transfer == "allgather":
+            settings[c.name]["device_budget"] = cfg.device_budget
+    ranks = tuple(torch.distributed.get_process_group_ranks(process_group)) if process_group is not None else None
+    return SetupAsk(transfers, settings, ranks)
 
 
 def _allgather_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], cfg: OffloadConfig,
@@ -640,7 +656,8 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
     its hand-over failed, falling back to rank-local with it."""
     spec, host, out = specs[0], specs[0].host, list(specs)
     keep = set(spec.residency.resident) if spec.residency.settled and not spec.stored else set()
-    users = groups.all_gather(tuple(i for i in range(len(spec.layouts)) if i not in keep))
+    name = spec.component.name
+    users = groups.all_gather(tuple(i for i in range(len(spec.layouts)) if i not in keep), f"{name}: shared blocks")
     per_block = [tuple(j for j, r in enumerate(host.ranks) if i in users[r]) for i in range(len(spec.layouts))]
     layout = CopyLayout(tuple(l.image_nbytes if per_block[l.index] else None for l in spec.layouts), host.size)
     offer, blocks, said = None, None, None
@@ -660,7 +677,7 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
                     blocks = None
                 said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: "
                                   f"{type(exc).__name__}: {exc}")
-    told = groups.all_gather(said)
+    told = groups.all_gather(said, f"{name}: offer the shared copy")
     error, serving = None, None
     try:
         if space := next((t[1] for t in told if t is not None and t[0] == "space"), None):
@@ -684,7 +701,7 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
                 blocks = SharedBlocks.open(receive(address, key, layout.files, wait_s), layout, host.index)
         except Exception as exc:  # noqa: BLE001 - every rank falls back with this reason
             error = f"rank {torch.distributed.get_rank()} could not map the shared host copy: {exc}"
-        failed = [e for e in groups.all_gather(error) if e is not None]
+        failed = [e for e in groups.all_gather(error, f"{name}: map the shared copy") if e is not None]
     except BaseException:
         if blocks is not None:
             blocks.close()
@@ -733,8 +750,9 @@ def _gather_of(cfg: OffloadConfig, comp: StreamedComponent, group: WeightGroup, 
 
 # -- phase 1: residency ----------------------------------------------------------------------
 def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.device,
-                    modules: Mapping[str, nn.Module]) -> list[_RingSpec]:
-    """Each ring's starting residency (``budget.initial_residency``)."""
+                    modules: Mapping[str, nn.Module], groups: GroupSession) -> list[_RingSpec]:
+    """Each ring's starting residency (``budget.initial_residency``). Under allgather the ranks
+    of a weight group then compare it: it decides which blocks each gathers, and when."""
     sizes = []
     for s in specs:
         asked = cfg.options_for(s.component.category).resident_blocks
@@ -746,8 +764,24 @@ def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.d
                                through_slots=s.stored))
     group = next((s.group for s in specs if s.group is not None), None)
     blocks = [e.tensor for s in specs for l in s.layouts for e in l.entries]
-    chosen = initial_residency(sizes, cfg.device_budget, lambda: auto_budget(cfg, dev, modules, blocks, group))
-    return [dataclasses.replace(s, residency=chosen[s.component.name]) for s in specs]
+    try:
+        chosen = initial_residency(sizes, cfg.device_budget, lambda: auto_budget(cfg, dev, modules, blocks, group))
+    except Exception as exc:
+        if groups.group is not None:  # the others wait for this rank's plan: tell them why there is none
+            groups.compare_residency(f"{type(exc).__name__}: {exc}")
+        raise
+    out = [dataclasses.replace(s, residency=chosen[s.component.name]) for s in specs]
+    if groups.group is not None:  # the same on every rank (resolve)
+        groups.compare_residency({s.component.name: _residency_facts(s.residency) for s in out if s.group is not None})
+    return out
+
+
+def _residency_facts(residency: Residency) -> dict[str, Any]:
+    """What of a ring's residency the ranks of a weight group must share, by what it is called
+    in an error."""
+    return {"resident blocks": residency.resident, "slots": residency.num_slots,
+            "final plan (no re-plan after a measured forward)": residency.settled,
+            "budget share": residency.budget, "device_budget auto": residency.fewest}
 
 
 # -- phase 2: fill host copies, build rings ---------------------------------------------------
@@ -1116,7 +1150,7 @@ def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> 
 #: Seconds the host's ranks wait for each other while the shared copy's descriptor is handed over.
 _HAND_OVER_S = 30.0
 #: Set on an exception every rank has already been told of (a shared ring's agreement).
-_AGREED = "_omni_offload_agreed"
+_AGREED = AGREED
 
 
 def _agreed_failure(failed: Sequence[tuple[int, str]]) -> RuntimeError:
@@ -1127,17 +1161,41 @@ def _agreed_failure(failed: Sequence[tuple[int, str]]) -> RuntimeError:
     )
 
 
-def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession) -> None:
+def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession, specs: Sequence[_RingSpec]) -> None:
     """Under allgather or shared every rank must have succeeded (a block is rebuilt from every
     rank's shard, or a shared copy holds blocks every rank wrote); otherwise all undo (still
-    local: the original storage is kept until here) and raise alike."""
+    local: the original storage is kept until here) and raise alike. An agreement that cannot
+    complete (a rank died or timed out, or reached another exchange) undoes this rank's setup too."""
     if not groups.active:
         return
-    failed = groups.agree(None)
+    try:
+        failed = groups.agree(None)
+    except BaseException as exc:
+        _undo_setup(handle, groups, specs)
+        exc.add_note("apply_offload could not agree with the other ranks that setup succeeded "
+                     "everywhere; this rank undid its setup (the model is as it was).")
+        raise
     if failed:
-        handle._rollback()
-        groups.close()
+        _undo_setup(handle, groups, specs)
         raise _agreed_failure(failed)
+
+
+def _undo_setup(handle: OffloadHandle, groups: GroupSession, specs: Sequence[_RingSpec],
+                failure: BaseException | None = None) -> None:
+    """Undo this rank's setup: its rings (blocks back to their storage, hooks out), the process
+    groups, the shared copies. ``failure``: this rank's own, told to the other ranks first, which
+    would otherwise wait for it in their next exchange (unless every rank knows it already: a
+    shared ring's agreement that its copy is written, or exchanges that did not match)."""
+    try:
+        handle._rollback()
+    finally:
+        if failure is not None and groups.active and not getattr(failure, _AGREED, False):
+            with contextlib.suppress(Exception):
+                groups.agree(f"{type(failure).__name__}: {failure}")
+        groups.close()
+        for spec in specs:  # shared copies, of rings never built too
+            if spec.shared is not None:
+                spec.shared.close()
 
 
 def _log_summary(handle: OffloadHandle) -> None:

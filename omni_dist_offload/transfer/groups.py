@@ -34,7 +34,7 @@ try:  # CUDA symmetric memory is in torch >= 2.5; without it the copy-engine gat
 except ImportError:  # pragma: no cover - older torch
     symm_mem = None
 
-__all__ = ["ALLOW_GLOO_ENV", "ComponentFacts", "GroupSession", "HostRanks", "WeightGroup"]
+__all__ = ["AGREED", "ALLOW_GLOO_ENV", "ComponentFacts", "GroupSession", "HostRanks", "SetupAsk", "WeightGroup"]
 
 
 #: Set to 1 to let the allgather transfer run over gloo on CPU devices (tests, CI).
@@ -42,6 +42,9 @@ ALLOW_GLOO_ENV = "OMNI_OFFLOAD_ALLOW_GLOO"
 #: Most thread blocks NCCL may use for weight all-gathers. They run beside the model's kernels,
 #: so every SM they hold is one the model waits for; a few saturate what streaming needs.
 MAX_CTAS_ENV = "OMNI_OFFLOAD_NCCL_MAX_CTAS"
+#: Set on an exception every rank raised alike (all saw the same exchange): no rank tells the
+#: others of it again.
+AGREED = "_omni_offload_agreed"
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,21 @@ class ComponentFacts:
 
 
 @dataclass(frozen=True)
+class SetupAsk:
+    """What one rank's ``apply_offload`` asks for that the other ranks depend on. Compared before
+    any other exchange (:meth:`GroupSession.compare_asks`), so ranks that ask for different
+    things raise the same error rather than reach different exchanges."""
+
+    transfers: dict[str, tuple[str, str]]
+    """Per streamed component: (config key, value) of its ``weight_transfer``."""
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per component whose weights the ranks share (allgather or shared): what every rank must
+    give alike, by config key (``layer_options.dit.chunk_mib``, ``device_budget``)."""
+    process_group: tuple[int, ...] | None = None
+    """The global ranks of the ``process_group`` passed; None: one weight group per host."""
+
+
+@dataclass(frozen=True)
 class _RankFacts:
     rank: int
     node: str
@@ -108,6 +126,8 @@ class _RankFacts:
     components: dict[str, ComponentFacts] = field(default_factory=dict)
     shared_reason: str | None = None
     """Why this rank cannot map shared host memory, or None."""
+    group_ranks: tuple[int, ...] | None = None
+    """The ranks of the ``process_group`` this rank passed; None: one weight group per host."""
 
 
 class GroupSession:
@@ -134,11 +154,60 @@ class GroupSession:
         rank fills part of): the end of setup is agreed across them."""
         return self.group is not None or self.host is not None
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (over the side group)."""
+    def all_gather(self, obj: Any, tag: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order (over the side group). ``tag`` names the exchange
+        (its step and component): ranks that reach different exchanges raise alike, naming them,
+        instead of reading each other's objects as their own."""
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj, group=self._exchange_group())
-        return gathered
+        dist.all_gather_object(gathered, (tag, obj), group=self._exchange_group())
+        tags = [t for t, _ in gathered]
+        if any(t != tag for t in tags):
+            exc = OffloadConfigError(
+                f"the ranks reached different steps of apply_offload's setup ({_by_rank(tags)}): every "
+                "rank must call apply_offload at the same point, with the same model and config for "
+                "the components whose weights the ranks share (allgather or shared).")
+            setattr(exc, AGREED, True)
+            raise exc
+        return [o for _, o in gathered]
+
+    def compare_asks(self, ask: SetupAsk) -> None:
+        """Every rank says what it asks for (:class:`SetupAsk`); all raise the same
+        ``OffloadConfigError`` where they differ. Does nothing without torch.distributed or with
+        one rank. Every rank must call it: ``apply_offload`` does wherever some component asks
+        for allgather or shared (a call that streams only rank-local exchanges nothing)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        try:
+            asks = self.all_gather(ask, "compare what each rank asks for")
+        except OffloadConfigError:
+            raise
+        except RuntimeError as exc:  # torch.distributed's errors (a timeout, a peer gone)
+            raise RuntimeError(
+                f"apply_offload on rank {dist.get_rank()}: not every rank joined the comparison of "
+                f"configs within collective_timeout_s ({self.timeout_s:g} s): {type(exc).__name__}: "
+                f"{exc}. Every rank must call apply_offload with the same model and config; a rank "
+                "whose config streams every component rank-local (the default) compares nothing, so "
+                "one asking for allgather or shared waits for it. Otherwise a rank failed before it "
+                "got here (see its error), died, or is slower to get here than collective_timeout_s "
+                "allows (raise it).") from exc
+        _check_same_asks(asks)
+
+    def compare_residency(self, rings: dict[str, dict[str, Any]] | str) -> None:
+        """allgather: every rank of a weight group starts each ring with the same residency
+        (which blocks it gathers, into how many slots, whether a measured forward re-plans); all
+        ranks raise alike where they differ. ``rings``: this rank's, by component, or why it
+        could not plan them (it raises its own error after this; the others, one naming it).
+        Every rank calls it when :meth:`resolve` chose a weight group (the same on every rank)."""
+        assert self.group is not None
+        gathered = self.all_gather((self.group.ranks, rings), "compare residency plans")
+        failed = [(r, why) for r, (_, why) in enumerate(gathered) if isinstance(why, str)]
+        if failed and not isinstance(rings, str):
+            rank, why = failed[0]
+            raise OffloadConfigError(
+                f"rank {rank} could not plan which blocks stay resident ({why}), so no rank streams: "
+                "fix the error on that rank and apply again.")
+        if not failed:
+            _check_same_residency(gathered)
 
     def resolve_shared(self, components: dict[str, ComponentFacts], device: torch.device) -> tuple[HostRanks | None, str | None]:
         """The ranks of this host that share host copies, or ``(None, reason)`` when they cannot:
@@ -151,7 +220,7 @@ class GroupSession:
         facts = _RankFacts(rank=dist.get_rank(), node=os.environ.get("GROUP_RANK") or socket.gethostname(),
                            device_type=device.type, device_index=device.index, backend=str(dist.get_backend()),
                            allow_gloo=False, components=components, shared_reason=shared_memory_reason())
-        gathered = self.all_gather(facts)
+        gathered = self.all_gather(facts, "compare shared components")
         _check_same_layout(gathered)
         hosts = _by_host(gathered)
         for node, ranks in hosts.items():
@@ -183,15 +252,16 @@ class GroupSession:
             backend=str(dist.get_backend()),
             allow_gloo=os.environ.get(ALLOW_GLOO_ENV, "0") == "1",
             components=components,
+            group_ranks=tuple(dist.get_process_group_ranks(process_group)) if process_group is not None else None,
             **_gpu_facts(device),
         )
-        gathered = self.all_gather(facts)
+        gathered = self.all_gather(facts, "compare allgather components")
         _check_same_layout(gathered)
-        reason = _fallback_reason(gathered, process_group)
+        reason = _fallback_reason(gathered)
         if reason is not None:
             return None, reason
         if process_group is not None:
-            ranks = tuple(dist.get_process_group_ranks(process_group))
+            ranks = facts.group_ranks
             self.group = WeightGroup(process_group, dist.get_rank(process_group),
                                      dist.get_world_size(process_group), str(dist.get_backend(process_group)),
                                      ranks, _peer_copy_reason([f for f in gathered if f.rank in ranks]))
@@ -203,9 +273,8 @@ class GroupSession:
     def agree(self, error: str | None) -> list[tuple[int, str]]:
         """Every rank says whether its setup succeeded (``error`` None) or why not; returns the
         failures, the same list on every rank."""
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dist.get_rank(), error), group=self._exchange_group())
-        return [(rank, err) for rank, err in gathered if err is not None]
+        gathered = self.all_gather(error, "agree that setup succeeded")
+        return [(rank, err) for rank, err in enumerate(gathered) if err is not None]
 
     def close_exchange(self) -> None:
         """Release the side group: setup is agreed, nothing more is exchanged."""
@@ -272,7 +341,81 @@ def _check_same_layout(gathered: list[_RankFacts]) -> None:
                     )
 
 
-def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> str | None:
+def _check_same_asks(asks: list[SetupAsk]) -> None:
+    """Raise where ranks ask for different things (every rank sees the same list, so every rank
+    raises the same error). Components that stream rank-local wherever they stream are free to
+    differ: no rank depends on them."""
+    sharing = sorted({c for a in asks for c, (_, t) in a.transfers.items() if t != "rank-local"})
+    for c in sharing:
+        key = next(a.transfers[c][0] for a in asks if c in a.transfers)
+        _same(c, key, [a.transfers[c][1] if c in a.transfers else "not streamed" for a in asks])
+        for key in dict.fromkeys(k for a in asks for k in a.settings.get(c, {})):
+            _same(c, key, [a.settings.get(c, {}).get(key) for a in asks])
+    if any(t == "allgather" for a in asks for _, t in a.transfers.values()):
+        _check_process_groups([a.process_group for a in asks])
+
+
+def _same(component: str, key: str, values: list[Any]) -> None:
+    if any(v != values[0] for v in values):
+        raise OffloadConfigError(
+            f"{component}: {key} differs across ranks ({_by_rank(values)}): the ranks share this "
+            "component's weights, so every rank must call apply_offload with the same config for it.")
+
+
+def _check_process_groups(groups: list[tuple[int, ...] | None]) -> None:
+    """allgather: every rank passes a process_group or none does, and the groups passed split
+    the ranks: each rank is in its own, and each member passes the same group."""
+    problem = None
+    if len({g is None for g in groups}) > 1:
+        problem = "some ranks pass one and others do not"
+    for r, g in enumerate(groups):
+        if problem is not None or g is None:
+            continue
+        if r not in g:
+            problem = f"rank {r}'s group does not hold rank {r}"
+        elif (bad := next((q for q in g if q >= len(groups) or groups[q] != g), None)) is not None:
+            problem = f"rank {r}'s group holds rank {bad}, which passes another"
+    if problem is not None:
+        shown = ["None (one group per host)" if g is None else list(g) for g in groups]
+        raise OffloadConfigError(
+            f"apply_offload's process_group differs across ranks ({_by_rank(shown)}): {problem}. "
+            "Pass every rank the group it gathers weights in (the same ranks on every member of a "
+            "group), or None on every rank for one group per host.")
+
+
+def _check_same_residency(gathered: list[tuple[tuple[int, ...], dict[str, dict[str, Any]]]]) -> None:
+    """Per weight group, its ranks' residency of every ring must match (the same error on every
+    rank: all see every group's)."""
+    for ranks, rings in gathered:
+        ref = gathered[ranks[0]][1]
+        for name, mine in rings.items():
+            for key, value in mine.items():
+                if value != ref.get(name, {}).get(key):
+                    values = {q: gathered[q][1].get(name, {}).get(key) for q in ranks}
+                    raise OffloadConfigError(
+                        f"{name}: the ranks of its weight group {list(ranks)} would start it with "
+                        f"different {key} ({_by_rank(values)}): allgather rebuilds every streamed block "
+                        "on all of them at once, so they must keep the same blocks resident and stream "
+                        "the rest alike. Give every rank the same device_budget and resident_blocks (in "
+                        "layer_options), and stream the same components on every rank (a budget is "
+                        "split between them).")
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "not set"
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def _by_rank(values: list[Any] | dict[int, Any]) -> str:
+    """``rank 0: a; ranks 1, 2: b``: each value and the ranks that gave it."""
+    ranks: dict[str, list[int]] = {}
+    for r, v in (values.items() if isinstance(values, dict) else enumerate(values)):
+        ranks.setdefault(_shown(v), []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}" for v, rs in ranks.items())
+
+
+def _fallback_reason(gathered: list[_RankFacts]) -> str | None:
     device_types = {f.device_type for f in gathered}
     if len(device_types) > 1:
         return f"ranks run on different device types {sorted(device_types)}"
@@ -287,21 +430,22 @@ def _fallback_reason(gathered: list[_RankFacts], process_group: Any | None) -> s
         if not all(f.allow_gloo for f in gathered):
             return (f"the device is the CPU with backend {backend!r}: allgather over gloo is for "
                     f"tests only; set {ALLOW_GLOO_ENV}=1 to allow it")
-    if process_group is not None:
-        members = set(dist.get_process_group_ranks(process_group))
-        hosts = {"process_group": [f for f in gathered if f.rank in members]}
-    else:
-        hosts = _by_host(gathered)
-    for node, ranks in hosts.items():
+    # Every rank's group, not only this rank's: all ranks must reach the same decision.
+    groups = {f"host {node}": ranks for node, ranks in _by_host(gathered).items()}
+    if gathered[0].group_ranks is not None:  # a process_group on every rank (compare_asks)
+        groups = {}
+        for f in gathered:
+            groups.setdefault(f"process_group {list(f.group_ranks)}", []).append(f)
+    for where, ranks in groups.items():
         if len(ranks) < 2:
-            return (f"host {node} runs a single rank ({ranks[0].rank}): a weight group needs at "
+            return (f"{where} runs a single rank ({ranks[0].rank}): a weight group needs at "
                     "least two ranks on one host")
         if device_type == "cuda":
             seen: dict[str | int | None, int] = {}
             for f in ranks:
                 key = f.device_uuid or f.device_index
                 if key in seen:
-                    return (f"ranks {seen[key]} and {f.rank} on host {node} share "
+                    return (f"ranks {seen[key]} and {f.rank} in {where} share "
                             f"cuda:{f.device_index}: give every rank its own GPU "
                             "(torch.cuda.set_device(LOCAL_RANK))")
                 seen[key] = f.rank

@@ -79,12 +79,16 @@ def write_shard(plan: ShardPlan, image: torch.Tensor, shard: torch.Tensor) -> No
 
 def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
     """One short digest per block of everything that must match across ranks: names, dtypes,
-    shapes, strides, offsets and sizes."""
+    shapes, strides, offsets and sizes, and how the host image stores them (``storage_dtype``:
+    the stored dtypes, their offsets and the image's size), since ranks share the image's bytes."""
     out = []
     for layout in layouts:
         h = hashlib.sha256(f"{layout.name}|{layout.nbytes}".encode())
         for e in layout.entries:
             h.update(f"|{e.name}:{e.dtype}:{e.shape}:{e.stride}:{e.offset}:{e.nbytes}".encode())
+        if layout.image is not None:
+            image = layout.image
+            h.update(f"|image:{image.nbytes}:{image.offsets}:{[str(d) for d in image.dtypes]}".encode())
         out.append(h.hexdigest()[:16])
     return out
 

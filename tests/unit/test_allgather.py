@@ -1,17 +1,22 @@
 """The allgather transfer in one process: the fallback when no group is initialised, every fallback
-reason, the layout check across ranks, and the shard plans. With real ranks on gloo:
-dist/test_allgather_ranks.py."""
+reason, the checks across ranks (layouts, what each rank asks for, residency), and the shard
+plans. With real ranks on gloo: dist/test_allgather_ranks.py, dist/test_mismatch_ranks.py."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from omni_dist_offload import apply_offload
 from omni_dist_offload import OffloadConfigError
-from omni_dist_offload.transfer.groups import (ComponentFacts, _check_same_layout, _gpu_facts, _peer_copy_reason,
-                                           _RankFacts, _fallback_reason)
-from omni_dist_offload.transfer.sharding import plan_shards, write_shard
+from omni_dist_offload.layout import layout_block
+from omni_dist_offload.storage import cast_tensors
+from omni_dist_offload.transfer.groups import (ComponentFacts, SetupAsk, _check_same_asks, _check_same_layout,
+                                           _check_same_residency, _gpu_facts, _peer_copy_reason, _RankFacts,
+                                           _fallback_reason)
+from omni_dist_offload.transfer.sharding import layout_digest, plan_shards, write_shard
 from toys import ToyDiT
 
 
@@ -40,7 +45,7 @@ def _facts(rank, node="h", dtype="cuda", index=None, backend="nccl", allow=False
     ([_facts(0, dtype="cpu", backend="nccl"), _facts(1, dtype="cpu", backend="nccl")], "needs CUDA devices"),
 ])
 def test_every_fallback_reason(facts, needle):
-    reason = _fallback_reason(facts, None)
+    reason = _fallback_reason(facts)
     if needle is None:
         assert reason is None
     else:
@@ -55,8 +60,8 @@ def _gpu(rank, uuid, peers, symm=True, memops=True, index=None):
 def test_two_ranks_on_one_gpu_index_but_different_gpus_is_not_sharing():
     # Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES per rank): both say cuda:0, but the
     # UUIDs tell the GPUs apart.
-    assert _fallback_reason([_gpu(0, "GPU-a", [], index=0), _gpu(1, "GPU-b", [], index=0)], None) is None
-    assert "share cuda:0" in _fallback_reason([_gpu(0, "GPU-a", [], index=0), _gpu(1, "GPU-a", [], index=0)], None)
+    assert _fallback_reason([_gpu(0, "GPU-a", [], index=0), _gpu(1, "GPU-b", [], index=0)]) is None
+    assert "share cuda:0" in _fallback_reason([_gpu(0, "GPU-a", [], index=0), _gpu(1, "GPU-a", [], index=0)])
 
 
 @pytest.mark.parametrize("facts, needle", [
@@ -83,6 +88,67 @@ def test_ranks_asking_for_different_gathers_is_an_error():
     _check_same_layout([facts(0, "auto"), facts(1, "auto")])
     with pytest.raises(OffloadConfigError, match="gather nccl.*gather auto.*same config on every rank"):
         _check_same_layout([facts(0, "auto"), facts(1, "nccl")])
+
+
+def _ask(dit: str = "allgather", te: str | None = "rank-local", group=None, **settings) -> SetupAsk:
+    transfers = {"transformer": ("layer_options.dit.weight_transfer", dit)}
+    if te is not None:
+        transfers["text_encoder"] = ("layer_options.text_encoder.weight_transfer", te)
+    keys = {"layer_options.dit.resident_blocks": None, "device_budget": None, **settings}
+    return SetupAsk(transfers, {"transformer": keys} if dit != "rank-local" else {}, group)
+
+
+@pytest.mark.parametrize("asks, needle", [
+    # Components rank-local wherever they stream may differ: no rank depends on them.
+    ([_ask(), _ask(te=None)], None),
+    ([_ask(dit="rank-local", te="rank-local"), _ask(dit="rank-local", te=None)], None),
+    ([_ask(), _ask(dit="rank-local")],
+     "transformer: layer_options.dit.weight_transfer differs across ranks (rank 0: allgather; rank 1: rank-local)"),
+    ([_ask(te="shared"), _ask(te=None), _ask(te="shared")],
+     "text_encoder: layer_options.text_encoder.weight_transfer differs across ranks (ranks 0, 2: shared; "
+     "rank 1: not streamed)"),
+    ([_ask(), _ask(**{"layer_options.dit.resident_blocks": (1, 3)})],
+     "layer_options.dit.resident_blocks differs across ranks (rank 0: not set; rank 1: [1, 3])"),
+    ([_ask(device_budget=2**20), _ask(device_budget="auto")],
+     "device_budget differs across ranks (rank 0: 1048576; rank 1: auto)"),
+    # The process groups passed must split the ranks, or none be passed.
+    ([_ask(group=(0, 1)), _ask(group=(0, 1)), _ask(group=(2, 3)), _ask(group=(2, 3))], None),
+    ([_ask(group=(0, 1)), _ask()], "some ranks pass one and others do not"),
+    ([_ask(group=(0, 1)), _ask(group=(1,))], "rank 0's group holds rank 1, which passes another"),
+    ([_ask(group=(1,)), _ask(group=(1,))], "rank 0's group does not hold rank 0"),
+])
+def test_ranks_asking_for_different_things_is_an_error(asks, needle):
+    if needle is None:
+        _check_same_asks(asks)
+    else:
+        with pytest.raises(OffloadConfigError, match=re.escape(needle)):
+            _check_same_asks(asks)
+
+
+def test_ranks_of_a_weight_group_must_start_with_the_same_residency():
+    def plan(resident, slots=2):
+        return {"transformer": {"resident blocks": resident, "slots": slots}}
+
+    # Two hosts: each host's ranks agree; the hosts may differ (their budgets are their own).
+    _check_same_residency([((0, 1), plan((0,))), ((0, 1), plan((0,))), ((2, 3), plan((1, 2), 3)),
+                           ((2, 3), plan((1, 2), 3))])
+    with pytest.raises(OffloadConfigError, match=re.escape(
+            "transformer: the ranks of its weight group [2, 3] would start it with different slots (rank 2: 3; "
+            "rank 3: 2)")):
+        _check_same_residency([((0, 1), plan(())), ((0, 1), plan(())), ((2, 3), plan((1,), 3)),
+                               ((2, 3), plan((1,), 2))])
+
+
+def test_layout_digest_covers_how_blocks_are_stored():
+    model = ToyDiT(1, dim=32)
+    block = model.blocks[0]
+
+    def digest(stored=None):
+        cast = cast_tensors(model, getattr(torch, stored)) if stored else None
+        return layout_digest([layout_block(0, "b", block, cast=cast)])[0]
+
+    assert digest("float8_e4m3fn") == digest("float8_e4m3fn")
+    assert len({digest(), digest("float8_e4m3fn"), digest("float8_e5m2")}) == 3
 
 
 @pytest.mark.parametrize("nbytes, world, chunk", [(1, 2, 1 << 20), (1000, 2, 1 << 20), (70_000, 4, 4096),
