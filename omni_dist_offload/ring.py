@@ -634,8 +634,9 @@ class BlockRing:
                     if layout.image is not None:
                         # Stored in 8 bits ("block"): the slot holds the edit unrounded, the image
                         # its 8-bit rounding. The next forward fetches the block again, so every
-                        # forward runs on what is stored.
+                        # forward runs on what is stored (fetched on demand: no ordering problem).
                         self._slot_block[slot] = _EMPTY
+                        self._disrupted = True
                     if i in self._kept and i not in self._kept_off_host:
                         # A host copy that is still whole holds the kept part's edit too (one
                         # that gave the kept part up has only the device's).
@@ -666,6 +667,13 @@ class BlockRing:
         self._parked[i] = tuple(e.view_in(host) for e in self.layouts[i].entries)
         self._parked_moving[i] = self._parked[i][self._kept.get(i, 0):]
         self._parked_ptrs[i] = tuple(v.data_ptr() for v in self._parked_moving[i])
+
+    @property
+    def parks_placeholders(self) -> bool:
+        """Whether streamed blocks' tensors hold placeholders between uses (shape and dtype, no
+        values: under a gather, or where the host copy is an 8-bit image) rather than views of
+        a host copy: ``state_dict()`` then reads NaN for them (see ``tenants.SAVING_METHODS``)."""
+        return self.transfer.gather is not None or self._images or any(l.image is not None for l in self.layouts)
 
     @property
     def held(self) -> frozenset[int]:

@@ -40,10 +40,17 @@ from torch.nn.modules.module import (
 
 from .ring import BlockRing
 
-__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "REWRITING_METHODS", "SKIPPING_HOOKS", "BlockWatch", "skipped_by_hooks"]
+__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "READING_METHODS", "REWRITING_METHODS", "SAVING_METHODS", "SKIPPING_HOOKS", "BlockWatch", "skipped_by_hooks"]
 
 #: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
 EDITED_METHODS = ("merge", "unmerge")
+
+#: Methods of any module in a block that read the block's weights to build new ones, run inside
+#: ``edit_block`` too, so they read the weights on the device (where the parked copy holds
+#: placeholders, under allgather or 8-bit storage, they would read NaN): diffusers' attention
+#: ``fuse_projections`` (``fuse_qkv_projections``) concatenates q, k and v into a new layer,
+#: which then stays on the device as an adopted tensor.
+READING_METHODS = ("fuse_projections",)
 
 
 def _is_tuner_layer(module: nn.Module) -> bool:
@@ -127,6 +134,23 @@ def _rewriting(rings: Sequence[BlockRing], method: Callable[..., Any], *args: An
             ring.forget_slots()
 
 
+#: Methods of a component that write its weights out: refused while its blocks' tensors hold
+#: placeholders between forwards (allgather: the block exists whole on no rank; 8-bit blocks:
+#: the host holds the 8-bit image), which they would write as the weights.
+SAVING_METHODS = ("save_pretrained",)
+
+
+def _saving(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    for ring in rings:
+        if ring.parks_placeholders:
+            raise RuntimeError(
+                f"{ring.component.name}: save_pretrained would write placeholders for its streamed blocks: "
+                f"between forwards their tensors hold no values on this rank ({ring.transfer.name}"
+                f"{', stored in 8 bits' if ring.storage_dtype else ''}). Call handle.remove() first (on every "
+                "rank under allgather: it gathers the blocks back), then save; or save before apply_offload.")
+    return method(*args, **kwargs)
+
+
 class BlockWatch:
     """Follows the blocks of ``rings`` until :meth:`close`."""
 
@@ -144,9 +168,10 @@ class BlockWatch:
         self._roots: list[nn.Module] = []
         for root in {id(r.component.module): r.component.module for r in rings}.values():
             mine = [r for r in rings if r.component.module is root]
-            for name in REWRITING_METHODS:
-                if callable(getattr(root, name, None)) and name not in root.__dict__:
-                    setattr(root, name, functools.partial(_rewriting, mine, getattr(root, name)))
+            for names, wrapper in ((REWRITING_METHODS, _rewriting), (SAVING_METHODS, _saving)):
+                for name in names:
+                    if callable(getattr(root, name, None)) and name not in root.__dict__:
+                        setattr(root, name, functools.partial(wrapper, mine, getattr(root, name)))
             self._roots.append(root)
         self._hooks = [
             register_module_module_registration_hook(self._on_module),
@@ -160,11 +185,11 @@ class BlockWatch:
             hook.remove()
         self._hooks = []
         for layer in list(self._wrapped):
-            for name in EDITED_METHODS:
+            for name in (*EDITED_METHODS, *READING_METHODS):
                 layer.__dict__.pop(name, None)
         self._wrapped = weakref.WeakSet()
         for root in self._roots:
-            for name in REWRITING_METHODS:
+            for name in (*REWRITING_METHODS, *SAVING_METHODS):
                 root.__dict__.pop(name, None)
         self._roots = []
         self._owner = weakref.WeakKeyDictionary()
@@ -172,10 +197,14 @@ class BlockWatch:
     def _follow(self, module: nn.Module, ring: BlockRing, index: int) -> None:
         for sub in module.modules():
             self._owner[sub] = (ring, index)
-            if sub not in self._wrapped and _is_tuner_layer(sub):
-                for name in EDITED_METHODS:
-                    # An instance attribute shadows the class's method; close() deletes it.
-                    setattr(sub, name, functools.partial(_edited, ring, index, getattr(sub, name)))
+            if sub in self._wrapped:
+                continue
+            names = [*(EDITED_METHODS if _is_tuner_layer(sub) else ()),
+                     *(name for name in READING_METHODS if callable(getattr(sub, name, None)))]
+            for name in names:
+                # An instance attribute shadows the class's method; close() deletes it.
+                setattr(sub, name, functools.partial(_edited, ring, index, getattr(sub, name)))
+            if names:
                 self._wrapped.add(sub)
 
     # Global hooks: called for every registration in the process, so they return at once

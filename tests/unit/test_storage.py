@@ -458,3 +458,43 @@ def test_an_adapter_loaded_after_offloading_with_upcast_per_layer_is_named():
                                                r"adapters before offloading"):
             model(**x)
     handle.remove()
+
+
+@pytest.mark.parametrize("options", [{}, {"storage_dtype": "float8_e4m3fn"}])
+@torch.no_grad()
+def test_fused_projections_are_built_from_the_weights_on_the_device(options):
+    """diffusers' ``fuse_qkv_projections`` after offloading concatenates q, k and v: it runs as an
+    edit, on the weights a block computes with (8-bit blocks park placeholders on the host)."""
+    model = tiny.tiny_flux_transformer(dtype=torch.bfloat16)
+    batch = tiny.flux_transformer_inputs(model)
+    cfg = stored(**options) if options else {"mode": "layer", "components": ["dit"]}
+    if options:  # the weights 8-bit storage computes with: rounded once through 8 bits
+        handle = apply_offload(model, cfg, device="cpu")
+        handle.remove()
+    reference = copy.deepcopy(model)
+    reference.fuse_qkv_projections()
+    want = reference(**batch)[0]
+    handle = apply_offload(model, cfg, device="cpu")
+    model(**batch)
+    model.fuse_qkv_projections()
+    for _ in range(2):
+        assert torch.equal(model(**batch)[0], want)
+    handle.remove()
+    assert torch.equal(model(**batch)[0], want)
+
+
+def test_save_pretrained_is_refused_where_blocks_park_placeholders(tmp_path):
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    handle = apply_offload(model, stored(), device="cpu")
+    with pytest.raises(RuntimeError, match=r"save_pretrained would write placeholders .* Call handle\.remove\(\) first"):
+        model.save_pretrained(tmp_path / "fp8")
+    assert not (tmp_path / "fp8").exists()
+    handle.remove()
+    assert "save_pretrained" not in model.__dict__
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    model.save_pretrained(tmp_path / "plain")  # plain host copies hold the values
+    handle.remove()
+    saved = type(model).from_pretrained(tmp_path / "plain").state_dict()
+    assert set(saved) == set(want) and all(torch.equal(saved[k], want[k]) for k in want)
