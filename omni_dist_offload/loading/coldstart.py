@@ -204,9 +204,16 @@ def _diffusers_builder(class_name: str, folder: Path, dtype: torch.dtype, checkp
                               "upgrade diffusers or fix the folder.")
     config = cls.load_config(folder)
     # Parameters on meta, buffers real: what diffusers' own from_pretrained builds before loading,
-    # so buffers the checkpoint does not hold (RoPE tables) are computed as usual.
-    with init_empty_weights(include_buffers=False):
-        module = cls.from_config(config)
+    # so buffers the checkpoint does not hold (RoPE tables, attention masks) are computed as
+    # usual, in the run dtype where the constructor uses the default dtype (diffusers builds
+    # under it, except for float8 runs).
+    default = cls._set_default_torch_dtype(dtype) if dtype != getattr(torch, "float8_e4m3fn", None) else None
+    try:
+        with init_empty_weights(include_buffers=False):
+            module = cls.from_config(config)
+    finally:
+        if default is not None:
+            torch.set_default_dtype(default)
     keep = cls._keep_in_fp32_modules
     keep = [] if keep is None else [keep] if isinstance(keep, str) else list(keep)
 
@@ -297,7 +304,10 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                     registry[attr] = done[id(t)]
                     continue
                 quals = names[id(t)]
-                key = _checkpoint_key(quals, checkpoint, prefix, renamed)
+                # A non-persistent buffer is never loaded, even where an older save holds it (CLIP's
+                # position_ids): both libraries leave such keys unused.
+                persistent = registry is mod._parameters or attr not in mod._non_persistent_buffers_set
+                key = _checkpoint_key(quals, checkpoint, prefix, renamed) if persistent else None
                 if key is None and not t.is_meta:
                     continue  # a buffer the constructor computed: apply_offload places it
                 if key is None:

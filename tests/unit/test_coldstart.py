@@ -344,3 +344,23 @@ def test_cli_reports_a_damaged_checkpoint_in_one_line(wan_folder, tmp_path, caps
     err = capsys.readouterr().err
     assert rc == 1 and "omni-offload generate: error:" in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_tensor_for_a_non_persistent_buffer_is_not_loaded(wan_folder, tmp_path):
+    """A checkpoint holding a buffer the model does not save (an older save, a renamed key):
+    from_pretrained leaves it unused, and so does the cold start."""
+    folder = _copy_folder(wan_folder, tmp_path / "extra")
+    index_path = folder / "transformer/diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / "transformer" / next(iter(index["weight_map"].values()))
+    tensors = load_file(shard)
+    model = WanTransformer3DModel.from_pretrained(wan_folder, subfolder="transformer")
+    name, buffer = next((n, b) for n, b in model.named_buffers() if n not in model.state_dict())
+    tensors[name] = torch.zeros_like(buffer)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"][name] = shard.name
+    index_path.write_text(json.dumps(index))
+    pipe, handle = load_offloaded(folder, {"mode": "layer", "components": ["dit"]}, device="cpu", dtype=torch.float32)
+    handle.remove()
+    got = dict(pipe.transformer.named_buffers())[name]
+    assert torch.equal(got, buffer) and got.abs().sum() > 0

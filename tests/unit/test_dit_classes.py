@@ -193,3 +193,28 @@ def test_a_diffusers_transformer_cold_starts_bitwise_equal(name, tmp_path):
     assert_same_outputs(ref, got, kwargs)
     handle.remove()
     ref_handle.remove()
+
+
+@pytest.mark.parametrize("name", ["PriorTransformer", "WanAnimateTransformer3DModel"])
+def test_buffers_the_constructor_computes_take_the_run_dtype_in_a_cold_start(name, tmp_path):
+    """diffusers builds a model under the run dtype as the default dtype, so buffers computed
+    in it (an attention mask, blur kernels) are bf16 in a bf16 run; so does the cold start."""
+    import json
+
+    from omni_dist_offload.loading.coldstart import prepare_cold_start
+
+    model, _ = RECIPES[name](0)
+    model.save_pretrained(tmp_path / "transformer", safe_serialization=True)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline",
+                                                           "transformer": ["diffusers", name]}))
+    ref = getattr(diffusers, name).from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16).eval()
+    assert any(b.dtype == torch.bfloat16 for n, b in ref.named_buffers() if n not in ref.state_dict())
+    cold = prepare_cold_start(tmp_path, CONFIG, device=torch.device("cpu"), dtype=torch.bfloat16)
+    try:
+        got = cold.components["transformer"].eval()
+        handle = apply_offload(got, CONFIG, device="cpu", block_sources=cold.sources)
+    finally:
+        cold.close()
+    assert torch.get_default_dtype() == torch.float32
+    handle.remove()
+    assert_same_tensors(ref, got)
