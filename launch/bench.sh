@@ -9,12 +9,18 @@
 #       --height 32 --width 32                                        # CPU smoke run (gloo)
 #
 # Arguments go to `omni-offload bench` (python -m omni_dist_offload.tools.bench); see its --help.
-#   NGPU      processes on this host (default: the GPUs nvidia-smi lists, else 1)
+#   NGPU      processes on this host (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK  ranks whose output torchrun shows (default: all; only rank 0 prints results)
 #   TORCHRUN  the launcher (default torchrun; e.g. "python3 -m torch.distributed.run")
 set -euo pipefail
 
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
+# every GPU nvidia-smi lists.
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+    gpus=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '[^[:space:]]' || true)
+else
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
 NGPU=${NGPU:-${gpus:-0}}
 if [ "$NGPU" -lt 1 ]; then NGPU=1; fi
 TORCHRUN=${TORCHRUN:-torchrun}

@@ -7,13 +7,19 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 NGPU=8 launch/generate.sh --prompts-file p.txt
 #
 # Arguments go to launch/generate.py (flags of `omni-offload generate`).
-#   NGPU         processes on this host (default: the GPUs nvidia-smi lists, else 1)
+#   NGPU         processes on this host (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK     comma-separated ranks whose INFO logs show (default 0); warnings show from all
 #   NNODES       hosts (default 1); above 1 also NODE_RANK, MASTER_ADDR and MASTER_PORT (29500)
 #   TORCHRUN     the launcher (default torchrun)
 set -euo pipefail
 
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
+# every GPU nvidia-smi lists.
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+    gpus=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '[^[:space:]]' || true)
+else
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
 NGPU=${NGPU:-${gpus:-0}}
 if [ "$NGPU" -lt 1 ]; then NGPU=1; fi
 export LOG_RANK=${LOG_RANK:-0}

@@ -21,7 +21,6 @@ import functools
 import importlib.metadata
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from ..loading.parallel import ContextParallel, ContextParallelError
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import non_negative_int, positive_int
-from ..runtime.logs import current_rank, rank_prefix, setup_logging
+from ..runtime.logs import rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
@@ -198,15 +197,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = _validate(build_parser().parse_args(args))
     except UsageError as exc:
         where = f"{PROG} {args[0]}" if args[0] in _COMMANDS else PROG
-        _report(f"{where}: error: {exc} (see {where} --help)", every_rank=False)
+        _report(f"{where}: error: {exc} (see {where} --help)")
         return 2
     try:
         return _COMMAND_FUNCS[plan.command](plan)
     except (OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
-        _report(f"{PROG} {plan.command}: error: {exc}", every_rank=False)
+        _report(f"{PROG} {plan.command}: error: {exc}")
         return 2
     except (ModelLoadError, CheckpointError) as exc:
-        _report(f"{PROG} {plan.command}: error: {exc}", every_rank=True)
+        _report(f"{PROG} {plan.command}: error: {exc}")
         return 1
 
 
@@ -290,10 +289,9 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
 
 
 def _check_seed(seed: int, count: int) -> None:
-    """Prompt k uses seed + k; under torchrun a padded last wave goes on to the next multiple of
-    the ranks (``dp.plan_jobs``). Every one of those seeds must be one torch takes."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    last = seed + math.ceil(count / world_size) * world_size - 1
+    """Prompt k uses seed + k (a padding call repeats a prompt, and its seed: ``dp.plan_jobs``).
+    Every one of those seeds must be one torch takes."""
+    last = seed + count - 1
     if last > MAX_SEED:
         raise UsageError(f"--seed {seed}: prompt k uses seed + k, up to {last} here, past {MAX_SEED} (2**64 - 1, "
                          f"the largest seed torch takes): give --seed {seed - (last - MAX_SEED)} or less.")
@@ -342,8 +340,10 @@ def _check_device(device: str | None) -> None:
 def _cmd_generate(plan: RunPlan) -> int:
     setup_logging()
     ctx = maybe_init_dist(plan.device)
+    teardown = True
     try:
-        with _load(plan) as omni:
+        omni = _load(plan)
+        try:
             omni.call_kwargs(**plan.sampling.to_kwargs())  # an option it does not take: exit 2 now
             # Waves or free work sharing, by whether a ring needs lockstep (omni.lockstep).
             report = run_prompts(omni, plan.prompts, plan.seed, ctx, sampling=plan.sampling,
@@ -352,9 +352,19 @@ def _cmd_generate(plan: RunPlan) -> int:
                 print(report.line(ctx.world_size, omni.timings.setup_s), flush=True)
                 if omni.handle is not None and any(r.tracer is not None for r in omni.handle.rings):
                     print(summary_line(omni.handle.trace_report()), flush=True)
+        except BaseException:
+            # In lockstep the other ranks wait in this wave's collectives: a collective teardown
+            # (remove() gathers the blocks back) would not match theirs, and gloo would abort (NCCL
+            # hang) before this error is seen. Leave without it: the exit ends the job.
+            teardown = not (ctx.world_size > 1 and omni.lockstep)
+            raise
+        finally:
+            if teardown:
+                omni.close()
         return 0
     finally:
-        destroy_dist(ctx)
+        if teardown:
+            destroy_dist(ctx)
 
 
 def _cmd_inspect(plan: RunPlan) -> int:
@@ -527,9 +537,10 @@ def _fmt_bytes(n: int) -> str:
 
 
 # -- plumbing ------------------------------------------------------------------------------
-def _report(message: str, *, every_rank: bool) -> None:
-    if every_rank or current_rank() == 0:
-        print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
+def _report(message: str) -> None:
+    """An error, on stderr, from whichever rank met it (``[rankN]`` under torchrun): a rank's own
+    input (its prompts file, its pipeline call) can fail there alone, and must not fail silently."""
+    print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
 
 
 def _version() -> str:

@@ -72,9 +72,9 @@ def plan_jobs(prompts: Sequence[str], base_seed: int, rank: int, world_size: int
     for wave in range(waves):
         index = wave * world_size + rank
         padding = index >= len(prompts)
-        # A padding job repeats a real prompt so its pipeline call does the same work.
-        prompt = prompts[index % len(prompts)]
-        jobs.append(PromptJob(index=index, prompt=prompt, seed=base_seed + index, wave=wave,
+        # A padding job repeats a real prompt, and its seed, so its pipeline call does the same work.
+        repeated = index % len(prompts)
+        jobs.append(PromptJob(index=index, prompt=prompts[repeated], seed=base_seed + repeated, wave=wave,
                               padding=padding))
     return jobs
 
@@ -171,7 +171,7 @@ def run_jobs(
     group's first rank writes them."""
     out = _Output(sampling, output_dir, video_format, fps)
     report = RunReport(kind=_output_kind(omni))
-    start = time.perf_counter()
+    start = _started(ctx)
     for job in jobs:
         where = f"wave {job.wave + 1}/{len(jobs)}: " if job.wave is not None else ""
         _generate(omni, job if writes else dataclasses.replace(job, padding=True), ctx, out, report, where)
@@ -199,7 +199,7 @@ def run_free(
     logger.info("%d prompt(s) on %d rank(s), each rank taking the next prompt when it is free "
                 "(no ring gathers its weights, so no lockstep)", len(prompts), ctx.world_size)
     ran = []
-    start = time.perf_counter()
+    start = _started(ctx)
     for index in claim_indices(len(prompts), ctx):
         job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
         _generate(omni, job, ctx, out, report, "")
@@ -208,6 +208,14 @@ def run_free(
     report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
     _log_by_rank(ran, ctx)
     return report
+
+
+def _started(ctx: DistContext) -> float:
+    """When the generation loop starts on every rank: after all have set up (a rank that loaded
+    sooner would otherwise count its wait for the slowest as generation time)."""
+    if ctx.backend is not None and ctx.world_size > 1:
+        dist.barrier()
+    return time.perf_counter()
 
 
 def claim_indices(total: int, ctx: DistContext) -> Iterator[int]:

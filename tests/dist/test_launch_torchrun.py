@@ -169,3 +169,16 @@ def test_free_ranks_take_the_next_prompt_when_free_and_write_each_once(tmp_path)
         assert sorted(p.name for p in (tmp_path / split).iterdir()) == [
             f"{k:05d}.{ext}" for k in range(5) for ext in ("json", "png")]
     assert [m for m in range(5) if json.loads((tmp_path / "free" / f"{m:05d}.json").read_text())["rank"] == 0] == free0
+
+
+def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> None:
+    """Rank 1 cannot write its output (a folder in the way) while rank 0 goes on to the next
+    wave's gathers: rank 1 says why and exits, without the collective teardown that would not
+    match rank 0's (gloo would abort first, and the reason would be lost)."""
+    out_dir = tmp_path / "two"
+    (out_dir / "00001.gif").mkdir(parents=True)
+    proc = _torchrun(out_dir, *_prompt_flags(PROMPTS[:3]), "--no-progress", "--diffusion-offload-config", ALLGATHER,
+                     env={"OMNI_OFFLOAD_ALLOW_GLOO": "1"})
+    assert proc.returncode != 0
+    assert "IsADirectoryError" in proc.stderr and "00001.gif" in proc.stderr, proc.stderr[-4000:]
+    assert "collective mismatch" not in proc.stderr

@@ -217,9 +217,10 @@ def test_the_last_seed_may_be_the_largest_torch_takes(monkeypatch) -> None:
         return _validate(build_parser().parse_args(["generate", "--seed", str(seed), "--prompt", "a", "--prompt", "b"]))
 
     assert plan(2**64 - 2).seed == 2**64 - 2
-    monkeypatch.setenv("WORLD_SIZE", "4")  # the wave of 4 is padded: seeds up to seed + 3
-    with pytest.raises(UsageError, match=f"give --seed {2**64 - 4} or less"):
-        plan(2**64 - 2)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a padded wave repeats the prompts' own seeds
+    assert plan(2**64 - 2).seed == 2**64 - 2
+    with pytest.raises(UsageError, match=f"give --seed {2**64 - 2} or less"):
+        plan(2**64 - 1)
 
 
 def test_process_exit_status_and_stderr(tmp_path) -> None:

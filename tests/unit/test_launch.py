@@ -24,9 +24,9 @@ def test_plan_jobs_waves_seeds_and_padding() -> None:
     prompts = ["p0", "p1", "p2", "p3", "p4"]
     per_rank = [plan_jobs(prompts, 10, rank, 2) for rank in range(2)]
     assert [[j.index for j in jobs] for jobs in per_rank] == [[0, 2, 4], [1, 3, 5]]
-    assert [j.seed for j in per_rank[1]] == [11, 13, 15]
+    assert [j.seed for j in per_rank[1]] == [11, 13, 10]
     assert [j.padding for j in per_rank[1]] == [False, False, True]
-    assert per_rank[1][2].prompt == "p0"  # a repeat of a real prompt, same work
+    assert per_rank[1][2].prompt == "p0"  # a repeat of a real prompt and its seed, same work
     real = sorted(j.index for jobs in per_rank for j in jobs if not j.padding)
     assert real == list(range(5))
     assert [len(plan_jobs(prompts, 0, r, 3)) for r in range(3)] == [2, 2, 2]
