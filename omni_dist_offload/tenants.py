@@ -120,6 +120,12 @@ def _edited(ring: BlockRing, index: int, method: Callable[..., Any], *args: Any,
     return ring.edit_block(index, functools.partial(method, *args, **kwargs))
 
 
+def _wrapping(wrapper: Callable[..., Any], method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
+    """``wrapper`` around ``method``, with ``method``'s name and signature: callers inspect it
+    (diffusers passes ``adapter_names`` to ``merge`` only where the signature takes it)."""
+    return functools.update_wrapper(functools.partial(wrapper, *bound, method), method)
+
+
 #: Methods of a component that may write into its blocks' tensors in place without the ring
 #: seeing it (peft's hotswap copies a new adapter into the old one's tensors with
 #: ``.data.copy_``, which bumps no version counter): after one, the slots are copied again.
@@ -171,7 +177,7 @@ class BlockWatch:
             for names, wrapper in ((REWRITING_METHODS, _rewriting), (SAVING_METHODS, _saving)):
                 for name in names:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
-                        setattr(root, name, functools.partial(wrapper, mine, getattr(root, name)))
+                        setattr(root, name, _wrapping(wrapper, getattr(root, name), mine))
             self._roots.append(root)
         self._hooks = [
             register_module_module_registration_hook(self._on_module),
@@ -203,7 +209,7 @@ class BlockWatch:
                      *(name for name in READING_METHODS if callable(getattr(sub, name, None)))]
             for name in names:
                 # An instance attribute shadows the class's method; close() deletes it.
-                setattr(sub, name, functools.partial(_edited, ring, index, getattr(sub, name)))
+                setattr(sub, name, _wrapping(_edited, getattr(sub, name), ring, index))
             if names:
                 self._wrapped.add(sub)
 

@@ -225,6 +225,14 @@ class Omni:
         self.model = model
         self.config = with_upcast(with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype),
                                   upcast)
+        if self.loras and self.config is not None and "dit" in self.config.components \
+                and self.config.options_for("dit").upcast == "layer":
+            # Omni loads LoRAs after offloading; a DiT of 8-bit blocks upcast per layer cannot take
+            # an adapter then (its base layer's dtype reads 8 bits): say so before anything loads.
+            raise AdapterError(
+                "lora= with the DiT's upcast \"layer\": LoRAs are loaded after offloading, and 8-bit blocks "
+                "upcast per layer cannot take an adapter then. Use upcast \"block\" (the default) with LoRAs, "
+                "or load them before apply_offload (the Python API: they stream with their blocks).")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,

@@ -179,3 +179,24 @@ def test_a_hotswap_into_adapters_loaded_before_offloading_is_what_later_forwards
 
     for got, want in zip(run(True), run(False), strict=True):
         assert torch.equal(got, want)
+
+
+def test_fusing_named_adapters_after_offloading(loras):
+    """diffusers reads ``merge``'s signature to pass ``adapter_names``: the edit wrapping it keeps
+    it, so fusing one adapter of two works as on the resident pipeline."""
+    a, b = loras
+
+    def run(offload: bool) -> torch.Tensor:
+        pipe = tiny.tiny_wan_pipeline(seed=1)
+        handle = apply_offload(pipe, {"mode": "layer", "components": ["dit"]}) if offload else None
+        pipe.load_lora_weights({k: v.clone() for k, v in a.items()}, adapter_name="a")
+        pipe.load_lora_weights({k: v.clone() for k, v in b.items()}, adapter_name="b")
+        pipe.fuse_lora(adapter_names=["a"], lora_scale=0.7)
+        pipe.set_adapters(["b"])
+        out = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
+                   **tiny.TINY_WAN_DEFAULTS).frames
+        if handle is not None:
+            handle.remove()
+        return out
+
+    assert torch.equal(run(True), run(False))

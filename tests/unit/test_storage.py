@@ -498,3 +498,16 @@ def test_save_pretrained_is_refused_where_blocks_park_placeholders(tmp_path):
     handle.remove()
     saved = type(model).from_pretrained(tmp_path / "plain").state_dict()
     assert set(saved) == set(want) and all(torch.equal(saved[k], want[k]) for k in want)
+
+
+def test_omni_refuses_loras_with_upcast_per_layer_before_loading(tmp_path):
+    from safetensors.torch import save_file
+
+    from omni_dist_offload import Omni
+    from omni_dist_offload.loading.adapters import AdapterError
+
+    lora = tmp_path / "style.safetensors"
+    save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 8)}, lora)
+    with pytest.raises(AdapterError, match='upcast "layer"'):
+        Omni("no-such-model", {"mode": "layer", "components": ["dit"]}, storage_dtype="float8_e4m3fn",
+             upcast="layer", lora=[str(lora)], progress=False)
