@@ -500,9 +500,12 @@ def _fresh_modules(target: Any) -> dict[str, nn.Module]:
     """The target's modules by attribute name; none may be offloaded already."""
     modules = {"transformer": target} if is_bare_module(target) else pipeline_modules(target)
     for name, mod in modules.items():
-        if getattr(mod, _STATE_ATTR, None) is not None:
+        handle = getattr(mod, _STATE_ATTR, None)
+        if handle is not None:
+            streamed = sorted({ring.component.name for ring in handle.rings})
             raise OffloadConfigError(
-                f"{name} ({type(mod).__name__}) is already offloaded: call remove() on the handle "
+                f"{name} ({type(mod).__name__}) belongs to an earlier apply_offload (streaming "
+                f"{streamed or 'nothing'}; the rest it placed on the device): call remove() on the handle "
                 "that apply_offload returned before applying again."
             )
     return modules
