@@ -515,7 +515,8 @@ class BlockRing:
             if not self._writable:
                 raise RuntimeError(
                     f"{self.component.name}: {name} was given new storage after apply_offload (tensor.data = "
-                    f"...), which a {self.transfer.name} ring{' of 8-bit images' if self._images else ''} "
+                    f"..., or model.to(device), which apply_offload does not need: it places what does not stream "
+                    f"itself), which a {self.transfer.name} ring{' of 8-bit images' if self._images else ''} "
                     "cannot take in: its host copy is shared or sharded or stored in 8 bits. Change weights "
                     "before apply_offload, through LoRA's fuse/unfuse (edited on the device and written back), "
                     "or call remove() first and apply again.")
