@@ -320,6 +320,11 @@ class BlockRing:
             return
         tracer = self.tracer
         if i in self.resident:
+            if tracer is not None and self.skip_probe is not None and self.skip_probe(module):
+                # A cache skips it: left out of the trace, so this forward is not measured
+                # (measured_costs needs every block), as for a skipped streamed block.
+                self._current, self._current_slot = i, _SKIPPED
+                return
             if tracer is not None:
                 stream = self._stream()
                 tracer.before_wait(i, stream)

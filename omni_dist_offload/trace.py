@@ -94,10 +94,14 @@ class RingTracer:
         self._ends = [_Mark(cuda), _Mark(cuda)]
         self._end_turn = 0
         self._framed = False  # the current forward's start was marked
-        self._ended = 0       # forwards whose end was marked
+        self._ended = 0       # forwards whose end was marked, since the last one cut short
+        self._open = False    # a forward started and has not ended
 
     def forward_start(self, stream) -> None:
         """The component's forward begins (before its first block)."""
+        if self._open:  # the last forward raised: the end before it does not say how long the gap was
+            self._ended = 0
+        self._open = True
         self._start.record(stream)
         self._framed = True
         self._ran = []
@@ -108,6 +112,7 @@ class RingTracer:
         self._end_turn ^= 1
         self._ends[self._end_turn].record(stream)
         self._ended += 1
+        self._open = False
 
     @property
     def _end(self) -> _Mark:

@@ -397,3 +397,43 @@ def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
             assert torch.equal(model(**batch)[0], want)
     handle.remove()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in edited.state_dict().items())
+
+
+@torch.no_grad()
+def test_a_forward_cut_short_is_not_counted_as_the_gap_before_the_measured_one():
+    """The forward after one that raised is measured with no gap before it (the end before the
+    failed forward says nothing of it), and outputs stay equal."""
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    ref = model(x)
+    handle = apply_offload(model, _budget_cfg(5 * _block_nbytes(model)))
+    assert torch.equal(model(x), ref)  # the warm-up forward
+
+    def boom(module, args):
+        raise RuntimeError("boom")
+
+    hook = model.blocks[5].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x)
+    hook.remove()
+    assert torch.equal(model(x), ref)  # measured, then planned
+    ring = handle.rings[0]
+    assert ring.plan.measured and ring.costs.gap_ms == 0.0
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_forward_in_which_a_cache_skips_a_resident_block_is_not_measured():
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+
+    model = tiny.tiny_wan_transformer(num_layers=8, seed=0)
+    inputs = tiny.wan_transformer_inputs(model)
+    nbytes = module_bytes(model.blocks[0])
+    handle = apply_offload(model, _budget_cfg(5 * nbytes))
+    ring = handle.rings[0]
+    skipped = sorted(ring.on_device())[1]
+    apply_layer_skip(model, LayerSkipConfig(indices=[skipped], fqn="blocks", skip_attention=True, skip_ff=True))
+    for _ in range(3):
+        model(**inputs)
+    assert not ring.plan.measured and ring.costs is None  # waits for a forward that runs every block
+    handle.remove()
