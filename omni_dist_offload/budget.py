@@ -93,7 +93,7 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
         return out
     planned = [r for r in rings if r.fixed is None]
     held = sum(_fixed_bytes(r) for r in rings if r.fixed is not None)
-    floors = {r.name: min_budget(r.slot_bytes) for r in planned}
+    floors = {r.name: min_budget(r.nbytes, r.slot_bytes, r.through_slots) for r in planned}
     whole = {r.name: sum(r.nbytes) + (floors[r.name] if r.through_slots else 0) for r in planned}
     budget = device_budget
     auto = budget == "auto"
@@ -115,7 +115,8 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
         raise OffloadConfigError(
             f"config key 'device_budget' is {what}{format_bytes(budget)} ({budget} bytes), below the "
             f"smallest budget that works here, {format_bytes(smallest)} ({smallest} bytes): two slots of "
-            f"the largest block of each streamed component{' plus the resident_blocks given' if held else ''}. "
+            f"the largest block of each streamed component (less where its largest blocks can stay resident "
+            f"instead){' plus the resident_blocks given' if held else ''}. "
             "Raise the budget" + (", lower activation_reserve" if auto else "") +
             ", or drop device_budget to stream every block.")
     shares = _shares(planned, budget - held, floors, whole)
@@ -138,7 +139,7 @@ def _fixed_bytes(ring: RingSizes) -> int:
 def _shares(rings: Sequence[RingSizes], budget: int, floors: Mapping[str, int],
             whole: Mapping[str, int]) -> dict[str, int]:
     """Split a budget between rings (the rule in ``docs/design.md``, [Note: residency planner]):
-    each gets two slots of its largest block; what is left goes to the DiTs, in proportion to
+    each gets its smallest budget (``min_budget``); what is left goes to the DiTs, in proportion to
     what more they could use (up to all their blocks resident), then to the text encoders alike."""
     share = dict(floors)
     left = budget - sum(floors.values())

@@ -232,9 +232,21 @@ def image_slot_bytes(compute_nbytes: Sequence[int], image_nbytes: Sequence[int],
     return tuple(most + -(-image * staging // slots) for image in image_nbytes)
 
 
-def min_budget(slot_bytes: Sequence[int]) -> int:
-    """The smallest budget a ring runs in: two slots of its largest block."""
-    return 2 * max(slot_bytes)
+def min_budget(nbytes: Sequence[int], slot_bytes: Sequence[int], through_slots: bool = False) -> int:
+    """The smallest budget a ring runs in: two slots of its largest block, unless less will do,
+    where blocks differ in size or are few: every block resident, or the blocks larger than a
+    smaller slot resident and the rest streamed through two such slots (what :func:`_search`
+    plans at that budget). A ring that runs every block from a slot always needs two slots of
+    its largest."""
+    slots = SLOT_CHOICES[0]
+    if through_slots:
+        return slots * max(slot_bytes)
+    n, best = len(nbytes), sum(nbytes)
+    for cap in set(slot_bytes):
+        forced = [i for i in range(n) if slot_bytes[i] > cap]
+        if n - len(forced) > slots:  # more streamed blocks than slots, as _search plans them
+            best = min(best, slots * cap + sum(nbytes[i] for i in forced))
+    return best
 
 
 def plan_residency(costs: RingCosts, budget: int) -> ResidencyPlan:
@@ -252,10 +264,10 @@ def plan_fewest(costs: RingCosts, budget: int, tolerance: float = 0.01) -> Resid
 def _search(costs: RingCosts, budget: int, tolerance: float | None) -> ResidencyPlan:
     n = len(costs.nbytes)
     total = sum(costs.nbytes)
-    floor = min_budget(costs.slot_bytes)
+    floor = min_budget(costs.nbytes, costs.slot_bytes, costs.through_slots)
     if budget < floor:
-        raise ValueError(f"a budget of {format_bytes(budget)} is below the {format_bytes(floor)} that two "
-                         "slots of the largest block need")
+        raise ValueError(f"a budget of {format_bytes(budget)} is below the {format_bytes(floor)} the ring "
+                         "needs at least (see min_budget)")
     # Every block on the device; a ring that runs every block from a slot keeps two slots too.
     slots_kept = floor if costs.through_slots else 0
     everything = ResidencyPlan(tuple(range(n)), 2 if costs.through_slots else 0, total + slots_kept,
@@ -288,7 +300,7 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
         key = _rank(plan, goal, costs, 1.0)  # ties: whole blocks (simpler) first
         if best is None or key < best[0]:
             best = (key, plan)
-    assert best is not None  # budget >= floor: two slots of the largest block always fit
+    assert best is not None  # budget >= floor: the plan min_budget counted always fits
     return best[1]
 
 
@@ -425,7 +437,7 @@ def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int,
     compute. That is where the choice of which blocks stream matters most, so the plan spreads
     them as well as the budget allows; the first measured forward replaces it."""
     total = sum(nbytes)
-    streamed = max(total - max(0, budget - min_budget(slot_bytes)), max(slot_bytes))
+    streamed = max(total - max(0, budget - SLOT_CHOICES[0] * max(slot_bytes)), max(slot_bytes))
     scale = streamed / total  # copy of all streamed bytes == compute of the whole ring
     return RingCosts(tuple(nbytes), tuple(slot_bytes), tuple(b * scale for b in nbytes),
                      tuple(float(b) for b in nbytes), measured=False, through_slots=through_slots)

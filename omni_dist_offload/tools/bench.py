@@ -245,7 +245,7 @@ class Budget:
         if self.percent is None and self.nbytes is None:
             return "auto", ""
         want = self.nbytes if self.nbytes is not None else int(self.percent / 100 * sum(block_nbytes))
-        least = least if least is not None else min_budget(block_nbytes)
+        least = least if least is not None else min_budget(block_nbytes, block_nbytes)
         if want < least:
             return least, f"{self.label} is below two slots of the largest block: ran at {format_bytes(least)}"
         return want, ""
@@ -786,10 +786,12 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         # A ring of 8-bit images needs more than two slots: two staging buffers beside them.
         cast = cast_tensors(model, torch.float8_e4m3fn)
         stored = [layout_block(i, n, b, cast=cast) for i, (n, b) in enumerate(component.blocks)]
-        least = min_budget(image_slot_bytes([l.nbytes for l in stored], [l.image_nbytes for l in stored]))
+        slots = image_slot_bytes([l.nbytes for l in stored], [l.image_nbytes for l in stored])
+        least = min_budget(slots, slots, through_slots=True)
         fp8_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
         # upcast "layer": two slots of the largest block in 8 bits.
-        least = min_budget([layout_block(i, n, b, cast=cast, per_layer=True).nbytes for i, (n, b) in enumerate(component.blocks)])
+        per_layer = [layout_block(i, n, b, cast=cast, per_layer=True).nbytes for i, (n, b) in enumerate(component.blocks)]
+        least = min_budget(per_layer, per_layer)
         layer_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
     passes: dict[str, list[_Pass]] = {}
     trace = None

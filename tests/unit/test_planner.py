@@ -217,7 +217,7 @@ def test_plans_stay_within_the_budget_and_more_budget_is_never_slower():
     total = sum(costs.nbytes)
     last = None
     for share in [0.18, 0.25, 0.4, 0.5, 0.6, 0.75, 0.85, 0.95, 1.0]:
-        budget = max(int(share * total), min_budget(costs.slot_bytes))
+        budget = max(int(share * total), min_budget(costs.nbytes, costs.slot_bytes))
         plan = plan_residency(costs, budget)
         streamed = [i for i in range(len(costs.nbytes)) if i not in plan.resident]
         used = sum(costs.nbytes[i] for i in plan.resident) + plan.slots * max((costs.slot_bytes[i] for i in streamed), default=0)
@@ -337,8 +337,21 @@ def test_the_fewest_resident_blocks_within_the_tolerance():
 
 def test_below_two_slots_of_the_largest_block_is_refused():
     costs = _flux_like()
-    with pytest.raises(ValueError, match="below the .* that two slots of the largest block need"):
-        plan_residency(costs, min_budget(costs.slot_bytes) - 1)
+    assert min_budget(costs.nbytes, costs.slot_bytes) == 2 * max(costs.slot_bytes)
+    with pytest.raises(ValueError, match="below the .* the ring needs at least"):
+        plan_residency(costs, min_budget(costs.nbytes, costs.slot_bytes) - 1)
+
+
+def test_the_smallest_budget_keeps_large_or_few_blocks_resident_where_that_takes_less():
+    """One large block among small ones: resident, with two small slots, takes less than two
+    slots of it; a single block takes less resident than in two slots. Both plan at that budget."""
+    uneven = [26880] + [1536] * 7
+    assert min_budget(uneven, uneven) == 26880 + 2 * 1536 < 2 * 26880
+    plan = plan_residency(prior_costs(uneven, uneven, 26880 + 2 * 1536), 26880 + 2 * 1536)
+    assert plan.resident == (0,) and plan.slots == 2 and plan.device_bytes == 26880 + 2 * 1536
+    assert min_budget([13568], [13568]) == 13568
+    assert plan_residency(prior_costs([13568], [13568], 13568), 13568).resident == (0,)
+    assert min_budget([4096] * 3, [4096] * 3, through_slots=True) == 2 * 4096
 
 
 def test_a_prior_plan_spreads_the_streamed_blocks_and_predicts_nothing():
