@@ -7,14 +7,22 @@
 #   NGPU=2 LOG_RANK=0,1 launch/serve.sh --model tiny-flux --port 8000
 #
 # Arguments go to `omni-offload serve`.
-#   NGPU         processes on this host (default: the GPUs nvidia-smi lists, else 1)
+#   NGPU         processes on this host (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK     comma-separated ranks whose INFO logs show (default 0); warnings show from all
 #   TORCHRUN     the launcher (default torchrun)
-# Stop it with SIGTERM to rank 0 (all ranks then exit 0, and torchrun with them); SIGTERM or
-# Ctrl-C to torchrun also stops every rank cleanly, but torchrun itself then exits 1.
+# Stop it with SIGTERM to rank 0 (all ranks then exit 0, and torchrun with them): queued requests
+# get 503 at once, running ones finish. SIGTERM or Ctrl-C to torchrun does the same, but torchrun
+# exits 1, and kills the ranks after its shutdown timeout (30 s; --shutdown-timeout in TORCHRUN
+# where your torch has it), cutting off generations running longer than that.
 set -euo pipefail
 
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
+# every GPU nvidia-smi lists.
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+    gpus=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '[^[:space:]]' || true)
+else
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
 NGPU=${NGPU:-${gpus:-0}}
 if [ "$NGPU" -lt 1 ]; then NGPU=1; fi
 export LOG_RANK=${LOG_RANK:-0}

@@ -941,3 +941,39 @@ def test_serve_stress_throughput_sends_each_size_in_turn_and_adds_up(flux, tmp_p
     # One rank, rank-local: every slot is a wave of one, none padded; the warm-up is not counted.
     assert (fig["world_size"], fig["lockstep"], fig["waves_delta"], fig["padded_slots_delta"]) == (1, 0, 5, 0)
     assert fig["requests_200_delta"] == fig["image_outputs_delta"] == 5
+
+
+def test_a_stop_answers_the_queued_requests_at_once_and_lets_the_running_one_finish() -> None:
+    """A launcher may kill the ranks a while after its SIGTERM (torchrun's shutdown timeout): the
+    queued requests must not wait behind a long running one for their 503."""
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    generate, gate, started = omni.generate, threading.Event(), threading.Event()
+
+    def slow(prompt: str, **kwargs):
+        started.set()
+        assert gate.wait(60)
+        return generate(prompt, **kwargs)
+
+    omni.generate = slow
+    with in_process(omni, ServeOptions(port=0)) as service:
+        port = service.options.port
+        answers: dict[str, tuple] = {}
+
+        def ask(prompt: str) -> None:
+            answers[prompt] = (call(port, IMAGES, {"prompt": prompt}), time.perf_counter())
+
+        running = threading.Thread(target=ask, args=("running",))
+        running.start()
+        assert started.wait(30)
+        queued = threading.Thread(target=ask, args=("queued",))
+        queued.start()
+        _until(lambda: metric(call(port, "/metrics")[1], "omni_serve_queue_depth") == 1)
+        stopped = time.perf_counter()
+        service.request_stop()
+        queued.join(10)
+        (status, body), at = answers["queued"]
+        assert status == 503 and body["error"]["code"] == "shutting_down" and at - stopped < 5
+        assert running.is_alive()  # still generating
+        gate.set()
+        running.join(30)
+        assert answers["running"][0][0] == 200

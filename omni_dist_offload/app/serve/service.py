@@ -525,11 +525,21 @@ class Service:
         return jobs
 
     def request_stop(self, *_: object) -> None:
-        """Stop after the running slots (a signal handler on rank 0)."""
+        """Stop after the running slots (a signal handler on rank 0). The queued slots are
+        answered 503 at once, not after the running ones: a launcher that kills the ranks a
+        while after its own SIGTERM (torchrun's shutdown timeout) must not cut them off unanswered."""
         if not self._stop.is_set():
             logger.info("stopping: finishing the running %s, refusing new work",
                         "slots" if self.free else "wave")
+            # A thread: the queue's lock may be held by the code this signal interrupted.
+            threading.Thread(target=self._refuse_queued, name="serve-stop", daemon=True).start()
         self._stop.set()
+
+    def _refuse_queued(self) -> None:
+        for job in self.queue.close():
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ServiceUnavailable(
+                    "the service shut down before this request ran: retry on a running service."))
 
     # -- rank 0 ------------------------------------------------------------------------
     def run(self) -> None:
@@ -552,10 +562,7 @@ class Service:
                     self._run_wave(wave)
         finally:
             self._stop.set()  # the dispatchers end too, should this loop have raised
-            for job in self.queue.close():
-                if job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(ServiceUnavailable(
-                        "the service shut down before this request ran: retry on a running service."))
+            self._refuse_queued()
             for thread in dispatchers:  # each finishes its rank's running slot, then sends the stop
                 thread.join()
             if self.ctx.world_size > 1 and not self.free:
