@@ -799,6 +799,14 @@ class BlockRing:
                                  f"starts; under allgather, one of the ring's cuts())")
         with torch.inference_mode(self._inference), torch.no_grad():
             try:
+                if not gather:
+                    # The old slots go first: blocks come in through a buffer of one block each,
+                    # so the change holds the new plan plus one block at most, within the budget's
+                    # reach (a gather fills only its slots, which it keeps until the new come).
+                    if self._cuda:
+                        torch.cuda.synchronize(self.device)
+                    self.slots, self._slot_views, self._fill_views = [], [], []
+                    self.transfer.allocate_slots(0, 0)
                 self._apply_plan(frozenset(resident), kept, settle)
             finally:
                 self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
