@@ -282,7 +282,11 @@ def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
                 time.sleep(0.01)
             assert server.terminate() == 0, server.output()
             codes = sorted(f.result()[0] for f in futures)
-        assert codes[0] == 200 and codes[-1] == 503 and set(codes) == {200, 503}, codes
+        # The queued get 503 at once; the one running, if the loop had taken one when the signal
+        # came (on a loaded machine it may not have), finishes: 200. The in-process test
+        # test_a_stop_answers_the_queued_requests_at_once_and_lets_the_running_one_finish pins
+        # both down with a gate.
+        assert set(codes) <= {200, 503} and codes.count(503) >= 3, codes
         assert "stopping: finishing the running wave" in server.output()
     finally:
         server.kill()
