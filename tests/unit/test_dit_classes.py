@@ -162,27 +162,15 @@ def test_a_diffusers_transformer_cold_starts_bitwise_equal(name, tmp_path):
     """Saved with ``save_pretrained``, cold-started (blocks read from the safetensors file into
     host buffers, the rest built on the meta device and read), it equals ``from_pretrained`` +
     ``apply_offload``: every tensor, and the forward."""
-    import json
-
-    from omni_dist_offload.loading.coldstart import prepare_cold_start
-
     if name not in RECIPES:
         pytest.skip(SKIPPED.get(name, "no recipe"))
-    model, kwargs = RECIPES[name](0)
-    model.save_pretrained(tmp_path / "transformer", safe_serialization=True)
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline",
-                                                           "transformer": ["diffusers", name]}))
+    model, kwargs = _saved(name, tmp_path)
     # disable_mmap: tensors left inside the memory-mapped file sit at unaligned addresses, where
     # CPU GEMMs round differently; a cold start's are fresh, aligned allocations (as on a GPU).
     ref = getattr(diffusers, name).from_pretrained(tmp_path / "transformer", torch_dtype=torch.float32,
                                                    disable_mmap=True).eval()
     ref_handle = apply_offload(ref, CONFIG, device="cpu")
-    cold = prepare_cold_start(tmp_path, CONFIG, device=torch.device("cpu"), dtype=torch.float32)
-    try:
-        got = cold.components["transformer"].eval()
-        handle = apply_offload(got, CONFIG, device="cpu", block_sources=cold.sources)
-    finally:
-        cold.close()
+    got, handle = _cold_started(tmp_path, torch.float32)
     assert_same_tensors(ref, got)
     # An attention processor the recipe set (configs do not save it), on both.
     procs = {n: type(m.processor) for n, m in model.named_modules() if callable(getattr(m, "set_processor", None))}
@@ -199,22 +187,35 @@ def test_a_diffusers_transformer_cold_starts_bitwise_equal(name, tmp_path):
 def test_buffers_the_constructor_computes_take_the_run_dtype_in_a_cold_start(name, tmp_path):
     """diffusers builds a model under the run dtype as the default dtype, so buffers computed
     in it (an attention mask, blur kernels) are bf16 in a bf16 run; so does the cold start."""
-    import json
-
-    from omni_dist_offload.loading.coldstart import prepare_cold_start
-
-    model, _ = RECIPES[name](0)
-    model.save_pretrained(tmp_path / "transformer", safe_serialization=True)
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline",
-                                                           "transformer": ["diffusers", name]}))
+    _saved(name, tmp_path)
     ref = getattr(diffusers, name).from_pretrained(tmp_path / "transformer", torch_dtype=torch.bfloat16).eval()
     assert any(b.dtype == torch.bfloat16 for n, b in ref.named_buffers() if n not in ref.state_dict())
-    cold = prepare_cold_start(tmp_path, CONFIG, device=torch.device("cpu"), dtype=torch.bfloat16)
+    got, handle = _cold_started(tmp_path, torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32
+    handle.remove()
+    assert_same_tensors(ref, got)
+
+
+def _saved(name: str, folder) -> tuple[nn.Module, dict]:
+    """The recipe's model saved as a one-component pipeline folder; the model and its inputs."""
+    import json
+
+    model, kwargs = RECIPES[name](0)
+    model.save_pretrained(folder / "transformer", safe_serialization=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "DiffusionPipeline",
+                                                         "transformer": ["diffusers", name]}))
+    return model, kwargs
+
+
+def _cold_started(folder, dtype: torch.dtype):
+    """The folder's transformer cold-started at ``dtype`` and offloaded: the model and its handle."""
+    from omni_dist_offload.loading.coldstart import prepare_cold_start
+
+    cold = prepare_cold_start(folder, CONFIG, device=torch.device("cpu"), dtype=dtype)
     try:
         got = cold.components["transformer"].eval()
         handle = apply_offload(got, CONFIG, device="cpu", block_sources=cold.sources)
     finally:
         cold.close()
-    assert torch.get_default_dtype() == torch.float32
-    handle.remove()
-    assert_same_tensors(ref, got)
+    return got, handle
+
