@@ -1113,7 +1113,7 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
         return transfer, parked, resident, originals
     except BaseException as exc:
         if exc is error or failed:
-            setattr(exc, _AGREED, True)  # the other ranks know: the caller does not tell them again
+            setattr(exc, AGREED, True)  # the other ranks know: the caller does not tell them again
         _undo_fill(pin, layouts, originals, buffers)
         shared.close()
         raise
@@ -1152,8 +1152,6 @@ def _placeholder(entry: TensorEntry, cache: dict[torch.dtype, torch.Tensor]) -> 
 # -- the end of setup -------------------------------------------------------------------------
 #: Seconds the host's ranks wait for each other while the shared copy's descriptor is handed over.
 _HAND_OVER_S = 30.0
-#: Set on an exception every rank has already been told of (a shared ring's agreement).
-_AGREED = AGREED
 
 
 def _agreed_failure(failed: Sequence[tuple[int, str]]) -> RuntimeError:
@@ -1192,7 +1190,7 @@ def _undo_setup(handle: OffloadHandle, groups: GroupSession, specs: Sequence[_Ri
     try:
         handle._rollback()
     finally:
-        if failure is not None and groups.active and not getattr(failure, _AGREED, False):
+        if failure is not None and groups.active and not getattr(failure, AGREED, False):
             with contextlib.suppress(Exception):
                 groups.agree(f"{type(failure).__name__}: {failure}")
         groups.close()

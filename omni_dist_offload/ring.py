@@ -154,7 +154,7 @@ class BlockRing:
         # are placeholders (sharded, 8-bit) or a copy other ranks read too. Such writes are seen
         # by the tensors' version counters, which inference tensors do not keep (and outside
         # inference mode nothing can write to those).
-        self._writable = transfer.name == "rank-local" and not self._images and all(l.image is None for l in self.layouts)
+        self._writable = transfer.name == "rank-local" and not self.parks_placeholders
         self._versioned = self._writable and not self._inference
         self._configure(num_slots)
         # The block between its pre- and post-forward, and its slot (blocks do not nest), and

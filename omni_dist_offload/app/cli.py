@@ -20,7 +20,6 @@ import argparse
 import functools
 import importlib.metadata
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
-from ..runtime.flags import non_negative_int, positive_int
+from ..runtime.flags import finite_float, non_negative_int, positive_int
 from ..runtime.logs import rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
@@ -175,7 +174,7 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--num-frames", type=positive_int, default=None, metavar="N",
                         help="video pipelines only")
-    parser.add_argument("--guidance-scale", type=_finite_float, default=None, metavar="G")
+    parser.add_argument("--guidance-scale", type=finite_float, default=None, metavar="G")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of prompt 0; prompt k uses seed + k, at most 2**64 - 1 (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
@@ -304,16 +303,6 @@ def _check_output_dir(output_dir: Path) -> None:
     if existing is not None and not existing.is_dir():
         where = "is a file" if existing == output_dir else f"is below {str(existing)!r}, a file"
         raise UsageError(f"--output-dir {str(output_dir)!r} {where}: give a folder.")
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one such as 5.0")
-    return value
 
 
 def _check_model(model: str) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["non_negative_int", "port", "positive_float", "positive_int"]
+__all__ = ["finite_float", "non_negative_int", "port", "positive_float", "positive_int"]
 
 
 def _int(text: str) -> int:
@@ -21,11 +22,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def finite_float(text: str) -> float:
+    value = _float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one such as 5.0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
     return value
