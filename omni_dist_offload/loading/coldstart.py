@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,6 +295,7 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
     done: dict[int, torch.Tensor] = {}
     missing: list[str] = []
     mismatched: list[str] = []
+    used: set[str] = set()
     fresh: dict[str, torch.Tensor] | None = None
     for mod in module.modules():
         for registry in (mod._parameters, mod._buffers):
@@ -307,6 +309,9 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                 # A non-persistent buffer is never loaded, even where an older save holds it (CLIP's
                 # position_ids): both libraries leave such keys unused.
                 persistent = registry is mod._parameters or attr not in mod._non_persistent_buffers_set
+                # Every name of a tied tensor may have its own key (T5's ``shared`` and
+                # ``encoder.embed_tokens``): all are the model's, none is unused.
+                used.update(k for q in quals if (k := _checkpoint_key([q], checkpoint, prefix, renamed)))
                 key = _checkpoint_key(quals, checkpoint, prefix, renamed) if persistent else None
                 if key is None and not t.is_meta:
                     continue  # a buffer the constructor computed: apply_offload places it
@@ -346,7 +351,20 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
             f"{mismatched[:5]}{' ...' if len(mismatched) > 5 else ''}. The config.json and the "
             "weights come from different models."
         )
+    _warn_unused(where, module, [k for k in checkpoint.tensors if k not in used])
     return keys
+
+
+def _warn_unused(where: str, module: nn.Module, unused: list[str]) -> None:
+    """Say which checkpoint tensors the model has no place for, as both libraries' loaders do
+    (keys the class declares ignorable are left out): a checkpoint of a neighbouring model or
+    config usually shows here first."""
+    ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unused = [k for k in unused if not any(p.search(k) for p in ignore)]
+    if unused:
+        logger.warning("%s: %d checkpoint tensor(s) were not used: %s%s. Check that the weights belong "
+                       "to this model class and config.", where, len(unused), unused[:5],
+                       " ..." if len(unused) > 5 else "")
 
 
 def _checkpoint_key(quals: list[str], checkpoint: SafetensorsCheckpoint, prefix: str,

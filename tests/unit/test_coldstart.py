@@ -44,7 +44,7 @@ def _assert_same_module(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wan_pipeline_matches_ordinary_load(wan_folder, dtype):
+def test_wan_pipeline_matches_ordinary_load(wan_folder, dtype, caplog):
     """Sharded fp32 checkpoint, run in fp32 and bf16 (conversion while reading): the pipeline's
     output and every tensor equal the ordinary load's, ties and computed buffers included."""
     # disable_mmap: the ordinary load would otherwise leave fp32 resident tensors inside the
@@ -58,6 +58,8 @@ def test_wan_pipeline_matches_ordinary_load(wan_folder, dtype):
          mock.patch.object(UMT5EncoderModel, "from_pretrained", wraps=UMT5EncoderModel.from_pretrained) as te_load:
         pipe, handle = load_offloaded(wan_folder, BOTH, device="cpu", dtype=dtype)
     assert [c.kwargs.get("device_map") for c in te_load.call_args_list] == ["meta"]
+    # Every tensor of the complete checkpoint found its place (UMT5's tied embedding has two keys).
+    assert not [r for r in caplog.records if "were not used" in r.getMessage()]
     rows = {r["component"]: r for r in handle.summary()}
     assert set(rows) == {"transformer", "text_encoder"} and all(r["setup_s"] > 0 for r in rows.values())
     kwargs = dict(prompt="a fox", num_inference_steps=2, output_type="np", **{
@@ -346,9 +348,10 @@ def test_cli_reports_a_damaged_checkpoint_in_one_line(wan_folder, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_a_checkpoint_tensor_for_a_non_persistent_buffer_is_not_loaded(wan_folder, tmp_path):
+def test_a_checkpoint_tensor_for_a_non_persistent_buffer_is_not_loaded(wan_folder, tmp_path, caplog):
     """A checkpoint holding a buffer the model does not save (an older save, a renamed key):
-    from_pretrained leaves it unused, and so does the cold start."""
+    from_pretrained leaves it unused, and so does the cold start, quietly. A tensor the model has
+    no place for at all is named in a warning, as both libraries' loaders do."""
     folder = _copy_folder(wan_folder, tmp_path / "extra")
     index_path = folder / "transformer/diffusion_pytorch_model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -357,10 +360,16 @@ def test_a_checkpoint_tensor_for_a_non_persistent_buffer_is_not_loaded(wan_folde
     model = WanTransformer3DModel.from_pretrained(wan_folder, subfolder="transformer")
     name, buffer = next((n, b) for n, b in model.named_buffers() if n not in model.state_dict())
     tensors[name] = torch.zeros_like(buffer)
+    tensors["blocks.0.stray.weight"] = torch.zeros(3)
     save_file(tensors, shard, metadata={"format": "pt"})
-    index["weight_map"][name] = shard.name
+    index["weight_map"][name] = index["weight_map"]["blocks.0.stray.weight"] = shard.name
     index_path.write_text(json.dumps(index))
-    pipe, handle = load_offloaded(folder, {"mode": "layer", "components": ["dit"]}, device="cpu", dtype=torch.float32)
+    with caplog.at_level("WARNING", logger="omni_dist_offload.loading.coldstart"):
+        pipe, handle = load_offloaded(folder, {"mode": "layer", "components": ["dit"]}, device="cpu",
+                                      dtype=torch.float32)
+    unused = [r.getMessage() for r in caplog.records if "were not used" in r.getMessage()]
+    assert len(unused) == 1 and "1 checkpoint tensor(s)" in unused[0], unused
+    assert "blocks.0.stray.weight" in unused[0] and name not in unused[0] and "transformer" in unused[0]
     handle.remove()
     got = dict(pipe.transformer.named_buffers())[name]
     assert torch.equal(got, buffer) and got.abs().sum() > 0
