@@ -104,7 +104,7 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
                 everything = tuple(range(len(r.nbytes)))
                 slots = NUM_SLOTS if r.through_slots else 0
                 out[r.name] = Residency(resident=everything, num_slots=slots, budget=whole[r.name], plan=ResidencyPlan(
-                    everything, slots, whole[r.name], 0.0, 0.0, measured=False))
+                    everything, slots, whole[r.name], 0.0, 0.0, measured=False, every_block=True))
             logger.info("device_budget auto: %s free for block weights; every block of %s fits and stays "
                         "resident", "the whole device" if budget is None else format_bytes(budget),
                         [r.name for r in planned])

@@ -138,12 +138,15 @@ class ResidencyPlan:
     measured: bool = True
     kept: tuple[tuple[int, int], ...] = ()
     """Streamed blocks that keep a leading part on the device: (block, bytes kept), by block."""
+    every_block: bool = False
+    """Every block stays on the device: nothing streams from the host (a ring of 8-bit images
+    still runs them through its slots, upcast there, as its resident reference does)."""
 
     @property
     def predicted_ratio(self) -> float | None:
-        """Predicted forward / resident forward: 1.0 when every block is resident; None while
-        the costs are a prior."""
-        if self.slots == 0:
+        """Predicted forward / resident forward: 1.0 when every block is resident, measured or
+        not (nothing streams); None while the costs of a plan that streams are a prior."""
+        if self.slots == 0 or self.every_block:
             return 1.0
         if not self.measured or self.resident_ms <= 0:
             return None
@@ -271,7 +274,7 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
     # Every block on the device; a ring that runs every block from a slot keeps two slots too.
     slots_kept = floor if costs.through_slots else 0
     everything = ResidencyPlan(tuple(range(n)), 2 if costs.through_slots else 0, total + slots_kept,
-                               costs.resident_ms, costs.resident_ms, costs.measured)
+                               costs.resident_ms, costs.resident_ms, costs.measured, every_block=True)
     total += slots_kept
     if total <= budget and tolerance is None:
         return everything

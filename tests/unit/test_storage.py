@@ -116,6 +116,16 @@ def test_a_budget_holds_8_bit_images_and_replans_from_a_measured_forward():
     assert all(not ring.transfer.has_host_copy(i) for i in ring.held)  # settled: no host copies
     handle.remove()
     assert torch.equal(model(**x)[0], ref)
+    # A budget that holds every image: nothing streams, so the prediction is resident's, known
+    # before anything is measured (the plan is settled and never measured).
+    whole = 2 * slot + sum(l.image_nbytes for l in images)
+    handle = apply_offload(model, {**stored(), "device_budget": whole}, device="cpu")
+    (row,) = handle.summary()
+    assert row["resident_blocks"] == list(range(len(images))) and row["predicted_ratio"] == 1.0
+    assert torch.equal(model(**x)[0], ref)
+    (row,) = handle.summary()
+    assert row["predicted_ratio"] == 1.0
+    handle.remove()
 
 
 @torch.no_grad()
