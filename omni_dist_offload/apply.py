@@ -43,7 +43,7 @@ from .plan import (
     pipeline_modules,
 )
 from .residency import image_slot_bytes
-from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs
+from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs, refuse_copy
 from .tenants import BlockWatch
 from .trace import trace_enabled
 from .storage import LayerUpcasts, StoredLayers, cast_tensors, store_outside_blocks, upcast, upcast_per_layer
@@ -130,6 +130,12 @@ class RingSummary:
 
 class OffloadHandle:
     """What :func:`apply_offload` did, and how to undo it."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise refuse_copy(", ".join(self._modules) or type(self.target).__name__)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy(", ".join(self._modules) or type(self.target).__name__)
 
     def __init__(self, target: Any, modules: Mapping[str, nn.Module], device: torch.device,
                  config: OffloadConfig, groups: GroupSession) -> None:

@@ -17,7 +17,7 @@ import functools
 import itertools
 import threading
 import warnings
-from typing import Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -96,8 +96,43 @@ def _list_slot(root: torch.nn.Module, name: str) -> tuple[dict, str]:
     return (root.get_submodule(parent) if parent else root)._modules, key
 
 
+def refuse_copy(what: str) -> TypeError:
+    """The error for ``copy.deepcopy`` or pickling of an offloaded model: a copy of the ring would
+    share its host memory, streams and threads with the original, or lose them (pinned pages,
+    shared-memory segments, a rank's shard)."""
+    return TypeError(
+        f"{what}: an offloaded model cannot be deep-copied or pickled (its blocks' weights live in "
+        "the ring's host memory and device slots, which a copy would share or lose). Copy the model "
+        "before apply_offload, or call remove() on its handle first, copy, then apply_offload to each "
+        "copy; to save weights, use state_dict() or save_pretrained().")
+
+
+class _Hook:
+    """A hook of the ring, excluded from torch.compile (see ``install_hooks``). An object rather
+    than the function ``torch.compiler.disable`` returns, so that pickling the model
+    (``torch.save(model)``) reaches :func:`refuse_copy`'s message instead of a local function's."""
+
+    __slots__ = ("_call", "_ring")
+
+    def __init__(self, ring: "BlockRing", fn: Callable[..., Any]) -> None:
+        self._call = torch.compiler.disable(fn)
+        self._ring = ring
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy(self._ring.component.name)
+
+
 class BlockRing:
     """Streams the non-resident blocks of one component through ``num_slots`` device slots."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise refuse_copy(self.component.name)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy(self.component.name)
 
     def __init__(
         self,
@@ -263,18 +298,18 @@ class BlockRing:
     def install_hooks(self) -> None:
         for layout in self.layouts:
             self._hooks.append(layout.module.register_forward_pre_hook(
-                torch.compiler.disable(functools.partial(self._pre_forward, layout.index))))
+                _Hook(self, functools.partial(self._pre_forward, layout.index))))
             # always_call: a block that raises (or is interrupted) still releases its slot.
             self._hooks.append(layout.module.register_forward_hook(
-                torch.compiler.disable(functools.partial(self._post_forward, layout.index)), always_call=True))
+                _Hook(self, functools.partial(self._post_forward, layout.index)), always_call=True))
 
     def watch_forwards(self, callback: Callable[["BlockRing"], bool]) -> None:
         """Call ``callback(ring)`` after every complete forward of the component until it returns
         True. Marks the forward's start and end for the tracer (the planner's measurements)."""
         self._on_forward = callback
         root = self.component.module
-        self._root_hooks = [root.register_forward_pre_hook(torch.compiler.disable(self._root_pre)),
-                            root.register_forward_hook(torch.compiler.disable(self._root_post))]
+        self._root_hooks = [root.register_forward_pre_hook(_Hook(self, self._root_pre)),
+                            root.register_forward_hook(_Hook(self, self._root_post))]
 
     def remove_hooks(self) -> None:
         for h in [*self._hooks, *self._root_hooks]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import pickle
 
 import pytest
 import torch
@@ -40,6 +42,33 @@ def test_summary_is_the_typed_rows_as_dicts():
             row.num_blocks = 4  # type: ignore[misc]
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("budget", [None, 3000])  # two slots: the plan adds hooks on the root module
+def test_copying_or_pickling_an_offloaded_model_is_refused_and_changes_nothing(budget, tmp_path):
+    """A deep copy would share the ring's host memory, streams and threads with the original (or
+    lose them): refused with a message that names the fix, before and after a forward, and the
+    model runs on; after remove() the ordinary model copies as usual."""
+    model = ToyDiT(3)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": budget})
+    for forward_first in (False, True):
+        if forward_first:
+            with torch.no_grad():
+                model(x)
+        for attempt in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, tmp_path / "m.pt"),
+                        lambda m: copy.deepcopy(handle)):
+            with pytest.raises(TypeError, match=r"transformer: an offloaded model cannot be deep-copied "
+                                                r"or pickled .* call remove\(\) on its handle first"):
+                attempt(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+    handle.remove()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(x), ref) and torch.equal(pickle.loads(pickle.dumps(model))(x), ref)
 
 
 def test_the_ring_sizes_the_transfer_slots_for_its_plan():
