@@ -349,6 +349,14 @@ def apply_offload(
     With ``weight_transfer: "allgather"`` this is collective: every rank calls it with the same
     model and config.
     """
+    with contextlib.ExitStack() as mode:
+        return _apply_offload(target, config, device=device, plan=plan, process_group=process_group,
+                              trace=trace, block_sources=block_sources, progress=progress, mode=mode)
+
+
+def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str, *, device: torch.device | str | None,
+                   plan: OffloadPlan | None, process_group: Any | None, trace: bool | None,
+                   block_sources: Mapping[str, BlockSource] | None, progress: bool, mode: contextlib.ExitStack) -> OffloadHandle:
     # Phase 1 reads only: nothing below changes the target until the handle exists.
     cfg = OffloadConfig.parse(config)
     dev = _checked_device(device)
@@ -361,6 +369,13 @@ def apply_offload(
     layouts = {c.name: [layout_block(i, n, b, cast=casts.get(c.name), per_layer=c.name in per_layer)
                         for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+    # What the rings make (host copies, slots, staging) is ordinary tensors whatever mode the
+    # caller sets up in: later fills write into them in place in whatever mode the forwards run
+    # (a pipeline's __call__ is no_grad, not inference_mode), and their version counters see
+    # writes made between forwards. Inference tensors only for a model built under
+    # inference_mode: its parameters cannot point at ordinary storage.
+    mode.enter_context(torch.inference_mode(
+        any(e.inference for ls in layouts.values() for layout in ls for e in layout.entries)))
     for c in components:
         check_not_cuda_graphs(c.name, c.module)
         for name, block in c.blocks:

@@ -155,7 +155,9 @@ class BlockRing:
         self._cuda = device.type == "cuda"
         self._parked = [tuple(v) if v is not None else None for v in parked]
         self._device_blocks: dict[int, torch.Tensor] = dict(resident or {})
-        # Whether setup ran under torch.inference_mode(): a later plan makes its tensors alike.
+        # Whether the ring's tensors are inference tensors: only when the model's own are (a
+        # model built under torch.inference_mode(), whose parameters cannot point at ordinary
+        # storage); apply_offload sets up in that mode, and later plans and writes follow it.
         self._inference = torch.is_inference_mode_enabled()
         for i, buf in self._device_blocks.items():
             bind(self.layouts[i].entries, [e.view_in(buf) for e in self.layouts[i].entries])
@@ -519,8 +521,15 @@ class BlockRing:
         self._slot_block[slot] = _EMPTY
         try:
             marks = self.tracer.transfer_marks(block) if self.tracer is not None else None
-            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot], marks,
-                               start=self._base[block])
+            if self._inference and not torch.is_inference_mode_enabled():
+                # Inference slots take writes only in inference mode (a pipeline's forwards
+                # run under no_grad): rare, a model built under inference_mode.
+                with torch.inference_mode():
+                    self.transfer.fill(block, self._fill_views[slot][block], self._free[slot],
+                                       self._ready[slot], marks, start=self._base[block])
+            else:
+                self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot],
+                                   marks, start=self._base[block])
         except RuntimeError as exc:  # e.g. a gloo collective timed out: say which ring and block
             raise RuntimeError(
                 f"{self.component.name}: moving block {self.layouts[block].name} with the "
@@ -944,8 +953,9 @@ class BlockRing:
                 views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
             else:
                 self._slot_block[slot] = _EMPTY
-                self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
-                                   start=self._base[i])
+                with torch.inference_mode(self._inference or torch.is_inference_mode_enabled()):
+                    self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
+                                       start=self._base[i])
                 if self._cuda:
                     self._ready[slot].synchronize()  # teardown, not the per-block path
                 views = [*self._kept_views(i), *self._slot_views[slot][i]]

@@ -266,6 +266,53 @@ def test_remove_under_inference_mode_gives_back_ordinary_tensors(options):
     assert model.transformer_blocks[0].ff.net[2].weight.grad is not None
 
 
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [0]}, {"storage_dtype": "float8_e4m3fn"}])
+def test_a_model_offloaded_under_inference_mode_runs_and_changes_outside_it(options):
+    """Set up inside ``torch.inference_mode()``, then run as a pipeline does (``no_grad``), write
+    weights between forwards in either mode, and remove() outside it: the ring's buffers are
+    ordinary tensors, so every fill and every write goes through, and each is seen."""
+    model, other = ToyDiT(4), ToyDiT(4, seed=1)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = other(x)
+    with torch.inference_mode():
+        handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
+        first = model(x)
+    with torch.no_grad():
+        assert torch.equal(model(x), first)
+    if "storage_dtype" not in options:  # 8-bit host copies park on placeholders: no writes
+        with torch.inference_mode():
+            model.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        model.load_state_dict({k: v + 0 for k, v in other.state_dict().items()})
+        with torch.inference_mode():
+            assert torch.equal(model(x), want)
+        first = want
+    handle.remove()
+    assert not any(t.is_inference() for t in model.state_dict().values())
+    with torch.no_grad():
+        assert torch.equal(model(x), first)  # 8-bit: the weights as streamed, upcast
+
+
+def test_a_model_built_under_inference_mode_runs_in_either_mode():
+    """Its parameters are inference tensors, which cannot point at ordinary storage: the ring's
+    tensors are inference tensors too, and fills outside inference_mode still go through."""
+    with torch.inference_mode():
+        model, x = ToyDiT(4), torch.randn(4, 8)
+        ref = model(x)
+    handle = apply_offload(model, DIT)
+    for _ in range(2):
+        with torch.no_grad():
+            assert torch.equal(model(x), ref)
+        with torch.inference_mode():
+            assert torch.equal(model(x), ref)
+    handle.remove()
+    assert all(t.is_inference() for t in model.state_dict().values())
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+
+
 @pytest.mark.parametrize("num_blocks", [2, 4])
 @pytest.mark.parametrize("options", [{}, {"resident_blocks": [0]}])
 @torch.no_grad()
