@@ -108,18 +108,22 @@ def refuse_copy(what: str) -> TypeError:
 
 
 class _Hook:
-    """A hook of the ring, excluded from torch.compile (see ``install_hooks``). An object rather
-    than the function ``torch.compiler.disable`` returns, so that pickling the model
-    (``torch.save(model)``) reaches :func:`refuse_copy`'s message instead of a local function's."""
+    """A hook of the ring, excluded from torch.compile (see ``install_hooks``), run under the
+    ring's lock: a hook reads and claims the ring's slots in several steps, and a copy in between
+    lets another thread's hook run (see ``_refuse_concurrent``). An object rather than the
+    function ``torch.compiler.disable`` returns, so that pickling the model (``torch.save(model)``)
+    reaches :func:`refuse_copy`'s message instead of a local function's."""
 
-    __slots__ = ("_call", "_ring")
+    __slots__ = ("_call", "_ring", "_lock")
 
     def __init__(self, ring: "BlockRing", fn: Callable[..., Any]) -> None:
         self._call = torch.compiler.disable(fn)
         self._ring = ring
+        self._lock = ring._lock
 
     def __call__(self, *args: Any) -> Any:
-        return self._call(*args)
+        with self._lock:
+            return self._call(*args)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise refuse_copy(self._ring.component.name)
@@ -199,6 +203,10 @@ class BlockRing:
         self._current = _EMPTY
         self._current_slot = _EMPTY
         self._current_thread: threading.Thread | None = None
+        # Held by every hook (``_Hook``): with several threads calling the model, one hook's
+        # check that no other block runs and its claim of a slot are one step. Reentrant: a
+        # hook never calls another, but a deadlock would be the worst way to find one that does.
+        self._lock = threading.RLock()
         # The last forward was cut short (an exception, or an interrupt that skipped the
         # post-forward): the next on-demand fetch is expected, not an ordering problem.
         self._disrupted = False

@@ -332,6 +332,53 @@ def test_a_forward_from_another_thread_while_a_block_runs_is_refused_and_changes
 
 
 @torch.no_grad()
+def test_a_forward_from_another_thread_while_a_block_is_being_fetched_waits_then_one_is_refused():
+    """Thread A is inside a pre-forward, its fill under way (a copy lets other threads run),
+    when thread B's forward starts: B's hook waits for A's to finish, then the two cannot both
+    own the ring. Every output that comes back is right; at most one call is refused; the ring
+    stays sound."""
+    model, x, ref, handle = _warm_toy()
+    ring = handle.rings[0]
+    fill, inside, go = ring.transfer.fill, threading.Event(), threading.Event()
+    a_thread: list[threading.Thread] = []
+
+    def slow_fill(*args, **kwargs):
+        if threading.current_thread() in a_thread and not inside.is_set():
+            inside.set()
+            go.wait(30)
+        return fill(*args, **kwargs)
+
+    results: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        try:
+            with torch.no_grad():
+                results[name] = model(x)
+        except RuntimeError as exc:
+            results[name] = exc
+
+    a, b = threading.Thread(target=run, args=("a",)), threading.Thread(target=run, args=("b",))
+    a_thread.append(a)
+    ring.forget_slots()  # A's first block is fetched on demand: its fill comes before its claim
+    with mock.patch.object(ring.transfer, "fill", side_effect=slow_fill):
+        a.start()
+        assert inside.wait(30)
+        b.start()
+        b.join(0.3)  # B is held at A's hook
+        go.set()
+        a.join(30)
+        b.join(30)
+    outputs = [r for r in results.values() if isinstance(r, torch.Tensor)]
+    refused = [r for r in results.values() if isinstance(r, RuntimeError)]
+    assert len(results) == 2 and outputs and all(torch.equal(o, ref) for o in outputs), results
+    assert all("started in one thread" in str(r) for r in refused), refused
+    for _ in range(2):
+        assert torch.equal(model(x), ref)
+    handle.remove()
+    assert torch.equal(model(x), ref)
+
+
+@torch.no_grad()
 def test_a_block_left_by_a_thread_that_ended_is_released_by_the_next_forward():
     """A thread whose forward was cut short (a KeyboardInterrupt skips the post-forward) and
     that then ended: the next forward, from any thread, releases its block."""
