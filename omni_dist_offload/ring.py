@@ -176,6 +176,9 @@ class BlockRing:
         # holding them. Only the rest of such a block streams; its slot views start past them.
         self._kept: dict[int, int] = {}
         self._kept_bufs: dict[int, torch.Tensor] = {}
+        self._device_versions: dict[int, tuple[int, ...]] = {}
+        for i in self._device_blocks:
+            self._note_device_versions(i)
         # The partly kept blocks whose kept bytes left the host copy (a final plan's: under a
         # gather always, rank-local when the plan settles): their kept part is on the device only.
         self._kept_off_host: set[int] = set()
@@ -196,7 +199,10 @@ class BlockRing:
         # by the tensors' version counters, which inference tensors do not keep (and outside
         # inference mode nothing can write to those).
         self._writable = transfer.name == "rank-local" and not self.parks_placeholders
-        self._versioned = self._writable and not self._inference
+        # A shared copy is written in place alike (every rank of the host reads the write; each
+        # rank that makes it copies again what its own slots hold).
+        self._versioned = (self._writable or (transfer.name == "shared" and not self.parks_placeholders)) \
+            and not self._inference
         self._configure(num_slots)
         # The block between its pre- and post-forward, and its slot (blocks do not nest), and
         # the thread running it.
@@ -589,6 +595,7 @@ class BlockRing:
         if self._current == _EMPTY and self._slot_block:
             self._slot_block = [_EMPTY] * self.num_slots
             self._disrupted = True
+        self._device_versions.clear()  # and blocks kept on the device may differ from their host copies
 
     def _fetch_missing(self, i: int) -> int:
         """Block ``i`` was not prefetched: the first block ever, the first after a forward that
@@ -702,9 +709,7 @@ class BlockRing:
                 elif self.transfer.has_host_copy(i):
                     # Resident under a plan that is not final yet: a later plan may stream it
                     # again, from its host copy, which must hold the edit too.
-                    padded = torch.zeros(self.transfer.device_nbytes(i), dtype=torch.uint8, device=self.device)
-                    padded[: layout.nbytes].copy_(self._device_blocks[i][: layout.nbytes])
-                    self._moved(i, self.transfer.write_back(i, padded))
+                    self._write_back_resident(i)
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
             except BaseException:
@@ -717,6 +722,35 @@ class BlockRing:
                 else:
                     bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
+
+    def _write_back_resident(self, i: int) -> None:
+        """Resident block ``i``'s device bytes into its host copy (a plan that is not final may
+        stream it again); its tensors' version counters now match the host copy."""
+        nbytes = self.layouts[i].nbytes
+        padded = torch.zeros(self.transfer.device_nbytes(i), dtype=torch.uint8, device=self.device)
+        padded[:nbytes].copy_(self._device_blocks[i][:nbytes])
+        self._moved(i, self.transfer.write_back(i, padded))
+        self._note_device_versions(i)
+
+    # Blocks kept on the device (resident, or the kept part of a partly kept block) while their
+    # host copy stays (a plan that is not final): a write to their tensors lands on the device
+    # only, so a later plan that streams them again first writes it back. The version counters
+    # of their device tensors when the device and host last agreed; a block without an entry
+    # (inference tensors keep no counters; peft's hotswap writes without one: forget_slots) is
+    # written back whatever it holds.
+    def _note_device_versions(self, i: int) -> None:
+        entries = self.layouts[i].entries[: self._kept[i]] if i in self._kept else self.layouts[i].entries
+        if not self._inference:
+            self._device_versions[i] = tuple(e.tensor._version for e in entries)
+        else:
+            self._device_versions.pop(i, None)
+
+    def _written_on_device(self, i: int) -> bool:
+        if not self.transfer.has_host_copy(i):
+            return False
+        entries = self.layouts[i].entries[: self._kept[i]] if i in self._kept else self.layouts[i].entries
+        seen = self._device_versions.get(i)
+        return seen is None or seen != tuple(e.tensor._version for e in entries)
 
     def _moved(self, i: int, host: torch.Tensor | None) -> None:
         """The transfer gave block ``i`` a new host copy (``write_back``): park it there."""
@@ -899,14 +933,20 @@ class BlockRing:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for i in sorted(self._kept):  # partly kept blocks stream whole again first
+            if self._written_on_device(i):  # the host copy takes what was written to the kept part
+                self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
             bind(self.layouts[i].entries, self._parked[i])
             del self._kept[i], self._kept_bufs[i]
+            self._device_versions.pop(i, None)
         for i in sorted(self.resident - new):
             if self._parked[i] is None:
                 raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} has no host copy "
                                    "to stream from; it was made resident for good")
+            if self._written_on_device(i):
+                self._write_back_resident(i)
             bind(self.layouts[i].entries, self._parked[i])
             del self._device_blocks[i]
+            self._device_versions.pop(i, None)
             self.resident = self.resident - {i}
         promote = sorted(new - self.resident)
         self._slot_block = [_EMPTY] * self.num_slots
@@ -915,6 +955,7 @@ class BlockRing:
             buf = self._whole_on_device(i)[: layout.nbytes].clone()
             bind(layout.entries, [e.view_in(buf) for e in layout.entries])
             self._device_blocks[i] = buf
+            self._note_device_versions(i)
             self.resident = self.resident | {i}
         for i, nbytes in sorted(kept.items()):
             layout = self.layouts[i]
@@ -933,6 +974,7 @@ class BlockRing:
                 self._kept_off_host.add(i)
             bind(layout.entries[:k], kept_views)
             self._kept[i], self._kept_bufs[i] = k, buf
+            self._note_device_versions(i)
 
     def _whole_on_device(self, i: int) -> torch.Tensor:
         """Block ``i`` filled whole into slot 0 (or, on a rank-local ring whose slots hold only
@@ -957,6 +999,7 @@ class BlockRing:
         slot = 0
         for layout in self.layouts:
             i = layout.index
+            given = self._given_storage(i)
             if i in self.resident:
                 views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
             else:
@@ -967,12 +1010,29 @@ class BlockRing:
                 if self._cuda:
                     self._ready[slot].synchronize()  # teardown, not the per-block path
                 views = [*self._kept_views(i), *self._slot_views[slot][i]]
-            bind(layout.entries, [restored(e, v, device) for e, v in zip(layout.entries, views)])
+            bind(layout.entries, [restored(e, v, device) if id(e) not in given
+                                  else given[id(e)].to(device if device is not None else e.origin)
+                                  for e, v in zip(layout.entries, views)])
             if self._cuda and i not in self.resident:  # the next fill of slot 0 must wait for these copies
                 self._free[slot].record(torch.cuda.current_stream(self.device))
             self._device_blocks.pop(i, None)
         self.resident = frozenset()
         self._kept, self._kept_bufs, self._kept_off_host = {}, {}, set()
+
+    def _given_storage(self, i: int) -> dict[int, torch.Tensor]:
+        """``id(entry)`` -> the storage a caller gave block ``i``'s tensor since the ring last
+        pointed it somewhere (``tensor.data = ...``, ``model.to(...)`` after the last forward):
+        :meth:`restore` keeps it, as the model would without offloading."""
+        if i == self._current:  # left in a slot by an interrupted forward: the ring's own binding
+            return {}
+        if i in self.resident:
+            buf = self._device_blocks[i]
+            entries, ptrs = self.layouts[i].entries, [e.view_in(buf).data_ptr() for e in self.layouts[i].entries]
+        elif self._parked_ptrs[i] is not None:
+            entries, ptrs = self._moving[i], self._parked_ptrs[i]
+        else:
+            return {}
+        return {id(e): e.tensor.data for e, ptr in zip(entries, ptrs) if e.tensor.data_ptr() != ptr}
 
     def release(self) -> None:
         """Free the slots, device buffers and host buffers. The caller has synchronised the device."""

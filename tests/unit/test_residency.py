@@ -341,6 +341,34 @@ def test_a_rank_local_host_copy_gives_up_a_kept_part(monkeypatch):
     assert torch.equal(dst, image)
 
 
+@pytest.mark.parametrize("how", ["copy_", "unseen"])  # unseen: .data.copy_, as peft's hotswap writes
+@torch.no_grad()
+def test_weights_written_to_blocks_on_the_device_reach_a_plan_that_streams_them_again(how):
+    """A plan that is not final keeps host copies of what it keeps on the device; a write
+    between forwards lands on the device only, and a later plan that streams those blocks
+    again first writes it back (a re-plan used to bring the stale host copies back)."""
+    model, other = ToyDiT(6, dim=32), ToyDiT(6, dim=32, seed=1)
+    x = torch.randn(4, 32)
+    want = other(x)
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]})
+    ring = handle.rings[0]
+    cuts = ring.cuts()
+    ring.apply_plan((1, 4), 2, settle=False, kept={2: cuts[2][0]})
+    for p, q in zip(model.state_dict(keep_vars=True).values(), other.state_dict().values()):
+        if how == "copy_":
+            p.copy_(q)
+        else:
+            p.data.copy_(q)
+    if how == "unseen":
+        ring.forget_slots()  # what the wrapper of load_lora_adapter does after a hotswap
+    assert torch.equal(model(x), want)
+    ring.apply_plan((0,), 2, settle=False)  # 1, 4 and the kept part of 2 stream again
+    for _ in range(2):
+        assert torch.equal(model(x), want)
+    handle.remove()
+    assert torch.equal(model(x), want)
+
+
 def test_streamed_blocks_that_keep_their_first_tensors_stay_bitwise_equal():
     model = tiny.tiny_wan_transformer(num_layers=4)
     batch = tiny.wan_transformer_inputs(model)

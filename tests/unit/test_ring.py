@@ -359,6 +359,31 @@ def test_tensors_given_new_storage_between_forwards():
     assert torch.equal(model(x), mixed(x))
 
 
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [1]}, {"storage_dtype": "float8_e4m3fn"}])
+@torch.no_grad()
+def test_remove_keeps_what_was_given_since_the_last_forward(options):
+    """``tensor.data = ...`` or ``model.to(dtype)`` after the last forward, then remove(): the
+    model is what it would be without offloading (the message for another dtype says to remove
+    first, so that must leave one dtype throughout)."""
+    model, other = ToyDiT(3), ToyDiT(3, seed=1)
+    x = torch.randn(4, 8)
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
+    model(x)
+    new = other.blocks[1].lin.weight.detach().clone()
+    model.blocks[1].lin.weight.data = new
+    handle.remove()
+    assert model.blocks[1].lin.weight.data_ptr() == new.data_ptr()
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
+    model(x)
+    model.to(torch.float64)
+    handle.remove()
+    assert {t.dtype for t in model.state_dict().values()} == {torch.float64}
+    if "storage_dtype" not in options:  # 8-bit: the weights are the stored ones, upcast
+        want = ToyDiT(3)
+        want.blocks[1].lin.weight.data = new.clone()
+        assert torch.equal(model(x.double()), want.double()(x.double()))
+
+
 @torch.no_grad()
 def test_new_storage_for_an_8_bit_block_is_refused():
     import tiny_models as tiny
