@@ -39,6 +39,7 @@ from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
 from ..loading.parallel import (
     ContextParallel,
     ParallelGroups,
+    check_cache,
     check_ranks,
     disable_context_parallel,
     enable_context_parallel,
@@ -197,7 +198,8 @@ class Omni:
         with diffusers' ``load_lora_weights`` after offloading and weighed with ``set_adapters``.
         ``cache``: a step cache on the DiTs, ``"first-block:0.1"`` or ``{"type": "first-block",
         "threshold": 0.1}`` (:data:`~omni_dist_offload.loading.adapters.CACHES`); its state is
-        reset before every generation. Both are checked before anything loads (raising
+        reset before every generation. Both go on before context parallelism splits the DiTs.
+        Both are checked before anything loads (raising
         :class:`AdapterError` for a missing or unreadable LoRA file, a cache option out of range)
         and recorded in the output metadata; a LoRA diffusers cannot load into this model raises
         :class:`AdapterError` once the offload is undone. ``storage_dtype``
@@ -208,20 +210,24 @@ class Omni:
         with no config, no ``storage_dtype`` and no ``device_budget`` nothing streams, and it is
         refused (:class:`OffloadConfigError`) before anything loads.
         ``context_parallel``: ``{"ulysses_degree": 2, "ring_degree": 1}`` splits each sample of
-        the DiTs across that many ranks with diffusers' context parallelism (after offloading;
-        under torchrun, in groups of consecutive ranks: :attr:`parallel`); every rank of a group
-        must then generate the same prompt with the same seed together (``dp.py`` does)."""
+        the DiTs across that many ranks with diffusers' context parallelism (after offloading,
+        the LoRAs and the cache; under torchrun, in groups of consecutive ranks: :attr:`parallel`);
+        every rank of a group must then generate the same prompt with the same seed together
+        (``dp.py`` does). A ``first-block`` cache cannot run split: with it, ``context_parallel``
+        is refused before anything loads (:class:`ContextParallelError`; ``taylorseer`` and
+        ``pyramid-attention`` run split)."""
         # One generation (or teardown) at a time; reentrant, so a pipeline callback that calls
         # back into this object is not deadlocked.
         self._lock = threading.RLock()
         split = ContextParallel.parse(context_parallel)
-        if split is not None:
-            check_ranks(split)  # before anything loads
+        self.cache = CacheSpec.parse(cache) if cache is not None else None
+        if split is not None:  # before anything loads
+            check_cache(split, self.cache)  # the options themselves, before the job's ranks
+            check_ranks(split)
         self.compile = resolve_compile(compile)
         self.loras = [LoraSpec.parse(x) for x in ([lora] if isinstance(lora, (str, Mapping)) else lora)]
         for spec in self.loras:
             spec.check()
-        self.cache = CacheSpec.parse(cache) if cache is not None else None
         self.model = model
         self.config = with_upcast(with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype),
                                   upcast)
@@ -246,11 +252,16 @@ class Omni:
         self.parallel: ParallelGroups | None = None
         """Context parallelism's groups, when ``context_parallel`` split the DiTs."""
         try:
-            if split is not None:
-                self.parallel = enable_context_parallel(self.pipeline, split, self.device)
             # After offloading, as users do: the ring adopts the adapters ([Note: tenants]).
             load_loras(self.pipeline, self.loras)
             self._cached = enable_cache(self.pipeline, self.cache) if self.cache is not None else []
+            # Then the split, whose hooks go on the modules as they are now: a LoRA on a module the
+            # plan gathers (Wan's root proj_out) replaces that module, and loaded after the split
+            # would leave the gather on its base layer (the base output gathered, the adapter's
+            # not). The caches check_cache allows skip by the step, alike on every rank; enabled
+            # first, their hooks sit inside the split's and see this rank's shard, as the block does.
+            if split is not None:
+                self.parallel = enable_context_parallel(self.pipeline, split, self.device)
             self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
             self.set_progress(progress)
             self._signature = inspect.signature(self.pipeline.__call__)

@@ -33,7 +33,7 @@ from ..layout import BlockLayout
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.checkpoint import CheckpointError
 from ..loading.compiling import COMPILE_MODES
-from ..loading.parallel import ContextParallel, ContextParallelError
+from ..loading.parallel import ContextParallel, ContextParallelError, check_cache
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import finite_float, non_negative_int, positive_int
@@ -244,6 +244,10 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
     if context_parallel is not None and ns.command == "serve":
         raise UsageError("serve runs each request on one rank (or one wave of ranks), not split across "
                          "ranks: drop --ulysses-degree/--ring-degree.")
+    try:
+        check_cache(context_parallel, cache, flags=True)  # --cache first-block does not run split
+    except ContextParallelError as exc:
+        raise UsageError(f"{exc}.") from None
     generating = ns.command == "generate"
     if generating:
         try:

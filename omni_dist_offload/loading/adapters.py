@@ -6,6 +6,8 @@
 first-block:0.1`` (or ``{"type": "first-block", "threshold": 0.1}``) enables one of diffusers'
 step caches on every DiT of the pipeline. Both are parsed and checked before anything loads,
 and recorded in the output metadata (:meth:`LoraSpec.to_dict`, :meth:`CacheSpec.to_dict`).
+``Omni`` loads the LoRAs and enables the cache after offloading and before context parallelism
+splits the DiTs (:mod:`omni_dist_offload.loading.parallel`); First Block Cache does not run split.
 """
 
 from __future__ import annotations
@@ -156,13 +158,17 @@ class _Cache:
     """The config takes a ``current_timestep_callback``: the pipeline's current timestep."""
     alike: tuple[str, ...] = ()
     """Further options of the same kind and range, checked in the dict form."""
+    splits: bool = True
+    """Runs under context parallelism: it decides what to skip by the step or timestep, the same on
+    every rank of a group. First Block Cache decides from the first block's output, which context
+    parallelism splits across the ranks (``loading.parallel.check_cache`` refuses it there)."""
 
 
 #: The caches ``--cache`` names, with the option its short form sets. The dict form takes any
 #: option of the diffusers config class.
 CACHES: dict[str, _Cache] = {
     # Skips the rest of the blocks while the first block's relative change stays below it.
-    "first-block": _Cache("FirstBlockCacheConfig", "threshold", float, 0),
+    "first-block": _Cache("FirstBlockCacheConfig", "threshold", float, 0, splits=False),
     # Steps between full forwards (diffusers takes it modulo).
     "taylorseer": _Cache("TaylorSeerCacheConfig", "cache_interval", int, 1),
     # Forwards between computed attentions (diffusers takes the iteration modulo it).

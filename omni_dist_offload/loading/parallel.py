@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..plan import OffloadPlan, is_bare_module, pipeline_modules
+from .adapters import CACHES, CacheSpec
 
 try:  # diffusers' context parallelism (0.36 and later; the project is tested with 0.42)
     from diffusers.hooks.context_parallel import remove_context_parallel
@@ -36,8 +37,8 @@ try:  # diffusers' context parallelism (0.36 and later; the project is tested wi
 except ImportError:  # pragma: no cover - an older diffusers: enable_context_parallel says so
     ContextParallelConfig = None
 
-__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "check_ranks", "disable_context_parallel",
-           "enable_context_parallel"]
+__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "check_cache", "check_ranks",
+           "disable_context_parallel", "enable_context_parallel"]
 
 
 class ContextParallelError(ValueError):
@@ -155,6 +156,32 @@ def check_ranks(spec: ContextParallel) -> None:
         raise ContextParallelError(
             f"context parallelism over {spec.size} ranks (ulysses_degree {spec.ulysses_degree} x ring_degree "
             f"{spec.ring_degree}) needs a multiple of {spec.size} ranks; the job has {world}")
+
+
+def check_cache(spec: ContextParallel | None, cache: CacheSpec | None, *, flags: bool = False) -> None:
+    """Refuse a step cache that cannot run split (before anything loads): First Block Cache
+    decides whether to skip the later blocks from the first block's output, which the split
+    divides between the ranks of a group. Enabled after the split, its hook sees the whole input
+    while the block returns this rank's shard (a shape error on the first forward); enabled
+    before, each rank decides from its own shard, and a rank that skips leaves the others waiting
+    in the all-to-alls of the blocks it skipped. ``flags``: name the CLI's flags, not Omni's
+    arguments."""
+    if spec is None or cache is None or CACHES[cache.type].splits:
+        return
+    fine = [name for name, c in CACHES.items() if c.splits]
+    if flags:
+        given = f"--cache {cache.type} with " + " ".join(
+            f"--{key.replace('_', '-')} {degree}" for key, degree in spec.to_dict().items() if degree > 1)
+        use, drop = "--cache " + " or ".join(f"{name}:N" for name in fine), "--ulysses-degree/--ring-degree"
+    else:
+        given = (f"cache {cache.type!r} with context_parallel (ulysses_degree {spec.ulysses_degree} x "
+                 f"ring_degree {spec.ring_degree})")
+        use, drop = "cache " + " or ".join(f"{name + ':N'!r}" for name in fine), "context_parallel"
+    raise ContextParallelError(
+        f"{given}: First Block Cache decides from the first block's output, which context parallelism splits "
+        "across the ranks, so it fails on the first forward (or the ranks decide apart and hang). Use "
+        f"{use} with context parallelism (they skip by step, alike on every rank), or drop {drop} to keep "
+        f"{cache.type}")
 
 
 def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:

@@ -1,18 +1,20 @@
 """Context parallelism (diffusers' Ulysses) with streamed blocks, two and four ranks on gloo: the
 streamed model split across ranks equals the resident model split the same way, bitwise, with
-rank-local and allgather rings, in either order; the errors before anything changes."""
+rank-local and allgather rings, in either order; ``Omni`` with a LoRA on a module the split
+gathers and a step cache equals the unsplit pipeline; the errors before anything changes."""
 
 from __future__ import annotations
 
 import copy
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import tiny_models as tiny
-from omni_dist_offload import apply_offload
+from omni_dist_offload import Omni, apply_offload
 from omni_dist_offload.loading.parallel import (
     ContextParallel,
     ContextParallelError,
@@ -37,10 +39,44 @@ def _three_heads():
                                  out_channels=4, text_dim=tiny.TINY_TEXT_DIM, freq_dim=8, ffn_dim=16, num_layers=1)
 
 
+def _lora_on_proj_out(path: str) -> None:
+    """A diffusers-format LoRA for tiny-wan's transformer on ``to_q`` and the root ``proj_out``,
+    which Wan's context-parallel plan gathers (random A and B)."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    torch.manual_seed(0)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "proj_out"], init_lora_weights=False),
+                      adapter_name="x")
+    save_file({f"transformer.{k}": v.clone() for k, v in get_peft_model_state_dict(model, adapter_name="x").items()},
+              path)
+
+
+def omni_with_lora_and_cache(lora: str) -> dict:
+    """``Omni`` streaming the DiT, split over the two ranks, with a LoRA on ``proj_out`` (loaded
+    after ``enable_parallelism`` it crashed: the gather stayed on its base layer) and a step
+    cache, against the resident, unsplit ``Omni``; and without the LoRA, to see it counts."""
+    options = {"lora": [lora], "cache": "pyramid-attention:2", "progress": False}
+    call = {"prompt": "a red fox", "seed": 0, "num_inference_steps": 4}
+    with Omni("tiny-wan", None, **options) as whole:
+        ref = whole.generate(**call).frames
+    with Omni("tiny-wan", {"mode": "layer", "components": ["dit"]}, **options,
+              context_parallel={"ulysses_degree": 2}) as split:
+        got = split.generate(**call)
+        again = split.generate(**call).frames  # the cache is reset between generations
+    with Omni("tiny-wan", None, cache=options["cache"], progress=False) as plain:
+        no_lora = plain.generate(**call).frames
+    return {"equal": np.array_equal(got.frames, ref) and np.array_equal(again, ref),
+            "lora_counts": not np.array_equal(ref, no_lora),
+            "meta": {k: got.metadata[k] for k in ("lora", "cache", "context_parallel")}}
+
+
 @torch.no_grad()
-def streamed_with_context_parallel(rank: Rank) -> dict:
+def streamed_with_context_parallel(rank: Rank, lora: str) -> dict:
     """Per transfer and order: outputs of the streamed, split model against the resident,
-    split one; the groups it reports; then the errors."""
+    split one; the groups it reports; ``Omni`` with a LoRA and a cache; then the errors."""
     device = rank.device
     model = tiny.tiny_wan_transformer(num_layers=3).to(device)
     x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(model).items()}
@@ -65,6 +101,7 @@ def streamed_with_context_parallel(rank: Rank) -> dict:
             disable_context_parallel(streamed, split)
             out[f"{transfer}, {order}"] = {"equal": equal, "transfer": row["weight_transfer"],
                                            "whole_again": torch.equal(streamed(**x)[0], plain)}
+    out["omni"] = omni_with_lora_and_cache(lora)
     errors = {}
     for name, target, spec in (("no plan", ToyDiT(2), ULYSSES_2),
                                ("world", tiny.tiny_wan_transformer(num_layers=1), ContextParallel(ulysses_degree=3)),
@@ -80,8 +117,10 @@ def streamed_with_context_parallel(rank: Rank) -> dict:
     return out
 
 
-def test_streamed_and_split_equals_resident_and_split():
-    for r in run_ranks(streamed_with_context_parallel, 2):
+def test_streamed_and_split_equals_resident_and_split(tmp_path):
+    lora = str(tmp_path / "lora_proj_out.safetensors")
+    _lora_on_proj_out(lora)
+    for r in run_ranks(streamed_with_context_parallel, 2, args=(lora,)):
         assert r["split_equals_whole"]  # Ulysses on gloo changes no bit here: a strong reference
         assert r["groups"][:2] == [0, 1] and r["groups"][3] == 2 and r["groups"][4] == [0, 1]
         for transfer in ("rank-local", "allgather"):
@@ -89,6 +128,11 @@ def test_streamed_and_split_equals_resident_and_split():
                 case = r[f"{transfer}, {order}"]
                 assert case["equal"] and case["whole_again"], (transfer, order, case)
                 assert case["transfer"] == transfer
+        omni = r["omni"]
+        assert omni["equal"] and omni["lora_counts"], omni
+        assert omni["meta"] == {"lora": [{"path": lora, "scale": 1.0}],
+                                "cache": {"type": "pyramid-attention", "spatial_attention_block_skip_range": 2},
+                                "context_parallel": {"ulysses_degree": 2, "ring_degree": 1, "group": 0, "groups": 1}}
         errors = r["errors"]
         assert "ToyDiT" in errors["no plan"] and "_cp_plan" in errors["no plan"]
         assert "multiple of 3" in errors["world"]

@@ -203,3 +203,47 @@ def test_context_parallel_is_checked_before_anything_loads():
             ContextParallel.parse(bad)
     with pytest.raises(ContextParallelError, match="torchrun --nproc_per_node 2"):
         Omni("tiny-wan", context_parallel={"ulysses_degree": 2})  # one process: refused before loading
+
+
+@pytest.mark.parametrize("cache", ["first-block:0.2", {"type": "first-block", "threshold": 0.1}])
+@pytest.mark.parametrize("split", [{"ulysses_degree": 2}, {"ring_degree": 2}])
+def test_first_block_cache_with_context_parallel_is_refused_before_anything_loads(monkeypatch, cache, split):
+    """First Block Cache decides from the first block's output, which context parallelism splits
+    across the ranks (a shape error on the first forward, or ranks that decide apart and hang):
+    refused before the job's ranks are checked and before any model is built."""
+    import omni_dist_offload.app.api as api
+    from omni_dist_offload.loading.parallel import ContextParallelError
+
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(ContextParallelError) as raised:
+        Omni("tiny-wan", None, cache=cache, context_parallel=split)
+    message = str(raised.value)
+    assert "\n" not in message
+    for words in ("cache 'first-block' with context_parallel", "'taylorseer:N' or 'pyramid-attention:N'",
+                  "drop context_parallel"):
+        assert words in message, message
+    # The caches that skip by step pass this check (here the job's ranks are what is refused).
+    with pytest.raises(ContextParallelError, match="needs torch.distributed"):
+        Omni("tiny-wan", None, cache="taylorseer:2", context_parallel=split)
+
+
+@pytest.mark.parametrize("flags, named", [(["--ulysses-degree", "2"], "--ulysses-degree 2"),
+                                          (["--ulysses-degree", "2", "--ring-degree", "2"],
+                                           "--ulysses-degree 2 --ring-degree 2")])
+def test_cli_refuses_first_block_cache_with_context_parallel_in_one_line(flags, named, tmp_path, monkeypatch,
+                                                                         capsys):
+    """``--cache first-block:...`` with ``--ulysses-degree``/``--ring-degree``: exit status 2 with
+    one line naming both flags and the caches that run split, while the flags are checked (the
+    command itself never runs)."""
+    from omni_dist_offload.app import cli
+
+    for command in ("generate", "inspect"):
+        monkeypatch.setitem(cli._COMMAND_FUNCS, command, lambda plan: pytest.fail(f"ran {plan.command}"))
+    for command in (["--output-dir", str(tmp_path / "out")], ["inspect"]):
+        assert cli.main([*command, *flags, "--cache", "first-block:0.2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"--cache first-block with {named}:" in err[0]
+        assert "--cache taylorseer:N or pyramid-attention:N" in err[0]
+        assert "drop --ulysses-degree/--ring-degree" in err[0]
+    assert not (tmp_path / "out").exists()
