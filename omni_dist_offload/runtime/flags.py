@@ -1,11 +1,66 @@
-"""Flag types shared by the command lines: each rejects a bad value with a one-line reason."""
+"""Flag types shared by the command lines: each rejects a bad value with a one-line reason.
+
+The tools' command lines also share how a bad flag is reported: :class:`OneLineParser` raises
+:class:`UsageError` where argparse would print its usage block, and :func:`report_usage_error`
+prints the one line (``prog: error: ...``) with exit status 2, as ``omni-offload`` does.
+:func:`output_file` checks an output path before any work starts."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["finite_float", "non_negative_int", "port", "positive_float", "positive_int"]
+__all__ = ["OneLineParser", "UsageError", "finite_float", "non_negative_float", "non_negative_int", "output_file",
+           "port", "positive_float", "positive_int", "report_usage_error"]
+
+
+class UsageError(Exception):
+    """A bad flag or flag value: reported in one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that raises :class:`UsageError` on a bad flag: argparse would print
+    the usage block and exit; one line that names the problem is enough (its subcommands'
+    parsers are of this class too). ``--help`` prints and exits as usual."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def report_usage_error(prog: str, error: BaseException | str, *, show: bool = True) -> int:
+    """Print ``prog: error: <error> (see prog --help)`` on stderr (unless ``show`` is false: a
+    rank other than the one that reports) and return 2, the exit status of a usage error."""
+    if show:
+        print(f"{prog}: error: {error} (see {prog} --help)", file=sys.stderr, flush=True)
+    return 2
+
+
+def output_file(flag: str, path: str | os.PathLike[str]) -> Path:
+    """Check, before any work, that a run can write its output file ``path`` (given with
+    ``flag``): missing parent folders are created (as ``generate --output-dir`` creates its
+    folder); a path that is a folder, a folder that cannot be created, or one not writable is a
+    :class:`UsageError` naming the flag, the path and the reason. Nothing else is written."""
+    target = Path(path).expanduser()
+    where = f"{flag} {str(path)!r}"
+    if target.is_dir():
+        raise UsageError(f"{where} is a folder: give a file path.")
+    folder = target.parent
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UsageError(f"{where}: cannot create its folder, {str(existing)!r} is a file.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot create its folder {str(folder)!r}: {exc.strerror or exc}.") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{where}: the file is not writable (permission denied).")
+    if not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{where}: its folder {str(folder)!r} is not writable (permission denied).")
+    return target
 
 
 def _int(text: str) -> int:
@@ -33,6 +88,14 @@ def finite_float(text: str) -> float:
     value = _float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one such as 5.0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number, 0 or more (a tolerance: NaN or infinity would turn its check off)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; give 0 or more")
     return value
 
 

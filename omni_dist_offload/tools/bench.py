@@ -50,18 +50,23 @@ same to every variant's pooled timings instead of favouring whichever ran first.
 ``--warmup`` untimed forwards (the first forward after applying an offload starts cold) and then
 ``--repeats`` timed ones; a variant's figure is the median of its pooled timed forwards, CUDA
 events on a GPU, the wall clock elsewhere. Under torchrun every rank runs the same schedule in
-lockstep and each figure is the slowest rank's median. ``--stagger`` gives rank ``r`` the
+lockstep and each figure is the slowest rank's median: the JSON keeps every rank's raw timings,
+``timings_ms_per_rank`` (in rank order) beside ``timings_ms`` (rank 0's), ``forward_ms`` is the
+largest of their medians and ``overhead`` that over the resident row's ``forward_ms`` (both
+slowest-rank medians, which may come from different ranks); ``meta["figures"]`` in the file
+says how each figure derives from them. ``--stagger`` gives rank ``r`` the
 ``(k + r)``-th shape in the case where rank 0 runs the ``k``-th (``--frames 81 17``: one rank at 81
 frames while the other runs 17, then the other way round), and reports every rank's own figures,
 one row each: transfers that let ranks run different work (rank-local, shared) measured as a
-data-parallel job runs them.
+data-parallel job runs them (on one rank there is nothing to stagger: a note says so).
 
 **Interleaved.** ``--interleave`` holds every variant at once instead, each as its own copy of
 the model (offloaded once, removed at the end), and runs ``--repeats`` rounds of one timed
 forward of each, in an order that turns every round, after ``--warmup`` forwards of each (the
 device idles between two, so one variant's copies never run beside another's compute). A
 variant's overhead is then the median over rounds of its forward over the resident forward of
-the same round: where the forward is bound by the host launching kernels (Flux at 512 px), the
+the same round (under torchrun, the largest such median over the ranks, each from its own
+``timings_ms_per_rank``): where the forward is bound by the host launching kernels (Flux at 512 px), the
 host's speed changes from one second to the next, and passes measure when they ran more than
 what ran. It needs device memory for the copies' non-block weights and host memory for each
 streamed copy; peak device memory is each variant's own (its weights on the device and its
@@ -80,7 +85,8 @@ memory and host bytes per rank (rank 0's in the table; under torchrun every rank
 setup time, and whether the output is bitwise equal to resident (the peer's equality is
 reported, not required; the exit status is 1 if a variant of this project differs). Output: a table on stdout, ``--json``, ``--png`` (overhead per case and
 variant) and ``--timeline`` (one traced forward of the first case, compute and copy lanes per
-block). Only rank 0 prints and writes.
+block). Only rank 0 prints and writes; the folders of these paths are made, and the paths
+checked, before any model is built.
 
     omni-offload bench --preset wan-14b --blocks 8 --frames 81 17 --json wan14b.json --png wan14b.png
     omni-offload bench --preset flux-12b --blocks 19 --px 1024 512 --timeline flux-timeline.png
@@ -106,7 +112,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import diffusers
 import torch
@@ -122,12 +128,21 @@ from ..hostmem import HostBuffer
 from ..layout import layout_block
 from ..loading.adapters import AdapterError, CacheSpec, enable_cache
 from ..loading.compiling import compile_dits, compile_seconds, uncompile
-from ..loading.parallel import ContextParallel, ContextParallelError, check_ranks, enable_context_parallel
+from ..loading.parallel import ContextParallel, ContextParallelError, check_cache, check_ranks, enable_context_parallel
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
 from ..residency import format_bytes, image_slot_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
-from ..runtime.flags import non_negative_int, positive_int
+from ..runtime.flags import (
+    OneLineParser,
+    UsageError,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+    report_usage_error,
+)
 from ..runtime.logs import current_rank
 from ..runtime.proc import exit_with
 from ..storage import cast_tensors, unhook_layerwise_casting
@@ -181,6 +196,13 @@ class CaseResult:
     """What actually ran: resident, group-offload, rank-local or allgather (after any fallback)."""
     note: str = ""
     timings_ms: list[float] = dataclasses.field(default_factory=list)
+    """The timed forwards of rank 0 (``--stagger``: of ``rank``), both passes pooled."""
+    timings_ms_per_rank: list[list[float]] | None = None
+    """Every rank's ``timings_ms``, in rank order (one list with one rank; None with
+    ``--stagger``, where each row is one rank's own): ``forward_ms`` is the largest of their
+    medians, and ``overhead`` is ``forward_ms`` over the resident row's (``--interleave``: the
+    largest over ranks of the median per-round ratio to the resident timings of the same rank).
+    The JSON's ``meta["figures"]`` says the same."""
     predicted_ratio: float | None = None
     """Budget variants: the residency plan's predicted forward / its resident forward (both
     from the ring's own measurements)."""
@@ -869,17 +891,18 @@ def _traced_forward(model: nn.Module, forward: Callable[[], Any], opts: BenchOpt
 def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: str,
                compute: list[float], block_bytes: list[int], opts: BenchOptions) -> list[CaseResult]:
     pooled = {v: [t for p in ps for t in p.times] for v, ps in passes.items()}
-    medians = {v: statistics.median(ts) for v, ts in pooled.items()}
+    # Every rank's pooled timings, in rank order ([this rank's] with one rank): the raw figures
+    # each figure below derives from, written to the JSON beside them. With --stagger each rank
+    # reports its own rows, from its own timings.
+    ranks = [pooled] if opts.stagger else (_every_rank(pooled, opts.world) or [pooled])
+    medians = {v: _slowest_rank(statistics.median(r[v]) for r in ranks) for v in pooled}
     # Interleaved: a variant's ratio to a baseline is the median over rounds of its forward over
     # the baseline's forward of the same round (one pass each: times line up by round).
     paired: dict[str, dict[str, float]] = {}
     for base in (RESIDENT, "compiled", "fp8-resident") if opts.interleave else ():
         if base in pooled:
-            paired[base] = {v: statistics.median(a / b for a, b in zip(ts, pooled[base], strict=True))
-                            for v, ts in pooled.items()}
-    if not opts.stagger:
-        medians = _slowest_rank(medians, opts.world)
-        paired = {base: _slowest_rank(ratios, opts.world) for base, ratios in paired.items()}
+            paired[base] = {v: _slowest_rank(statistics.median(a / b for a, b in zip(r[v], r[base], strict=True))
+                                             for r in ranks) for v in pooled}
 
     def ratio(variant: str, base: str) -> float:
         return paired[base][variant] if base in paired else medians[variant] / medians[base]
@@ -911,6 +934,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
             bitwise_equal=all(p.equal for p in ps), floor_overhead=floor / res_ms, to_floor=ms / floor,
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
+            timings_ms_per_rank=None if opts.stagger else [r[variant] for r in ranks],
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
             predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
             resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
@@ -932,15 +956,12 @@ def _every_rank(figures: dict[str, Any], world: int) -> list[dict[str, Any]] | N
     return gathered
 
 
-def _slowest_rank(medians: dict[str, float], world: int) -> dict[str, float]:
-    """Per variant, the slowest rank's median. Ranks of a data-parallel job run side by side, and
-    allgather ties them together: a job moves at its slowest GPU's pace, so that is the figure
-    to compare, for resident and streamed alike (GPUs of one host differ by a few percent)."""
-    if world == 1:
-        return medians
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, medians)
-    return {name: max(g[name] for g in gathered) for name in medians}
+def _slowest_rank(per_rank: Iterable[float]) -> float:
+    """The slowest rank's figure (every rank's median, or median ratio, in). Ranks of a
+    data-parallel job run side by side, and allgather ties them together: a job moves at its
+    slowest GPU's pace, so that is the figure to compare, for resident and streamed alike (GPUs
+    of one host differ by a few percent)."""
+    return max(per_rank)
 
 
 # -- moving one block ------------------------------------------------------------------------
@@ -1046,17 +1067,12 @@ def format_table(results: Sequence[CaseResult]) -> str:
 
 
 # -- command line ----------------------------------------------------------------------------
-class BenchUsageError(Exception):
+class BenchUsageError(UsageError):
     """A bad flag or flag value: one line on stderr, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise BenchUsageError(message)
-
-
 def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="wan-14b", choices=sorted(PRESETS),
                    help="model, named after the real one (tiny-*: CPU smoke runs)")
     p.add_argument("--blocks", type=positive_int, nargs="+", default=None,
@@ -1065,9 +1081,9 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
     p.add_argument("--height", type=positive_int, default=480, help="video presets")
     p.add_argument("--width", type=positive_int, default=832, help="video presets")
     p.add_argument("--px", type=positive_int, nargs="+", default=[1024], help="image presets: square sizes")
-    p.add_argument("--transfer-mib", type=float, default=None,
+    p.add_argument("--transfer-mib", type=positive_float, default=None,
                    help="instead of model cases, time moving one block of this size (CUDA)")
-    p.add_argument("--chunk-mib", type=float, nargs="+", default=[16, 32, 64, 128, 0],
+    p.add_argument("--chunk-mib", type=non_negative_float, nargs="+", default=[16, 32, 64, 128, 0],
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
                    help="offloaded variants beside resident (allgather runs only under torchrun; default: "
@@ -1118,10 +1134,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") ->
     try:
         args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
         _check_args(args)
-    except BenchUsageError as exc:
-        if _env_rank() == 0:
-            print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr, flush=True)
-        return 2
+    except UsageError as exc:
+        return report_usage_error(prog, exc, show=_env_rank() == 0)
+    if args.stagger and _env_world() == 1 and _env_rank() == 0:
+        print(f"{prog}: note: --stagger gives each rank of a torchrun job its own shape; with one rank "
+              "there is nothing to stagger, and the figures are this rank's", file=sys.stderr, flush=True)
     ctx = maybe_init_dist()
     try:
         if args.context_parallel is not None:
@@ -1178,6 +1195,11 @@ def _check_args(args: argparse.Namespace) -> None:
                                                        "ring_degree": args.ring_degree})
     except ContextParallelError as exc:
         raise BenchUsageError(str(exc)) from None
+    if args.context_parallel is not None:
+        try:
+            check_cache(args.context_parallel, args.cache_spec, flags=True)
+        except ContextParallelError as exc:
+            raise BenchUsageError(str(exc)) from None
     if args.variants is None:
         args.variants = [v for v in DEFAULT_VARIANTS if v != "peer" or args.context_parallel is None]
     if args.context_parallel is not None:
@@ -1204,6 +1226,11 @@ def _check_args(args: argparse.Namespace) -> None:
                               "of 16 (VAE 8x, then 2x2 patches)")
     if not preset.video and any(px % 16 for px in args.px):
         raise BenchUsageError(f"--px {args.px}: every size must be a multiple of 16")
+    # Last, once every flag passed: a run must not end and then fail to write what it measured.
+    if _env_rank() == 0:  # the rank that writes
+        for flag in ("json", "png", "timeline"):
+            if getattr(args, flag) is not None:
+                output_file(f"--{flag}", getattr(args, flag))
 
 
 def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
@@ -1290,7 +1317,29 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
                                                     "targets": list(LORA_TARGETS)},
             "peer": {"offload_type": "block_level", "num_blocks_per_group": 1,
                      "use_stream": device.type == "cuda"},
+            "figures": _figures(args.interleave, args.stagger and world > 1),
             "argv": list(sys.argv[1:] if argv is None else argv)}
+
+
+def _figures(interleave: bool, stagger: bool) -> dict[str, str]:
+    """How each reported figure derives from the raw timings in the same file."""
+    if stagger:
+        per_rank = "null: with --stagger each row is one rank's own figures (its 'rank')"
+        forward = "median(timings_ms)"
+        ratio = ("median over rounds i of timings_ms[i] / the baseline row's timings_ms[i] (same rank)"
+                 if interleave else "forward_ms / the baseline row's forward_ms (same rank)")
+    else:
+        per_rank = "every rank's timings_ms, in rank order (one list with one rank)"
+        forward = "max over ranks r of median(timings_ms_per_rank[r]): the slowest rank's median"
+        ratio = ("max over ranks r of the median over rounds i of timings_ms_per_rank[r][i] / the baseline "
+                 "row's timings_ms_per_rank[r][i]" if interleave else
+                 "forward_ms / the baseline row's forward_ms (each the slowest rank's median, possibly of "
+                 "different ranks)")
+    return {"timings_ms": "rank 0's timed forwards, both passes pooled (with --stagger: the row's rank's)",
+            "timings_ms_per_rank": per_rank, "forward_ms": forward,
+            "overhead": f"{ratio}; baseline: the resident row of the same case",
+            "vs_compiled": "the same as overhead, with the compiled row as the baseline",
+            "vs_fp8": "the same as overhead, with the fp8-resident row as the baseline"}
 
 
 def _has_matplotlib() -> bool:
@@ -1299,6 +1348,14 @@ def _has_matplotlib() -> bool:
 
 def _env_rank() -> int:
     return current_rank()
+
+
+def _env_world() -> int:
+    """The job's world size before the process group starts (torchrun sets ``WORLD_SIZE``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 if __name__ == "__main__":

@@ -33,15 +33,22 @@ import torch
 from ..config import OffloadConfig
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover
-from ..runtime.flags import positive_float, positive_int
+from ..runtime.flags import (
+    OneLineParser,
+    UsageError,
+    output_file,
+    positive_float,
+    positive_int,
+    report_usage_error,
+)
 from ..runtime.proc import exit_with
 
 MODES = ("alone", "spread", "burst", "device")
+PROG = "python -m omni_dist_offload.tools.contention"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.contention",
-                                description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="flux-12b", choices=sorted(PRESETS))
     p.add_argument("--blocks", type=positive_int, default=19)
     p.add_argument("--px", type=positive_int, default=1024, help="image presets")
@@ -168,9 +175,18 @@ def format_rows(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
-    args = build_parser().parse_args(argv)
-    if "alone" not in args.modes:
-        build_parser().error("--modes must include alone (the other modes are read against it)")
+    """0 when measured; 2 for bad flags or a host without CUDA (one line on stderr, before any
+    model is built)."""
+    try:
+        args = build_parser().parse_args(argv)
+        if "alone" not in args.modes:
+            raise UsageError("--modes must include alone (the other modes are read against it)")
+        if not torch.cuda.is_available():
+            raise UsageError("contention times copies beside a forward on the GPU; no CUDA device is visible")
+        if args.json:
+            output_file("--json", args.json)
+    except UsageError as exc:
+        return report_usage_error(PROG, exc)
     result = run(args)
     out(format_rows(result))
     if args.json:

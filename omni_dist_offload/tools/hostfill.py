@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..runtime.flags import positive_int
+from ..runtime.flags import OneLineParser, UsageError, positive_float, positive_int, report_usage_error
 from ..runtime.proc import exit_with
 from ..sharedmem import SharedSegment, available_host_bytes, shared_memory_reason
 
@@ -142,10 +143,12 @@ def measure(kind: str, how: str, gib: float, procs: int, threads: int) -> dict:
             "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 2)}
 
 
+PROG = "python -m omni_dist_offload.tools.hostfill"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.hostfill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gib", type=float, default=8.0, help="bytes written per row, all processes together")
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=positive_float, default=8.0, help="bytes written per row, all processes together")
     p.add_argument("--procs", type=positive_int, default=2, help="processes (ranks of one host)")
     p.add_argument("--threads", type=positive_int, default=4, help="threads per process")
     p.add_argument("--kinds", nargs="+", choices=_KINDS, default=list(_KINDS))
@@ -155,15 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.gib <= 0:
-        raise SystemExit(f"--gib must be above 0, got {args.gib}")
-    free = available_host_bytes()
-    if free is not None and args.gib * 2**30 > 0.9 * free:
-        raise SystemExit(f"--gib {args.gib:g} is more than 90% of the {free / 2**30:.1f} GiB of host memory "
-                         "available; ask for less")
-    if any(k.startswith("shared") for k in args.kinds) and (reason := shared_memory_reason()):
-        raise SystemExit(f"cannot measure shared memory here: {reason}")
+    """0 when every row was measured; 2 for bad flags, or flags this host cannot run (one line
+    on stderr, before anything is written)."""
+    try:
+        args = build_parser().parse_args(argv)
+        _check_host(args)
+    except UsageError as exc:
+        return report_usage_error(PROG, exc)
     print(json.dumps(host_facts()), flush=True)
     for _ in range(args.repeat):
         for kind in args.kinds:
@@ -175,6 +176,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(measure(kind, how, args.gib, procs, args.threads * (args.procs if procs == 1 else 1))),
                       flush=True)
     return 0
+
+
+def _check_host(args: argparse.Namespace) -> None:
+    """Flags this host cannot run: more memory than it has, shared memory where there is none."""
+    free = available_host_bytes()
+    if not math.isfinite(args.gib) or (free is not None and args.gib * 2**30 > 0.9 * free):
+        room = f"the {free / 2**30:.1f} GiB of host memory available" if free is not None else "any host's memory"
+        raise UsageError(f"--gib {args.gib:g} is more than 90% of {room}; ask for less")
+    if any(k.startswith("shared") for k in args.kinds) and (reason := shared_memory_reason()):
+        raise UsageError(f"--kinds: cannot measure shared memory here: {reason} (--kinds private measures "
+                         "private memory only)")
 
 
 if __name__ == "__main__":

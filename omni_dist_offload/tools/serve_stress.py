@@ -83,7 +83,14 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from ..runtime.proc import exit_with, rss_mib
-from ..runtime.flags import non_negative_int, positive_int
+from ..runtime.flags import (
+    OneLineParser,
+    UsageError,
+    non_negative_int,
+    output_file,
+    positive_int,
+    report_usage_error,
+)
 
 __all__ = ["SERVING_LINE", "AbuseFigures", "LoadFigures", "SizeFigures", "StressOptions", "StressResult", "ThroughputFigures",
            "main", "run_stress"]
@@ -882,7 +889,7 @@ def verdict_line(result: StressResult) -> str:
     figures = "; ".join(parts)
     if result.passed:
         return f"serve_stress PASS: {figures}"
-    return f"serve_stress FAIL: {'; '.join(result.failures)} | {figures}"
+    return f"serve_stress FAIL: {'; '.join(result.failures)}" + (f" | {figures}" if figures else "")
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -898,12 +905,14 @@ def run_stress(opts: StressOptions, say: Callable[[str], None] = lambda line: No
             target = server.wait_ready(_HEALTH_TIMEOUT_S, opts.api_key)
         else:
             target = _Target(_loopback_port(opts.url), opts.pid, opts.log, opts.api_key)
-        _check_image_server(target)
+        _check_image_server(target, opts.url)
         # Raised only now: the server started above keeps the limit its caller gave it.
         with _more_descriptors() as limit:
             if opts.phase in ("abuse", "both") and limit < opts.stalled + 64:
                 say(f"warning: {limit} file descriptors at most: some stalled connections cannot open")
             _run_phases(target, opts, result, say)
+    except _Unreachable as exc:  # a FAIL that says what was not there
+        result.failures.append(str(exc))
     except Exception as exc:  # noqa: BLE001 (a run that broke is a FAIL with its reason, not a traceback)
         result.failures.append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -949,13 +958,23 @@ def _run_phases(target: _Target, opts: StressOptions, result: StressResult, say:
 
 def _loopback_port(url: str) -> int:
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        port = None
+    if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or not port:
         raise ValueError(f"--url {url!r}: give http://127.0.0.1:PORT (this tool only sends to loopback).")
-    return parts.port
+    return port
 
 
-def _check_image_server(target: _Target) -> None:
-    status, raw = _http(target, "GET", "/health", None, 10.0)
+def _check_image_server(target: _Target, url: str | None = None) -> None:
+    try:
+        status, raw = _http(target, "GET", "/health", None, 10.0)
+    except (OSError, http.client.HTTPException) as exc:
+        if url is None:  # the server this tool started: what went wrong is in its log
+            raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+        raise _Unreachable(f"cannot reach the server at {url} (GET /health: {reason}); is it running?") from None
     if status != 200:
         raise RuntimeError(f"GET /health answered {status}: {raw[:200]!r}")
     health = json.loads(raw)
@@ -964,7 +983,14 @@ def _check_image_server(target: _Target) -> None:
                            f"this tool drives {IMAGES}: serve an image model (--model tiny-flux).")
 
 
+class _Unreachable(RuntimeError):
+    """The server given with ``--url`` does not answer: the run fails, saying so in one line."""
+
+
 # -- command line ----------------------------------------------------------------------------
+PROG = "python -m omni_dist_offload.tools.serve_stress"
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -994,8 +1020,7 @@ def _sizes(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.serve_stress", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = StressOptions()
     p.add_argument("--phase", default=d.phase, choices=["load", "abuse", "both", "throughput"],
                    help="both: load then abuse; throughput runs alone (default: %(default)s)")
@@ -1039,15 +1064,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1:]
-    args = build_parser().parse_args(argv)
-    if args.url is None and (args.pid is not None or args.log is not None):
-        print("error: --pid and --log describe a server given with --url; without --url the tool "
-              "starts its own and knows both.", file=sys.stderr)
-        return 2
-    if args.url is not None and args.ranks > 1:
-        print("error: --ranks says how many ranks to start the server with; a server given with --url "
-              "runs the ranks it was started with.", file=sys.stderr)
-        return 2
+    try:
+        args = build_parser().parse_args(argv)
+        if args.url is None and (args.pid is not None or args.log is not None):
+            raise UsageError("--pid and --log describe a server given with --url; without --url the tool "
+                             "starts its own and knows both.")
+        if args.url is not None and args.ranks > 1:
+            raise UsageError("--ranks says how many ranks to start the server with; a server given with --url "
+                             "runs the ranks it was started with.")
+        if args.url is not None:
+            try:
+                _loopback_port(args.url)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        if args.json is not None:
+            output_file("--json", args.json)
+    except UsageError as exc:
+        return report_usage_error(PROG, exc)
     opts = StressOptions(phase=args.phase, model=args.model, ranks=args.ranks, sizes=args.sizes, warmup=args.warmup,
                          serve_flags=(*args.serve_flag, *extra),
                          url=args.url, pid=args.pid, log=args.log, api_key=args.api_key,

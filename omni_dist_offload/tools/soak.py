@@ -5,7 +5,8 @@ device memory allocated between forwards must not change, host RSS must not stay
 value at the end of warm-up by more than a tolerance (a leak raises every later sample; a
 passing peak of the allocator, one) and the number of live tensors must not grow; after the
 run, ``remove()`` must give back a model with the same outputs. Figures are printed every ``--report-every`` forwards; the
-last line is ``soak PASS`` or ``soak FAIL`` with the figures, and the exit status is 1 on FAIL.
+last line is ``soak PASS`` or ``soak FAIL`` with the figures, and the exit status is 1 on FAIL
+(2 for a bad flag: one line on stderr, before anything is built).
 
     python -m omni_dist_offload.tools.soak --model wan-14b --forwards 500                    # one GPU
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m omni_dist_offload.tools.soak \
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -36,8 +36,16 @@ from ..config import GATHERS, Gather
 from ..models import PRESETS, build_model, case_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.proc import exit_with, rss_mib
-from ..runtime.flags import non_negative_int, positive_int
-from ..runtime.logs import rank_prefix
+from ..runtime.flags import (
+    OneLineParser,
+    UsageError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    report_usage_error,
+)
+from ..runtime.logs import current_rank, rank_prefix
 from ..transfer.groups import ALLOW_GLOO_ENV
 
 __all__ = ["DEFAULT_SHAPES", "SoakOptions", "SoakResult", "main", "run_soak"]
@@ -204,6 +212,13 @@ def _check_options(opts: SoakOptions) -> None:
                          f"warm-up ones; found warmup {opts.warmup}, forwards {opts.forwards}.")
     if opts.report_every < 1:
         raise ValueError(f"report_every must be at least 1, found {opts.report_every}.")
+    if opts.shapes is not None:
+        video = PRESETS[opts.model].video
+        for shape in opts.shapes:
+            if len(shape) != (3 if video else 1) or min(shape) < 1:
+                want = "FxHxW pixels (e.g. 17x480x832)" if video else "SIDE pixels (e.g. 1024)"
+                raise ValueError(f"shape {'x'.join(map(str, shape))} does not fit {opts.model}, "
+                                 f"{'a video' if video else 'an image'} model: give {want}, each above 0.")
 
 
 def _build(opts: SoakOptions) -> tuple[nn.Module, list[dict[str, Any]]]:
@@ -291,9 +306,24 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"shape {text!r} is not FxHxW (video) or SIDE (image), e.g. 17x480x832") from None
 
 
+PROG = "python -m omni_dist_offload.tools.soak"
+
+
+def _device(text: str) -> torch.device:
+    """``--device``: cuda, cuda:N or cpu, and a visible one (checked before anything is built)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cuda, cuda:N or cpu") from None
+    if device.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is visible; use --device cpu")
+    return device
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-wan", choices=sorted(PRESETS), help="benchmark preset")
     p.add_argument("--forwards", type=positive_int, default=500)
     p.add_argument("--transfer", default="rank-local", choices=["rank-local", "allgather"])
@@ -302,36 +332,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the two alternated input shapes: FxHxW pixels for video, SIDE for images")
     p.add_argument("--warmup", type=non_negative_int, default=10)
     p.add_argument("--report-every", type=positive_int, default=50)
-    p.add_argument("--rss-tolerance-mib", type=float, default=64.0)
-    p.add_argument("--allocated-tolerance-mib", type=float, default=0.0)
-    p.add_argument("--chunk-mib", type=float, default=64.0, help="allgather chunk size")
+    p.add_argument("--rss-tolerance-mib", type=non_negative_float, default=64.0)
+    p.add_argument("--allocated-tolerance-mib", type=non_negative_float, default=0.0)
+    p.add_argument("--chunk-mib", type=positive_float, default=64.0, help="allgather chunk size")
     p.add_argument("--gather", default="auto", choices=list(GATHERS),
                    help="allgather: how shards move between GPUs (LayerOptions.gather)")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="allgather collective timeout")
-    p.add_argument("--device", default=None, help="default: this rank's GPU, else the CPU")
+    p.add_argument("--timeout-s", type=positive_float, default=600.0, help="allgather collective timeout")
+    p.add_argument("--device", type=_device, default=None, help="default: this rank's GPU, else the CPU")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on a GPU, float32 on the CPU")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    ctx = maybe_init_dist(args.device)
-    device = torch.device(args.device) if args.device else ctx.device
+    """Run the soak; 0 on PASS, 1 on FAIL, 2 for bad flags (one line on stderr, found before
+    anything is built or a process group starts)."""
+    try:
+        args = build_parser().parse_args(argv)
+        opts = SoakOptions(model=args.model, forwards=args.forwards, transfer=args.transfer, blocks=args.blocks,
+                           shapes=tuple(args.shapes) if args.shapes else None, warmup=args.warmup,
+                           report_every=args.report_every, rss_tolerance_mib=args.rss_tolerance_mib,
+                           allocated_tolerance_mib=args.allocated_tolerance_mib, chunk_mib=args.chunk_mib,
+                           gather=args.gather, collective_timeout_s=args.timeout_s)
+        try:
+            _check_options(opts)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    except UsageError as exc:
+        return report_usage_error(PROG, exc, show=current_rank() == 0)
+    ctx = maybe_init_dist(str(args.device) if args.device is not None else None)
+    device = args.device if args.device is not None else ctx.device
     if args.transfer == "allgather" and device.type == "cpu":
         os.environ.setdefault(ALLOW_GLOO_ENV, "1")  # gloo allgather is for tests like this one
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    opts = SoakOptions(model=args.model, forwards=args.forwards, transfer=args.transfer, blocks=args.blocks,
-                       shapes=tuple(args.shapes) if args.shapes else None, warmup=args.warmup,
-                       report_every=args.report_every, rss_tolerance_mib=args.rss_tolerance_mib,
-                       allocated_tolerance_mib=args.allocated_tolerance_mib, chunk_mib=args.chunk_mib,
-                       gather=args.gather,
-                       collective_timeout_s=args.timeout_s, device=device, dtype=dtype)
-    try:
-        _check_options(opts)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    opts.device = device
+    opts.dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     say = (lambda line: print(line, flush=True)) if ctx.is_main else None
     try:
         result = run_soak(opts, log=say)

@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,12 +45,14 @@ from ..apply import resolve_device
 from ..config import OffloadConfig
 from ..hostmem import huge_pages_wanted
 from ..loading.folders import dtype_kwarg
-from ..loading.pipelines import load_and_place
+from ..loading.checkpoint import CheckpointError
+from ..loading.pipelines import ModelLoadError, load_and_place
 from ..models import PRESETS
 from ..models.tiny import TINY_TEXT_DIM, tiny_wan_pipeline, wan_transformer_inputs
 from ..plan import module_bytes
 from ..runtime.dist import DistContext, destroy_dist, maybe_init_dist
-from ..runtime.flags import positive_int
+from ..runtime.flags import OneLineParser, UsageError, output_file, positive_int, report_usage_error
+from ..runtime.logs import current_rank, rank_prefix
 from ..runtime.proc import exit_with
 
 __all__ = ["main", "write_folder"]
@@ -196,9 +199,11 @@ def _share_gpus() -> DistContext:
                        local_rank=local, backend="gloo", device=device)
 
 
+PROG = "python -m omni_dist_offload.tools.startup"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.startup", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write a Wan-14B-size pipeline folder with random weights")
     w.add_argument("folder", type=Path)
@@ -219,7 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """0 when done; 2 for bad flags or a folder that is not there (one line on stderr, before
+    anything loads), 1 when the folder does not load (one line, as ``omni-offload generate``)."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "load":
+            if not args.folder.is_dir():
+                raise UsageError(f"{str(args.folder)!r}: no such folder; give a pipeline folder "
+                                 f"({PROG} write FOLDER makes one)")
+            if args.json is not None:
+                output_file("--json", args.json)  # every rank appends its row
+    except UsageError as exc:
+        return report_usage_error(PROG, exc, show=current_rank() == 0)
     if args.command == "write":
         if int(os.environ.get("RANK", "0")) == 0:
             start = time.perf_counter()
@@ -230,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = _share_gpus() if args.share_gpus else maybe_init_dist()
     try:
         row = {"rank": ctx.rank, "world": ctx.world_size, **_load(args)}
+    except (ModelLoadError, CheckpointError) as exc:
+        print(f"{rank_prefix()}{PROG} load: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         destroy_dist(ctx)
     line = json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})

@@ -19,6 +19,10 @@ from typing import Any, Sequence
 __all__ = ["draw_overhead", "draw_timeline"]
 
 _COLORS = {"peer": "#9e9e9e", "rank-local": "#1f77b4", "allgather": "#2ca02c"}
+#: The other variants' colours, given out in the order they appear (matplotlib's tab20, less the
+#: colours above and the red of the exposed waits).
+_MORE_COLORS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78",
+                "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ff9896", "#7f7f7f")
 _COMPUTE = ("#4c72b0", "#7fa3d6")  # alternating, so neighbouring blocks stay distinct
 _COPY = ("#dd8452", "#f0b27a")
 _WAIT = "#d62728"
@@ -33,10 +37,12 @@ def _figure(width: float, height: float):
 
 
 def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
-    """Bars of overhead (forward / resident) per case, one per offloaded variant, each with its
-    floor marked and its value written above it. ``results`` are ``bench.CaseResult``s."""
+    """Bars of overhead (forward / resident) per case, one per variant that is not resident
+    (every variant the run measured, in its order), each with its floor marked and its value
+    written above it. ``results`` are ``bench.CaseResult``s."""
     cases = list(dict.fromkeys(f"{r.preset} {r.blocks}b {r.shape}" for r in results))
-    variants = [v for v in _COLORS if any(r.variant == v for r in results)]
+    variants = list(dict.fromkeys(r.variant for r in results if r.variant != "resident"))
+    colors = _variant_colors(variants)
     rows = {(f"{r.preset} {r.blocks}b {r.shape}", r.variant): r for r in results}
     fig = _figure(max(6.0, 1.2 + 0.9 * len(cases) * max(1, len(variants))), 4.5)
     ax = fig.add_subplot()
@@ -48,7 +54,7 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
             if r is None:
                 continue
             x = i + (j - (len(variants) - 1) / 2) * width
-            ax.bar(x, r.overhead, width * 0.9, color=_COLORS[variant], hatch="" if r.bitwise_equal else "//")
+            ax.bar(x, r.overhead, width * 0.9, color=colors[variant], hatch="" if r.bitwise_equal else "//")
             ax.hlines(r.floor_overhead, x - width * 0.45, x + width * 0.45, colors="black", linewidth=2)
             ax.annotate(f"{r.overhead:.3f}x", (x, r.overhead), xytext=(0, 2), textcoords="offset points",
                         ha="center", va="bottom", fontsize=7)
@@ -72,13 +78,22 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
     ax.set_ylabel("forward time / resident")
     ax.set_title("Streaming overhead per case (black tick: floor; hatched: not bitwise equal)"
                  + (f"\n{title}" if title else ""), fontsize=9)
-    handles = [_patch(_COLORS[v], v) for v in variants]
+    handles = [_patch(colors[v], v) for v in variants]
     if not all(r.bitwise_equal for r in results):
         handles.append(_patch("white", "not bitwise equal", hatch="//"))
-    if handles:
+    if len(handles) > 4:  # below the chart, where it hides no bar
+        fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=min(6, len(handles)))
+    elif handles:
         ax.legend(handles=handles, fontsize=8, loc="upper left")
     fig.savefig(path)
     return Path(path)
+
+
+def _variant_colors(variants: Sequence[str]) -> dict[str, str]:
+    """A colour per variant: the fixed ones of :data:`_COLORS`, the others from
+    :data:`_MORE_COLORS` in turn (again from the start past its end)."""
+    more = iter(c for _ in range(1 + len(variants) // len(_MORE_COLORS)) for c in _MORE_COLORS)
+    return {v: _COLORS[v] if v in _COLORS else next(more) for v in variants}
 
 
 def draw_budget_sweep(results: Sequence[Any], path: str | Path, title: str = "") -> Path:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,8 @@ import torch.distributed as dist
 from ..apply import apply_offload
 from ..models import PRESETS, build_model, wan_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
-from ..runtime.flags import positive_int
+from ..runtime.flags import OneLineParser, UsageError, output_file, positive_int, report_usage_error
+from ..runtime.logs import current_rank
 from ..runtime.proc import exit_with
 
 CONFIGS = {
@@ -40,21 +42,35 @@ CONFIGS = {
 ORDER = ["rank-local", "copy-engine", "nccl", "copy-engine", "rank-local"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m omni_dist_offload.tools.trace_blocks",
-                                description=__doc__.splitlines()[0])
+PROG = "python -m omni_dist_offload.tools.trace_blocks"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="wan-14b", choices=[k for k, v in PRESETS.items() if v.video])
     p.add_argument("--blocks", type=positive_int, default=8)
     p.add_argument("--frames", type=positive_int, default=81)
     p.add_argument("--height", type=positive_int, default=480)
     p.add_argument("--width", type=positive_int, default=832)
     p.add_argument("--forwards", type=positive_int, default=4, help="traced forwards per pass")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--json", default=None, metavar="PATH", help="write every traced forward here (rank 0)")
+    return p
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 when traced; 2 for bad flags or a run outside torchrun on GPUs (one line on stderr,
+    before any model is built)."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.json and current_rank() == 0:  # the rank that writes
+            output_file("--json", args.json)
+    except UsageError as exc:
+        return report_usage_error(PROG, exc, show=current_rank() == 0)
     ctx = maybe_init_dist()
     if ctx.backend != "nccl":
-        p.error("run it under torchrun with one process per GPU (it compares weight transfers across GPUs)")
+        destroy_dist(ctx)
+        return report_usage_error(PROG, "run it under torchrun with one process per GPU (it compares weight "
+                                  "transfers across GPUs)", show=ctx.rank == 0)
     dev = ctx.device
     preset = PRESETS[args.preset]
     model = build_model(preset, args.blocks, dev, torch.bfloat16).eval()
@@ -87,6 +103,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"argv": vars(args), "summary": summary, "raw": ranks}, f)
     destroy_dist(ctx)
+    return 0
 
 
 def _resident_block_ms(model, x) -> list[float]:

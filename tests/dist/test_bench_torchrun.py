@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> 
         assert rows["allgather"]["weight_transfer"] == "allgather" and rows["shared"]["weight_transfer"] == "shared"
         assert rows["allgather"]["host_mib"] < rows["rank-local"]["host_mib"]  # each rank holds a shard
         assert rows["shared"]["host_mib"] < rows["rank-local"]["host_mib"]  # and its share of one copy
+    # Each row is one rank's own: its timings_ms are the raw figures of its forward_ms.
+    assert all(r["timings_ms_per_rank"] is None and r["forward_ms"] == statistics.median(r["timings_ms"])
+               for r in data["results"])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
@@ -56,6 +60,16 @@ def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path)
     assert all(r["bitwise_equal"] and len(r["timings_ms"]) == 3 for r in rows.values())
     assert rows["allgather"]["weight_transfer"] == "allgather" and rows["shared"]["weight_transfer"] == "shared"
     assert rows["allgather"]["host_mib_ranks"][1] < rows["rank-local"]["host_mib_ranks"][1]
+    # Every figure traces back to the raw timings in the same file: forward_ms is the slowest
+    # rank's median, overhead the largest over ranks of the median per-round ratio to resident.
+    resident = rows["resident"]["timings_ms_per_rank"]
+    for row in rows.values():
+        per_rank = row["timings_ms_per_rank"]
+        assert len(per_rank) == 2 and all(len(t) == 3 for t in per_rank) and per_rank[0] == row["timings_ms"]
+        assert row["forward_ms"] == max(statistics.median(t) for t in per_rank)
+        assert row["overhead"] == pytest.approx(max(statistics.median(a / b for a, b in zip(t, r))
+                                                    for t, r in zip(per_rank, resident)))
+    assert "timings_ms_per_rank" in data["meta"]["figures"]["forward_ms"]
     _, data = _bench(tmp_path, "--px", "32", "48", "--stagger", "--interleave", "--repeats", "2")
     assert sorted({(r["shape"], r["rank"]) for r in data["results"]}) == [("32", 0), ("32", 1), ("48", 0), ("48", 1)]
     assert all(r["bitwise_equal"] and len(r["timings_ms"]) == 2 for r in data["results"])

@@ -48,7 +48,8 @@ def test_floor_replaces_each_blocks_compute_by_its_link_time_when_longer() -> No
 
 
 def test_cli_bench_tiny_wan_reports_every_field_json_and_png(tmp_path, capsys) -> None:
-    out_json, out_png = tmp_path / "bench.json", tmp_path / "overhead.png"
+    # Into a folder that is not there yet, as docs/performance.md's CPU smoke run writes out/.
+    out_json, out_png = tmp_path / "out" / "bench.json", tmp_path / "out" / "charts" / "overhead.png"
     assert cli_main(["bench", *TINY_WAN, "--json", str(out_json), "--png", str(out_png)]) == 0
     table = capsys.readouterr().out
     assert all(f" {v} " in table for v in ("resident", "peer", "rank-local"))
@@ -61,6 +62,9 @@ def test_cli_bench_tiny_wan_reports_every_field_json_and_png(tmp_path, capsys) -
         assert set(row) == FIELDS
         assert row["forward_ms"] > 0 and row["floor_ms"] > 0 and isinstance(row["bitwise_equal"], bool)
         assert len(row["timings_ms"]) == 2 * 2  # two passes of --repeats 2
+        # One rank: its raw timings are the only rank's, and the figure is their median.
+        assert row["timings_ms_per_rank"] == [row["timings_ms"]]
+        assert row["forward_ms"] == statistics.median(row["timings_ms"])
         assert row["peak_device_mib"] == 0.0  # no device memory on the CPU
     assert rows["resident"]["overhead"] == 1.0 and rows["resident"]["host_mib"] == 0.0
     assert rows["rank-local"]["bitwise_equal"] and rows["resident"]["bitwise_equal"]
@@ -75,6 +79,7 @@ def test_cli_bench_tiny_wan_reports_every_field_json_and_png(tmp_path, capsys) -
     meta = data["meta"]
     assert meta["schedule"][0] == meta["schedule"][-1] == "resident"
     assert meta["device"] == "cpu" and meta["peer"]["use_stream"] is False
+    assert "max over ranks r of median(timings_ms_per_rank[r])" in meta["figures"]["forward_ms"]
     assert png_size(out_png)[0] > 100
 
 
@@ -145,6 +150,10 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--cache", "warp", "--steps", "4"], "unknown step cache 'warp'"),
     (["--interleave", "--ulysses-degree", "2"], "which --ulysses-degree/--ring-degree does not allow"),
     (["--interleave", "--steps", "3", "--cache", "first-block:0.1"], "which --cache does not allow"),
+    (["--chunk-mib", "-5"], "argument --chunk-mib: '-5' is negative"),
+    (["--chunk-mib", "16", "nan"], "argument --chunk-mib: 'nan' is not a finite number"),
+    (["--transfer-mib", "0"], "argument --transfer-mib: '0' is not above 0"),
+    (["--ulysses-degree", "2", "--cache", "first-block:0.2", "--steps", "2"], "--cache first-block with --ulysses-degree 2"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
     assert cli_main(["bench", *flags]) == 2
@@ -187,6 +196,8 @@ def test_interleaved_variants_run_side_by_side_and_ratios_pair_rounds(tmp_path, 
     assert list(rows) == ["resident", "peer", "rank-local@0%", "rank-local@100%", "fp8-resident",
                           "fp8-streamed@0%", "fp8-streamed@100%"]
     assert all(r["bitwise_equal"] for r in rows.values()) and all(len(r["timings_ms"]) == 5 for r in rows.values())
+    assert all(r["timings_ms_per_rank"] == [r["timings_ms"]] for r in rows.values())
+    assert "median over rounds" in doc["meta"]["figures"]["overhead"]
     # A ratio is the median over rounds of the forward over the baseline's of the same round.
     res, fp8 = rows["resident"]["timings_ms"], rows["fp8-resident"]["timings_ms"]
     for name, row in rows.items():
@@ -254,15 +265,15 @@ def test_context_parallel_flags_are_checked_before_any_model(flags, message, cap
     assert message in capsys.readouterr().err
 
 
-def test_contention_refuses_a_run_it_cannot_time() -> None:
+def test_contention_refuses_a_run_it_cannot_time(capsys) -> None:
     from omni_dist_offload.tools import contention
 
-    with pytest.raises(SystemExit) as exc:  # every mode is read against the model alone
-        contention.main(["--modes", "spread"])
-    assert exc.value.code == 2
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="no CUDA device is visible"):
-            contention.main(["--preset", "tiny-flux", "--blocks", "2"])
+    assert contention.main(["--modes", "spread"]) == 2  # every mode is read against the model alone
+    assert "--modes must include alone" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a usage error: one line, exit 2, as bench --transfer-mib
+        assert contention.main(["--preset", "tiny-flux", "--blocks", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no CUDA device is visible" in err[0]
 
 
 def test_an_8_bit_budget_below_its_ring_minimum_runs_at_that_minimum(tmp_path) -> None:
@@ -280,3 +291,87 @@ def test_an_8_bit_budget_below_its_ring_minimum_runs_at_that_minimum(tmp_path) -
     assert layer["bitwise_equal"] and "below two slots" in layer["note"] and layer["device_budget"] < row["device_budget"]
     assert block["bitwise_equal"] and block["vs_fp8"] is not None
     assert rows["fp8-layer@60%"]["streamed_mib"] < rows["fp8-streamed@60%"]["streamed_mib"]
+
+
+# -- output paths, checked before any model ---------------------------------------------------
+@pytest.fixture
+def no_run(monkeypatch):
+    """bench.main up to the run: the flags checked, nothing built; what the run would see."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def run(args, *_rest):
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(bench, "_run", run)
+    return seen
+
+
+def test_missing_output_folders_are_made_before_the_run(tmp_path, no_run) -> None:
+    paths = {flag: tmp_path / "out" / flag / f"x.{flag}" for flag in ("json", "png", "timeline")}
+    argv = [*TINY_WAN, *(a for flag, path in paths.items() for a in (f"--{flag}", str(path)))]
+    assert bench.main(argv) == 0
+    assert "args" in no_run and all(path.parent.is_dir() and not path.exists() for path in paths.values())
+
+
+@pytest.mark.parametrize("flag", ["--json", "--png", "--timeline"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_model(flag, tmp_path, capsys, no_run) -> None:
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "out" / "x"
+    assert cli_main(["bench", *TINY_WAN, flag, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"omni-offload bench: error: {flag} '{path}': cannot create its folder")
+    assert f"'{tmp_path / 'file'}' is a file" in err[0] and "args" not in no_run
+
+
+def test_bad_flags_create_no_output_folder(tmp_path, capsys, no_run) -> None:
+    out = tmp_path / "out" / "bench.json"
+    assert bench.main([*TINY_WAN, "--height", "30", "--json", str(out)]) == 2
+    assert not out.parent.exists() and "multiples of 16" in capsys.readouterr().err
+
+
+def test_stagger_on_one_rank_says_it_changes_nothing(capsys, no_run) -> None:
+    assert bench.main([*TINY_WAN, "--stagger"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-offload bench: note: --stagger") and "one rank" in err[0]
+    assert bench.main(TINY_WAN) == 0 and capsys.readouterr().err == ""
+
+
+# -- the overhead chart ------------------------------------------------------------------------
+def _drawn(monkeypatch, variants, tmp_path):
+    """draw_overhead on one case with a row per variant: the figure it drew."""
+    from omni_dist_offload.tools import timeline
+
+    figures = []
+    make = timeline._figure
+    monkeypatch.setattr(timeline, "_figure", lambda *a, **k: figures.append(make(*a, **k)) or figures[-1])
+    rows = [CaseResult(preset="tiny-wan", blocks=4, shape="5x32x32", variant=v, forward_ms=10.0 + i,
+                       overhead=1.0 + 0.1 * i, floor_ms=10.0, peak_device_mib=0, host_mib=0, setup_s=0,
+                       bitwise_equal=True) for i, v in enumerate(["resident", *variants])]
+    path = timeline.draw_overhead(rows, tmp_path / "overhead.png", title="t")
+    assert png_size(path)[0] > 100
+    (fig,) = figures
+    (ax,) = fig.axes
+    legends = [ax.get_legend()] if ax.get_legend() else fig.legends
+    labels = [t.get_text() for legend in legends for t in legend.get_texts()]
+    colors = [tuple(p.get_facecolor()) for p in ax.patches]
+    return ax, labels, colors
+
+
+def test_the_overhead_chart_draws_every_variant_that_ran(monkeypatch, tmp_path) -> None:
+    ax, labels, colors = _drawn(monkeypatch, bench.VARIANTS, tmp_path)
+    assert labels == list(bench.VARIANTS)  # in the run's order, resident left out
+    assert len(ax.patches) == len(bench.VARIANTS) and len(set(colors)) == len(bench.VARIANTS)
+    # Only variants without a fixed colour, e.g. fp8 alone: drawn, not an empty chart.
+    ax, labels, _ = _drawn(monkeypatch, ["fp8-resident", "fp8-streamed"], tmp_path)
+    assert labels == ["fp8-resident", "fp8-streamed"] and len(ax.patches) == 2
+
+
+def test_the_overhead_chart_keeps_its_look_for_the_default_variants(monkeypatch, tmp_path) -> None:
+    from matplotlib.colors import to_rgba
+
+    ax, labels, colors = _drawn(monkeypatch, ["peer", "rank-local", "allgather"], tmp_path)
+    assert ax.get_legend() is not None and labels == ["peer", "rank-local", "allgather"]
+    assert colors == [to_rgba(c) for c in ("#9e9e9e", "#1f77b4", "#2ca02c")]

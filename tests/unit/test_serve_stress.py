@@ -4,6 +4,7 @@ drives both phases and stops it; the figures it writes must add up to what it se
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -45,10 +46,25 @@ def test_serve_stress_both_phases_pass_and_add_up(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("argv, says", [
     (["--url", "http://127.0.0.1:1", "--ranks", "2"], "--ranks says how many ranks"),
     (["--sizes", "64x64,64"], "'64' is not a size"),
+    (["--url", "http://example.com:80"], "--url 'http://example.com:80': give http://127.0.0.1:PORT"),
+    (["--url", "http://127.0.0.1"], "--url 'http://127.0.0.1': give http://127.0.0.1:PORT"),
+    (["--url", "http://127.0.0.1:99999"], "--url 'http://127.0.0.1:99999': give http://127.0.0.1:PORT"),
+    (["--pid", "1"], "--pid and --log describe a server given with --url"),
 ])
 def test_serve_stress_refuses_ranks_with_url_and_sizes_it_cannot_read(argv, says, capsys) -> None:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:  # argparse
-        rc = exc.code
-    assert rc == 2 and says in capsys.readouterr().err
+    assert main(argv) == 2  # before any server is started or called
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m omni_dist_offload.tools.serve_stress: error: ")
+    assert says in err[0]
+
+
+def test_serve_stress_fails_in_one_line_when_the_server_is_not_there(tmp_path, capsys) -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "new" / "figures.json"  # its folder is made before the run
+    assert main(["--url", f"http://127.0.0.1:{port}", "--phase", "load", "--json", str(out)]) == 1
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed == [f"serve_stress FAIL: cannot reach the server at http://127.0.0.1:{port} (GET /health: "
+                       "Connection refused); is it running?"]
+    assert json.loads(out.read_text())["passed"] is False
