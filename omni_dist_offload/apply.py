@@ -46,7 +46,8 @@ from .residency import image_slot_bytes
 from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs, refuse_copy
 from .tenants import BlockWatch
 from .trace import trace_enabled
-from .storage import LayerUpcasts, StoredLayers, cast_tensors, store_outside_blocks, upcast, upcast_per_layer
+from .storage import (LayerUpcasts, StoredLayers, cast_tensors, layerwise_cast_modules, store_outside_blocks, upcast,
+                      upcast_per_layer)
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from .sharedmem import (CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive,
                         small_pages_note)
@@ -358,6 +359,10 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
                    plan: OffloadPlan | None, process_group: Any | None, trace: bool | None,
                    block_sources: Mapping[str, BlockSource] | None, progress: bool, mode: contextlib.ExitStack) -> OffloadHandle:
     # Phase 1 reads only: nothing below changes the target until the handle exists.
+    for flag, value in (("trace", trace), ("progress", progress)):
+        if value is not None and not isinstance(value, bool):
+            raise OffloadConfigError(f"{flag} must be True or False (or None), found {value!r} "
+                                     f"({type(value).__name__}).")
     cfg = OffloadConfig.parse(config)
     dev = _checked_device(device)
     modules = _fresh_modules(target)
@@ -491,13 +496,28 @@ class _RingSpec:
 
 
 def _stored_casts(components: Sequence[StreamedComponent], cfg: OffloadConfig) -> dict[str, dict[int, torch.dtype]]:
-    """Per component with a ``storage_dtype``, the tensors stored in it (``storage.py``)."""
+    """Per component with a ``storage_dtype``, the tensors stored in it (``storage.py``). Refuses
+    a component diffusers' layerwise casting already stores: reads only, before setup."""
     out = {}
     for c in components:
         stored = cfg.options_for(c.category).storage_dtype
         if stored is not None:
+            _check_not_layerwise_cast(c, stored)
             out[c.name] = cast_tensors(c.module, getattr(torch, stored))
     return out
+
+
+def _check_not_layerwise_cast(comp: StreamedComponent, stored: str) -> None:
+    """``storage_dtype`` stores a component as ``enable_layerwise_casting`` would; on one that
+    already has its hooks, it would store it again (and diffusers refuses a second hook)."""
+    hooked = layerwise_cast_modules(comp.module)
+    if hooked:
+        raise OffloadConfigError(
+            f"{comp.name} ({type(comp.module).__name__}): already layerwise-cast ({hooked[0]}"
+            f"{f' and {len(hooked) - 1} more layers' if len(hooked) > 1 else ''} carry diffusers' layerwise "
+            f"casting hook, from enable_layerwise_casting): storage_dtype {stored} would store it a second "
+            "time. Drop storage_dtype (offloading streams its 8-bit weights as they are, and diffusers' hooks "
+            "upcast them), or reload the model without enable_layerwise_casting and keep storage_dtype.")
 
 
 def _check_cast(stored: torch.dtype, dev: torch.device) -> None:
@@ -511,9 +531,19 @@ def _check_cast(stored: torch.dtype, dev: torch.device) -> None:
 
 
 def _checked_device(device: torch.device | str | None) -> torch.device:
-    dev = resolve_device(device)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = f"{visible} CUDA device(s) visible" if visible else "no CUDA device visible"
+    try:
+        dev = resolve_device(device)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:
+        raise OffloadConfigError(f"device {device!r} is not a device here ({exc}; {where}): use 'cuda', "
+                                 "'cuda:N' or 'cpu'.") from None
     if dev.type not in ("cuda", "cpu"):
         raise OffloadConfigError(f"device {dev} is not supported: use a CUDA device or 'cpu'.")
+    if dev.type == "cuda" and not 0 <= dev.index < visible:
+        raise OffloadConfigError(
+            f"device {dev}: {where}" + (f" (indices 0 to {visible - 1}): use one of them, or" if visible else
+                                        " (check CUDA_VISIBLE_DEVICES and the driver): use") + " device 'cpu'.")
     return dev
 
 

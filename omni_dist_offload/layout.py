@@ -300,7 +300,13 @@ def check_ownership(
                 block_of_tensor[id(e.tensor)] = (where, f"{comp}.{e.name}")
                 if e.nbytes:
                     key = (str(e.tensor.device), e.tensor.untyped_storage().data_ptr())
-                    block_of_storage.setdefault(key, (where, f"{comp}.{e.name}"))
+                    first = block_of_storage.setdefault(key, (where, f"{comp}.{e.name}"))
+                    if first[0] != where:  # distinct tensors over one storage, in two blocks
+                        raise OffloadConfigError(
+                            f"tensor {first[1]} (streamed with block {first[0]}) is shared with "
+                            f"{comp}.{e.name} (block {where}): they are views of one storage, which "
+                            "streaming would split in two. Untie the weights (clone one of them) or "
+                            "leave this component out of 'components'.")
     block_at: dict[str, str] = {}  # the paths a block is registered at -> "component.block"
     for comp, root in modules.items():
         for mod_name, mod in root.named_modules(remove_duplicate=False):

@@ -292,6 +292,11 @@ def is_bare_module(target: Any) -> bool:
 
 def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None) -> list[StreamedComponent]:
     """Resolve which components stream and their block lists. Changes nothing."""
+    if plan is not None and not isinstance(plan, OffloadPlan):
+        raise OffloadConfigError(
+            f"plan must be an OffloadPlan, found {type(plan).__name__}: pass "
+            "omni_dist_offload.OffloadPlan(...), or None to use the pipeline's own _offload_plan."
+        )
     if is_bare_module(target):
         if "dit" not in config.components:
             raise OffloadConfigError(
@@ -377,6 +382,23 @@ def _component(name, category, module, attrs, source, *, strict) -> StreamedComp
             lists.append((path, lst))
         for i in range(max(len(lst) for _, lst in lists)):
             blocks.extend((f"{path}.{i}", lst[i]) for path, lst in lists if i < len(lst))
+    # A block is a module the forward calls (its hooks bind the weights): not a container, and
+    # not one already in the list (a list named twice, or one module at two places).
+    first: dict[int, str] = {}
+    for block_name, block in blocks:
+        problem = None
+        if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+            problem = (f"block {block_name!r} is a {type(block).__name__}, a container with no forward "
+                       "of its own, so its hooks would never run")
+        elif id(block) in first:
+            problem = f"block {block_name!r} is the same module as block {first[id(block)]!r}"
+        if problem is not None:
+            if not strict:
+                return None
+            raise OffloadConfigError(
+                f"{name} ({type(module).__name__}): {problem} (block lists {list(attrs)} from {source}). "
+                "Name each ModuleList of transformer blocks once, the list whose entries the forward calls.")
+        first[id(block)] = block_name
     return StreamedComponent(name, category, module, tuple(attrs), tuple(blocks), source)
 
 

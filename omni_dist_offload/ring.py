@@ -304,9 +304,12 @@ class BlockRing:
         self._first = self.streamed[0] if self.streamed else _EMPTY
 
     def enable_trace(self) -> None:
-        """Record per-block timing marks from now on (see ``trace.py``)."""
+        """Record per-block timing marks from now on (see ``trace.py``), framed by the
+        component's forward: a block that runs twice, or blocks that run in another order,
+        stay in one forward's report."""
         self.tracer = RingTracer([l.name for l in self.layouts], [l.tensor_bytes for l in self.layouts],
                                  self._cuda, self.device)
+        self._frame_forwards()
 
     # -- hooks ---------------------------------------------------------------------------
     # Every hook is excluded from torch.compile: it swaps storage and records events, which
@@ -323,9 +326,13 @@ class BlockRing:
         """Call ``callback(ring)`` after every complete forward of the component until it returns
         True. Marks the forward's start and end for the tracer (the planner's measurements)."""
         self._on_forward = callback
-        root = self.component.module
-        self._root_hooks = [root.register_forward_pre_hook(_Hook(self, self._root_pre)),
-                            root.register_forward_hook(_Hook(self, self._root_post))]
+        self._frame_forwards()
+
+    def _frame_forwards(self) -> None:
+        if not self._root_hooks:
+            root = self.component.module
+            self._root_hooks = [root.register_forward_pre_hook(_Hook(self, self._root_pre)),
+                                root.register_forward_hook(_Hook(self, self._root_post))]
 
     def remove_hooks(self) -> None:
         for h in [*self._hooks, *self._root_hooks]:
@@ -645,12 +652,17 @@ class BlockRing:
                     "offloading, in 8 bits: an adapter loaded after apply_offload with upcast \"layer\" "
                     "takes its base layer's 8-bit dtype, which it cannot compute in. Load adapters before "
                     "offloading, or use upcast \"block\" (the default).")
-        self.adopt_pending = False
-        # Ordinary tensors, whatever mode the forward runs in: their creator made them so.
+        # Ordinary tensors, whatever mode the forward runs in: their creator made them so. A
+        # tensor still on the meta device (peft injects an adapter empty, then un-merges the
+        # layers it fused before, an edit, before it loads the values) waits for a later call.
+        waiting = False
         with torch.inference_mode(False), torch.no_grad():
             for _layout, _name, t in strays:
-                if t.device != self.device:
+                if t.is_meta:
+                    waiting = True
+                elif t.device != self.device:
                     t.data = t.data.to(self.device)
+        self.adopt_pending = waiting
 
     def edit_block(self, i: int, edit: Callable[[], _T]) -> _T:
         """Run ``edit()`` with block ``i``'s tensors on the device, and keep what it leaves in

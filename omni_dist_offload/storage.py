@@ -48,8 +48,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["BlockImage", "LayerUpcasts", "Run", "StoredLayers", "cast_tensors", "downcast", "store_outside_blocks",
-           "upcast", "upcast_per_layer"]
+__all__ = ["BlockImage", "LayerUpcasts", "Run", "StoredLayers", "cast_tensors", "downcast", "layerwise_cast_modules",
+           "store_outside_blocks", "upcast", "upcast_per_layer"]
 
 # diffusers' layerwise casting rule and hook (hooks/layerwise_casting.py, hooks/_common.py),
 # read from diffusers so the two never disagree.
@@ -91,21 +91,24 @@ class BlockImage:
 
 def skip_patterns(root: nn.Module) -> tuple[str, ...]:
     """The skip patterns diffusers' layerwise casting uses for ``root``: a diffusers model's
-    ``enable_layerwise_casting`` adds the model's own to the defaults; any other module gets the
-    defaults (``apply_layerwise_casting(..., skip_modules_pattern="auto")``)."""
+    ``enable_layerwise_casting`` adds the model's own and peft's adapter layers to the defaults;
+    any other module gets the defaults (``apply_layerwise_casting(..., skip_modules_pattern="auto")``)
+    and peft's adapter layers too, so that an adapter loaded before offloading is never rounded to
+    8 bits, in a text encoder from transformers either (one loaded after is not stored at all:
+    whether it is rounded must not depend on the order of the calls)."""
     patterns = tuple(_DEFAULT_SKIP)
     if hasattr(root, "_skip_layerwise_casting_patterns"):
         patterns += tuple(getattr(root, "_keep_in_fp32_modules", None) or ())
         patterns += tuple(getattr(root, "_skip_layerwise_casting_patterns", None) or ())
-        try:
-            from peft.tuners.loha.layer import LoHaLayer  # optional: peft adapters, skipped
-            from peft.tuners.lokr.layer import LoKrLayer  # optional: as above
-            from peft.tuners.lora.layer import LoraLayer  # optional: as above
-        except ImportError:
-            pass
-        else:
-            for layer in (LoHaLayer, LoKrLayer, LoraLayer):
-                patterns += tuple(layer.adapter_layer_names)
+    try:
+        from peft.tuners.loha.layer import LoHaLayer  # optional: peft adapters, skipped
+        from peft.tuners.lokr.layer import LoKrLayer  # optional: as above
+        from peft.tuners.lora.layer import LoraLayer  # optional: as above
+    except ImportError:
+        pass
+    else:
+        for layer in (LoHaLayer, LoKrLayer, LoraLayer):
+            patterns += tuple(layer.adapter_layer_names)
     return tuple(set(patterns))
 
 
@@ -146,6 +149,11 @@ class StoredLayers:
         # id(tensor) -> whether it was an inference tensor before it was stored: diffusers' hook
         # recasts it at every forward, in whatever mode the forward runs.
         self.inference: dict[int, bool] = {}
+        # Where each stored layer sits (see :func:`_place`): (parent, attribute, what held it at
+        # setup, its qualified name), read by the root's pre-forward check (:class:`_LateAdapters`).
+        self.places: list[tuple[nn.Module, str, nn.Module, str]] = []
+        self.root_name = ""
+        self._check = None
 
     def commit(self) -> None:
         """Setup succeeded: the original tensors are no longer needed."""
@@ -153,6 +161,7 @@ class StoredLayers:
 
     def undo(self) -> None:
         """A failed setup: hooks off, the original tensors back."""
+        self._unwatch()
         for module, _compute, originals in self.layers:
             unhook_layerwise_casting(module)
             for t, data in originals:
@@ -163,12 +172,78 @@ class StoredLayers:
         """``remove()``: hooks off, the layers upcast to their compute dtype, as the blocks are
         (every 8-bit-stored weight comes back with its 8-bit value, so the model computes what
         it computed while offloaded)."""
+        self._unwatch()
         for module, compute, _originals in self.layers:
             unhook_layerwise_casting(module)
             for t in (*module.parameters(), *module.buffers()):
                 if t.is_floating_point():
                     _upcast(t, compute, self.inference.get(id(t), t.is_inference()))
         self.layers = []
+
+    def watch(self, root: nn.Module) -> None:
+        """Refuse, at each forward of ``root`` and before anything runs, an adapter added after
+        setup to a stored layer (:class:`_LateAdapters`)."""
+        names = {id(m): n for n, m in root.named_modules()}
+        by_name = dict(root.named_modules())
+        self.root_name = type(root).__name__
+        for layer, _compute, _originals in self.layers:
+            self.places.append(_place(names[id(layer)], by_name))
+        # First among the root's pre-hooks: a refusal comes before the rings' hooks start a forward.
+        self._check = root.register_forward_pre_hook(_LateAdapters(self), prepend=True)
+
+    def _unwatch(self) -> None:
+        if self._check is not None:
+            self._check.remove()
+            self._check = None
+        self.places = []
+
+
+def _place(name: str, by_name: Mapping[str, nn.Module]) -> tuple[nn.Module, str, nn.Module, str]:
+    """Where a stored layer sits: the layer itself, or the outermost tuner layer (peft's LoRA
+    wrapper, known by its ``get_base_layer``) it is the base layer of, as its parent's attribute."""
+    while "." in name:
+        parent = name.rpartition(".")[0]
+        if not callable(getattr(by_name[parent], "get_base_layer", None)):
+            break
+        name = parent
+    parent, _, attr = name.rpartition(".")
+    return by_name[parent], attr, by_name[name], name
+
+
+class _LateAdapters:
+    """The root's forward pre-hook of :class:`StoredLayers`. An adapter peft adds after setup to a
+    layer diffusers' hook stores in 8 bits (Flux's ``x_embedder``) is created in the base
+    weight's dtype, 8 bits, and cannot compute there; diffusers' own ``enable_layerwise_casting``
+    fails alike (with torch's error, mid-forward). Refused before the forward starts, naming it,
+    until it is gone. A dictionary read per stored layer while none is wrapped."""
+
+    __slots__ = ("stored",)
+
+    def __init__(self, stored: StoredLayers) -> None:
+        self.stored = stored
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        _refuse_late_adapters(self.stored)
+
+
+@torch.compiler.disable
+def _refuse_late_adapters(stored: StoredLayers) -> None:
+    late: list[tuple[str, str]] = []  # (tensor, layer)
+    for parent, attr, held, name in stored.places:
+        now = parent._modules.get(attr)
+        if now is None or (now is held and not callable(getattr(now, "get_base_layer", None))):
+            continue  # the layer itself, unwrapped: nothing was added to it
+        late += [(f"{name}.{n}", name) for n, t in (*now.named_parameters(), *now.named_buffers())
+                 if id(t) not in stored.inference and t.is_floating_point() and t.dtype.itemsize == 1]
+    if late:
+        (first, layer), layers = late[0], sorted({layer for _, layer in late})
+        raise RuntimeError(
+            f"{stored.root_name}: {first} ({len(late)} tensors in all, on {', '.join(layers)}) came after "
+            f"offloading, in 8 bits: {layer} is outside the streamed blocks and stored in 8 bits (diffusers' "
+            "layerwise casting hook), and an adapter loaded on it after apply_offload takes its 8-bit dtype, "
+            "which it cannot compute in (diffusers' own enable_layerwise_casting fails alike). Load the adapter "
+            f"before apply_offload, or leave {', '.join(layers)} out of its target modules, or drop "
+            "storage_dtype; or delete it (delete_adapters, unload_lora_weights) to run again. Nothing was changed.")
 
 
 class LayerUpcasts:
@@ -290,18 +365,37 @@ def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_bl
     streamed blocks that the rule stores in 8 bits, so the whole model is stored as
     ``enable_layerwise_casting`` stores it (and its ``dtype`` still reads the compute dtype,
     which pipelines cast their latents to). Other modules (text encoders from transformers)
-    keep their non-block layers as they are."""
+    keep their non-block layers as they are. An adapter added to one of these layers after
+    setup is refused at the next forward (:class:`_LateAdapters`). A failure part way takes the
+    hooks installed so far off again."""
     stored = StoredLayers()
     if not hasattr(root, "enable_layerwise_casting"):
         return stored
-    for layer in cast_layers(root):
-        tensors = [t for t in (*layer.parameters(), *layer.buffers()) if id(t) in cast]
-        if tensors and not any(id(t) in in_blocks for t in tensors):
-            compute = tensors[0].dtype
-            stored.layers.append((layer, compute, [(t, t.data) for t in tensors]))
-            stored.inference.update((id(t), t.is_inference()) for t in tensors)
-            apply_layerwise_casting_hook(layer, cast[id(tensors[0])], compute, non_blocking=False)
+    try:
+        for layer in cast_layers(root):
+            tensors = [t for t in (*layer.parameters(), *layer.buffers()) if id(t) in cast]
+            if tensors and not any(id(t) in in_blocks for t in tensors):
+                compute = tensors[0].dtype
+                stored.layers.append((layer, compute, [(t, t.data) for t in tensors]))
+                stored.inference.update((id(t), t.is_inference()) for t in tensors)
+                apply_layerwise_casting_hook(layer, cast[id(tensors[0])], compute, non_blocking=False)
+        if stored.layers:
+            stored.watch(root)
+    except BaseException:
+        # The caller has not got ``stored`` yet, so its rollback cannot undo it: the hooks
+        # installed so far come off here, and the layers get their tensors back.
+        stored.undo()
+        raise
     return stored
+
+
+def layerwise_cast_modules(root: nn.Module) -> list[str]:
+    """The qualified names of ``root``'s modules that already carry diffusers' layerwise casting
+    hook (``enable_layerwise_casting``, ``apply_layerwise_casting``): ``storage_dtype`` would store
+    them a second time (``apply.py`` refuses that before setup). Reads ``root``, changes nothing."""
+    return [name or "(the model itself)" for name, m in root.named_modules()
+            if (registry := getattr(m, "_diffusers_hook", None)) is not None
+            and registry.get_hook(_LAYERWISE_CASTING_HOOK) is not None]
 
 
 def upcast(image: BlockImage, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ peft or diffusers. See ``docs/design.md``, [Note: tenants].
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import weakref
 from typing import Any, Callable, Sequence
@@ -128,16 +129,68 @@ def _wrapping(wrapper: Callable[..., Any], method: Callable[..., Any], *bound: A
 
 #: Methods of a component that may write into its blocks' tensors in place without the ring
 #: seeing it (peft's hotswap copies a new adapter into the old one's tensors with
-#: ``.data.copy_``, which bumps no version counter): after one, the slots are copied again.
+#: ``.data.copy_``, which bumps no version counter): after one, the slots are copied again. A
+#: hotswap into adapters that park placeholders (loaded before offloading, on an allgather or
+#: 8-bit ``"block"`` ring) is refused before it starts (:func:`_check_hotswap`).
 REWRITING_METHODS = ("load_lora_adapter",)
 
 
 def _rewriting(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _check_hotswap(rings, method, args, kwargs)
     try:
         return method(*args, **kwargs)
     finally:
         for ring in rings:
             ring.forget_slots()
+
+
+def _hotswapped(method: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
+    """The adapter a ``load_lora_adapter(..., hotswap=True, adapter_name=...)`` call writes into,
+    or None for any other call (one diffusers itself will refuse included)."""
+    try:
+        bound = inspect.signature(method).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    name = bound.get("adapter_name", bound.get("kwargs", {}).get("adapter_name"))
+    return name if bound.get("hotswap") and isinstance(name, str) else None
+
+
+def _adapter_entries(ring: BlockRing, adapter: str) -> list[str]:
+    """The layout entries of ``ring`` that are peft LoRA tensors of ``adapter``
+    (``...to_q.lora_A.<adapter>.weight``): an adapter loaded before ``apply_offload``."""
+    found = []
+    for layout in ring.layouts:
+        for entry in layout.entries:
+            parts = entry.name.split(".")
+            if any(p == adapter and parts[k - 1].startswith("lora_") for k, p in enumerate(parts) if k):
+                found.append(entry.name)
+    return found
+
+
+def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """A hotswap copies the new adapter into the old one's tensors in place. An adapter loaded
+    before ``apply_offload`` streams with its block; where the ring parks placeholders between
+    forwards (allgather, 8-bit ``"block"`` storage) torch refuses that copy part way, and
+    diffusers' cleanup then deletes the adapter. Refused here, before diffusers changes anything."""
+    adapter = _hotswapped(method, args, kwargs)
+    if adapter is None:
+        return
+    for ring in rings:
+        if not ring.parks_placeholders:
+            continue
+        found = _adapter_entries(ring, adapter)
+        if not found:
+            continue  # loaded after apply_offload: adopted on the device, where the copy lands
+        eight_bit = ring.storage_dtype is not None and ring.transfer.gather is None
+        why = (f"stored in 8 bits ({ring.storage_dtype}, upcast \"block\")" if eight_bit else
+               f"sharded over the ranks ({ring.transfer.name}): the block exists whole on no rank")
+        raise RuntimeError(
+            f"{ring.component.name}: hotswapping adapter '{adapter}' would write into {found[0]} ({len(found)} "
+            f"tensors in all): it was loaded before apply_offload, so it streams with its block, {why}, and "
+            "between forwards its tensors hold placeholders that cannot be written. Nothing was changed. Call "
+            "handle.remove() first, hotswap, then apply_offload again; or load the adapter after apply_offload "
+            "(it then stays on the device, and hotswaps in place)"
+            + ("; or use upcast 'layer'." if eight_bit else "."))
 
 
 #: Methods of a component that write its weights out: refused while its blocks' tensors hold

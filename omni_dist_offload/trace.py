@@ -19,10 +19,11 @@ Per block:
   being in its slot, for the fill this run of the block used (none if the block stayed in its
   slot since it last ran, or stays resident).
 
-When the ring also marks the component's own forward (``BlockRing.watch_forwards``, which the
-residency planner uses), the report adds ``pre_ms`` (from the component's forward starting to its
-first block), ``post_ms`` (from its last block to the forward's end) and ``gap_ms`` (from the
-previous forward's end to this one's start).
+The ring also marks the component's own forward (hooks on the component's module), so the
+report adds ``pre_ms`` (from the component's forward starting to its first block), ``post_ms``
+(from its last block to the forward's end) and ``gap_ms`` (from the previous forward's end to
+this one's start), and a forward whose blocks run in another order than declared, or run one
+block twice (measured by its first run), is one forward's report.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class RingTracer:
         self.xfer = [[(_Mark(cuda), _Mark(cuda)) for _ in range(2)] for _ in names]
         self._cuda = cuda
         self._ran: list[int] = []          # blocks of the current forward, in run order
+        self._ran_set: set[int] = set()
+        self._again = [False] * len(names)  # block i's current run is a repeat: not marked
         self._next_pair = [0] * len(names)
         self._fresh = [-1] * len(names)     # pair of a fill since the block last ran, else -1
         self._used = [-1] * len(names)      # pair this forward's run of the block used, else -1
@@ -105,6 +108,7 @@ class RingTracer:
         self._start.record(stream)
         self._framed = True
         self._ran = []
+        self._ran_set.clear()
         self._last_index = len(self.names)
 
     def forward_end(self, stream) -> None:
@@ -126,20 +130,29 @@ class RingTracer:
         return self.xfer[block][k]
 
     def before_wait(self, i: int, stream) -> None:
-        if i <= self._last_index:  # back at (or before) the start: a new forward
+        if self._framed:
+            if i in self._ran_set:  # run again in the same forward: its first run is measured
+                self._again[i] = True
+                return
+        elif i <= self._last_index:  # unframed: back at (or before) the start, a new forward
             self._ran = []
+            self._ran_set.clear()
+        self._again[i] = False
         self._last_index = i
         self._ran.append(i)
+        self._ran_set.add(i)
         self._used[i] = self._fresh[i]
         self._fresh[i] = -1
         self.marks[i]["issued"].record(self._clock)
         self.marks[i]["wait_start"].record(stream)
 
     def after_wait(self, i: int, stream) -> None:
-        self.marks[i]["compute_start"].record(stream)
+        if not self._again[i]:
+            self.marks[i]["compute_start"].record(stream)
 
     def after_compute(self, i: int, stream) -> None:
-        self.marks[i]["compute_end"].record(stream)
+        if not self._again[i]:
+            self.marks[i]["compute_end"].record(stream)
 
     def report(self) -> dict[str, Any]:
         """The most recent forward, in ms from its first block's wait. Synchronises."""

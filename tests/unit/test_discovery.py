@@ -112,6 +112,8 @@ def test_a_model_without_any_module_list_names_the_fix():
     (["nope"], "'nope' from Bad._layerwise_offload_blocks_attrs does not exist"),
     (["proj"], "is a Linear, not an nn.ModuleList"),
     (["empty"], "is empty"),
+    (["blocks", "blocks"], "block 'blocks.0' is the same module as block 'blocks.0'"),
+    (["groups"], "block 'groups.0' is a ModuleList, a container with no forward of its own"),
     ([], "must be a non-empty list of dotted attribute paths such as ['blocks']"),
     ("blocks", "must be a non-empty list"),
 ])
@@ -123,14 +125,17 @@ def test_bad_declarations(attrs, needle):
             super().__init__(2)
             self.proj = nn.Linear(2, 2)
             self.empty = nn.ModuleList()
+            self.groups = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2)])])
 
     model = Bad()
     before = snapshot(model)
     with pytest.raises(OffloadConfigError) as info:
         apply_offload(model, DIT)
     assert needle in str(info.value)
-    if isinstance(attrs, list) and attrs:  # a wrong path: the message lists what there is to name
-        assert "ModuleLists seen: ['blocks (2)', 'empty (0)']. Fix the declaration" in str(info.value)
+    if "block '" in needle:  # lists that are there, but not lists of blocks
+        assert "Name each ModuleList of transformer blocks once" in str(info.value)
+    elif isinstance(attrs, list) and attrs:  # a wrong path: the message lists what there is to name
+        assert "ModuleLists seen: ['blocks (2)', 'empty (0)', 'groups (1)', 'groups.0 (1)']. Fix the declaration" in str(info.value)
     assert_same(before, model)
 
 
@@ -173,6 +178,14 @@ def test_shared_tensors_are_rejected_naming_both_owners():
         apply_offload(model, DIT)
     assert_same(before, model)
 
+    model = ToyDiT(3)  # two parameters over one storage, in two blocks
+    model.blocks[2].lin.weight = nn.Parameter(model.blocks[0].lin.weight.data)
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"blocks\.0\.lin\.weight \(streamed with block transformer\.blocks\.0\) "
+                                                 r"is shared with transformer\.blocks\.2\.lin\.weight"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
+
     model = ToyDiT(3)  # a submodule shared by two blocks
     model.blocks[2].norm = model.blocks[0].norm
     before = snapshot(model)
@@ -196,6 +209,22 @@ def test_meta_tensors_are_rejected():
     with pytest.raises(OffloadConfigError, match=r"blocks\.1\.lin\.bias is on the meta device"):
         apply_offload(model, DIT)
     assert_same(before, model)
+
+
+@pytest.mark.parametrize("device", ["cuda:7", 3, "bogus"] if not torch.cuda.is_available() else ["cuda:99", "bogus"])
+def test_a_device_that_is_not_here_is_a_config_error(device):
+    model = ToyDiT(2)
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"device .*(CUDA device|not a device here)"):
+        apply_offload(model, DIT, device=device)
+    assert_same(before, model)
+
+
+def test_plan_must_be_a_plan_for_a_bare_model_too():
+    model = ToyDiT(2)
+    with pytest.raises(OffloadConfigError, match="plan must be an OffloadPlan, found str"):
+        apply_offload(model, DIT, plan="not a plan")
+    assert not hasattr(model, "_omni_offload_handle")
 
 
 def test_process_group_must_be_a_group():

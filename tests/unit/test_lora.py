@@ -61,6 +61,11 @@ def lora_sequence(pipe, loras: tuple[dict, dict]) -> dict[str, torch.Tensor]:
     outs["hotswapped"] = gen()
     pipe.fuse_lora()
     outs["fused_again"] = gen()
+    # peft injects a new adapter empty (meta), un-merges the fused layers, then loads the values.
+    load(a, adapter_name="after_fuse")
+    outs["loaded_after_fuse"] = gen()
+    pipe.delete_adapters("after_fuse")
+    outs["last"] = gen()
     return outs
 
 
@@ -84,11 +89,11 @@ def test_lora_operations_after_offload_match_the_resident_pipeline(config, loras
     outs = lora_sequence(pipe, loras)
     for step, ref in resident_outputs.items():
         assert torch.equal(outs[step], ref), step
-    # What remove() gives back holds the fused weights, as the resident pipeline does.
+    # What remove() gives back holds the weights as they are, as the resident pipeline does.
     handle.remove()
     gen = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
                **tiny.TINY_WAN_DEFAULTS).frames
-    assert torch.equal(gen, resident_outputs["fused_again"])
+    assert torch.equal(gen, resident_outputs["last"])
 
 
 @pytest.mark.parametrize("config", [{"mode": "layer"}, {"mode": "layer", "device_budget": "120KiB"}],
@@ -200,3 +205,26 @@ def test_fusing_named_adapters_after_offloading(loras):
         return out
 
     assert torch.equal(run(True), run(False))
+
+
+def test_a_hotswap_into_8_bit_blocks_of_adapters_loaded_before_offloading_is_refused_changing_nothing(loras):
+    """Under 8-bit ``"block"`` storage the blocks' tensors (their adapters too) hold placeholders
+    between forwards, which peft's in-place copy cannot write: the hotswap is refused before
+    diffusers starts (whose cleanup would delete the adapter), and the adapter keeps running."""
+    a, b = loras
+    pipe = tiny.tiny_wan_pipeline(seed=1)
+    pipe.load_lora_weights({k: v.clone() for k, v in a.items()}, adapter_name="h")
+    handle = apply_offload(pipe, {"mode": "layer", "components": ["dit"],
+                                  "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})
+    gen = functools.partial(pipe, prompt="a red fox", output_type="pt", **tiny.TINY_WAN_DEFAULTS)
+    before = gen(generator=torch.Generator().manual_seed(0)).frames
+    with pytest.raises(RuntimeError, match=r"hotswapping adapter 'h' .*blocks\.0\..*lora_A\.h\.weight.*stored in 8 "
+                                           r"bits.*Nothing was changed.*remove\(\) first.*after apply_offload.*upcast 'layer'"):
+        pipe.load_lora_weights({k: v.clone() for k, v in b.items()}, adapter_name="h", hotswap=True)
+    assert list(pipe.transformer.peft_config) == ["h"]
+    assert torch.equal(gen(generator=torch.Generator().manual_seed(0)).frames, before)
+    handle.remove()
+    # What the message says: after remove() the hotswap goes through.
+    pipe.load_lora_weights({k: v.clone() for k, v in b.items()}, adapter_name="h", hotswap=True)
+    got = {k: v for k, v in pipe.transformer.state_dict().items() if ".lora_" in k}
+    assert got and all(torch.equal(v, b["transformer." + k.replace(".h.weight", ".weight")]) for k, v in got.items())

@@ -521,3 +521,104 @@ def test_omni_refuses_loras_with_upcast_per_layer_before_loading(tmp_path):
     with pytest.raises(AdapterError, match='upcast "layer"'):
         Omni("no-such-model", {"mode": "layer", "components": ["dit"]}, storage_dtype="float8_e4m3fn",
              upcast="layer", lora=[str(lora)], progress=False)
+
+
+@torch.no_grad()
+def test_a_text_encoders_adapters_loaded_before_offloading_stay_unrounded():
+    """peft's adapter layers are never stored in 8 bits, in a transformers model too: a text
+    encoder's LoRA loaded before ``apply_offload`` runs and comes back in full precision."""
+    peft = pytest.importorskip("peft")
+    encoder = tiny.tiny_clip_text_model(num_layers=2)
+    torch.manual_seed(5)
+    encoder = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False), encoder)
+    adapters = {n: p.detach().clone() for n, p in encoder.named_parameters() if "lora_" in n}
+    cast = cast_tensors(encoder, torch.float8_e4m3fn)
+    assert adapters and not any(id(p) in cast for n, p in encoder.named_parameters() if n in adapters)
+    # The reference: the blocks' other stored weights rounded through 8 bits.
+    reference = copy.deepcopy(encoder)
+    rounded = cast_tensors(reference, torch.float8_e4m3fn)
+    for n, p in reference.named_parameters():
+        if n.startswith("encoder.layers.") and id(p) in rounded:
+            p.data = p.data.to(torch.float8_e4m3fn).to(p.dtype)
+    t = tiny.text_encoder_inputs(encoder)
+    want = reference(**t).last_hidden_state
+    import types
+
+    cfg = {"mode": "layer", "components": ["text_encoder"],
+           "layer_options": {"text_encoder": {"storage_dtype": "float8_e4m3fn"}}}
+    handle = apply_offload(types.SimpleNamespace(text_encoder=encoder), cfg, device="cpu")
+    assert torch.equal(encoder(**t).last_hidden_state, want)
+    handle.remove()
+    assert all(torch.equal(p, adapters[n]) for n, p in encoder.named_parameters() if n in adapters)
+
+
+@pytest.mark.parametrize("upcast_at", ["block", "layer"])
+@torch.no_grad()
+def test_an_adapter_loaded_after_offloading_on_an_8_bit_layer_outside_the_blocks_is_named(upcast_at):
+    """Flux's ``x_embedder`` is stored in 8 bits by diffusers' own hook: an adapter peft adds
+    there takes its 8-bit dtype and cannot compute (diffusers' ``enable_layerwise_casting`` fails
+    alike). Every forward refuses before anything runs, naming it, until it is gone."""
+    peft = pytest.importorskip("peft")
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=1)
+    x = tiny.flux_transformer_inputs(model)
+    handle = apply_offload(model, stored(upcast=upcast_at), device="cpu")
+    want = model(**x)[0]
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["x_embedder"], init_lora_weights=False),
+                      adapter_name="late")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"x_embedder\.lora_A\.late\.weight .*came after offloading, in 8 bits.*"
+                                               r"Load the adapter before apply_offload"):
+            model(**x)
+    model.delete_adapters("late")
+    assert torch.equal(model(**x)[0], want)
+    handle.remove()
+
+
+def test_a_model_already_layerwise_cast_is_refused_before_setup(monkeypatch):
+    import omni_dist_offload.apply as apply_mod
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=1, dtype=torch.bfloat16)
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    x = tiny.flux_transformer_inputs(model)
+    with torch.no_grad():
+        want = model(**x)[0]
+    with monkeypatch.context() as m:  # phase 1: no handle, no host copy
+        m.setattr(apply_mod, "OffloadHandle", lambda *a, **k: pytest.fail("setup started"))
+        for upcast_at in ("block", "layer"):
+            with pytest.raises(OffloadConfigError, match=r"transformer \(FluxTransformer2DModel\): already "
+                                                         r"layerwise-cast \(time_text_embed\..* and \d+ more layers .*"
+                                                         r"enable_layerwise_casting.*Drop storage_dtype"):
+                apply_offload(model, stored(upcast=upcast_at), device="cpu")
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu")  # what it says to do
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], want)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_a_failure_while_storing_the_layers_outside_the_blocks_takes_their_hooks_off(monkeypatch):
+    import omni_dist_offload.storage as storage_mod
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=1, dtype=torch.bfloat16)
+    x = tiny.flux_transformer_inputs(model)
+    want = model(**x)[0]
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    real, calls = storage_mod.apply_layerwise_casting_hook, []
+
+    def flaky(module, *args, **kwargs):
+        calls.append(module)
+        if len(calls) == 3:
+            raise RuntimeError("hook failed (simulated)")
+        real(module, *args, **kwargs)
+
+    monkeypatch.setattr(storage_mod, "apply_layerwise_casting_hook", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        apply_offload(model, stored(), device="cpu")
+    monkeypatch.undo()
+    assert len(calls) == 3
+    hooked = [n for n, m in model.named_modules()
+              if "_diffusers_hook" in m.__dict__ and m._diffusers_hook.get_hook("layerwise_casting") is not None]
+    assert not hooked
+    assert all(torch.equal(before[n], t) and t.dtype == before[n].dtype for n, t in model.state_dict().items())
+    assert torch.equal(model(**x)[0], want)

@@ -1,9 +1,11 @@
 """Per-block tracing on the CPU path: structure, order, and that it changes nothing."""
 
+import warnings
+
 import pytest
 import torch
 
-from omni_dist_offload import apply_offload
+from omni_dist_offload import OffloadConfigError, apply_offload
 from toys import ToyDiT
 
 DIT = {"mode": "layer", "components": ["dit"]}
@@ -31,6 +33,34 @@ def test_trace_report_covers_the_last_forward():
     assert report["forward_ms"] >= blocks[-1]["compute_start_ms"] + blocks[-1]["compute_ms"] - 1e-6
     assert 0 <= report["exposed_share"] <= 1
     handle.remove()
+
+
+@pytest.mark.parametrize("order", [[0, 0, 1, 1, 2, 2, 3, 3], [3, 2, 1, 0], [0, 2, 1, 3, 1]])
+@torch.no_grad()
+def test_a_forward_that_repeats_or_reorders_blocks_is_one_report(order):
+    """The report frames the component's forward: every block that ran is in it once (a block
+    run twice by its first run), in the order they first ran; pre and post are measured."""
+    model = ToyDiT(4, dim=32)
+    x = torch.randn(8, 32)
+    ref = model(x, order=order)
+    handle = apply_offload(model, DIT, trace=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # blocks out of order: fetched on demand
+        for _ in range(2):
+            assert torch.equal(model(x, order=order), ref)
+    (report,) = handle.trace_report()
+    assert [b["index"] for b in report["blocks"]] == list(dict.fromkeys(order))
+    assert report["pre_ms"] is not None and report["post_ms"] is not None
+    assert all(b["compute_ms"] >= 0 for b in report["blocks"])
+    handle.remove()
+
+
+def test_trace_and_progress_take_booleans_only():
+    model = ToyDiT(2)
+    for kwargs in ({"trace": "false"}, {"trace": 1}, {"progress": "yes"}):
+        with pytest.raises(OffloadConfigError, match=f"{next(iter(kwargs))} must be True or False"):
+            apply_offload(model, DIT, **kwargs)
+    assert not hasattr(model, "_omni_offload_handle")
 
 
 @torch.no_grad()
