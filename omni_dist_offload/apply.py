@@ -398,7 +398,8 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
         specs = _ring_specs(components, layouts, cfg, dev, process_group, sources, groups)
         specs = _with_residency(specs, cfg, dev, modules, groups)
         specs = _with_shared_copies(specs, groups)
-    except BaseException:
+    except BaseException as exc:
+        groups.tell_failure(exc)  # shared: the others wait for this rank's plan (plan_shared)
         groups.close()
         raise
 
@@ -687,16 +688,27 @@ def _shared_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], sourc
 def _with_shared_copies(specs: Sequence[_RingSpec], groups: GroupSession) -> list[_RingSpec]:
     """Create and map the host copy of every shared ring (collective: every rank, in ring order).
 
-    Per ring, the ranks first say which blocks each streams (a block every rank of the host
-    keeps resident for good has no place in the copy). The host's first rank checks that the
-    host has the memory, creates the file and offers it; the others collect and map it. Not
-    enough memory on any host raises the same error everywhere, before anything has changed;
-    a hand-over that fails on any rank makes every rank stream rank-local, with the reason."""
+    The ranks first say, in one exchange, which blocks of each shared ring each streams (a block
+    every rank of the host keeps resident for good has no place in the copy), or why they could
+    not get this far (``GroupSession.tell_failure``: every other rank then raises an error
+    naming that rank). The host's first rank checks that the host has the memory for every
+    shared copy of this call together, then per ring creates the files and offers them; the
+    others collect and map them. Not enough memory on any host raises the same error
+    everywhere, naming the total and each copy, before anything has changed; a hand-over that
+    fails on any rank makes every rank stream rank-local, with the reason."""
     out = list(specs)
+    host = groups.host  # set on every rank alike (resolve_shared), and then on every shared ring
+    if host is None:
+        return out
+    shared = [k for k, spec in enumerate(out) if spec.host is not None]
+    plans = groups.plan_shared({out[k].component.name: _streamed_blocks(out[k]) for k in shared})
+    copies = {k: _copy_layout(out[k], [p[out[k].component.name] for p in plans], host) for k in shared}
+    space = _space_shortfall([(out[k].component.name, copies[k][0].nbytes) for k in shared], host) \
+        if host.index == 0 else None
     try:
-        for k in range(len(out)):
+        for n, k in enumerate(shared):
             if out[k].host is not None:  # not if an earlier ring's hand-over failed: it falls back too
-                out[k:] = _map_shared_copy(out[k:], groups)
+                out[k:] = _map_shared_copy(out[k:], *copies[k], groups, space if n == 0 else None)
     except BaseException:
         for spec in out:
             if spec.shared is not None:
@@ -705,21 +717,57 @@ def _with_shared_copies(specs: Sequence[_RingSpec], groups: GroupSession) -> lis
     return out
 
 
-def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_RingSpec]:
-    """:func:`_with_shared_copies` for ``specs[0]``; the rest come back as they are, or, when
-    its hand-over failed, falling back to rank-local with it."""
-    spec, host, out = specs[0], specs[0].host, list(specs)
+def _streamed_blocks(spec: _RingSpec) -> tuple[int, ...]:
+    """The blocks of a shared ring this rank streams (all but those it keeps resident for good)."""
     keep = set(spec.residency.resident) if spec.residency.settled and not spec.stored else set()
-    name = spec.component.name
-    users = groups.all_gather(tuple(i for i in range(len(spec.layouts)) if i not in keep), f"{name}: shared blocks")
+    return tuple(i for i in range(len(spec.layouts)) if i not in keep)
+
+
+def _copy_layout(spec: _RingSpec, users: Sequence[Sequence[int]],
+                 host: HostRanks) -> tuple[CopyLayout, list[tuple[int, ...]]]:
+    """What a shared ring's copy on this host holds, from which blocks each rank streams
+    (``users``, by global rank): every block some rank of the host streams; and per block, the
+    host ranks (0 .. size - 1) that stream it."""
     per_block = [tuple(j for j, r in enumerate(host.ranks) if i in users[r]) for i in range(len(spec.layouts))]
-    layout = CopyLayout(tuple(l.image_nbytes if per_block[l.index] else None for l in spec.layouts), host.size)
+    return CopyLayout(tuple(l.image_nbytes if per_block[l.index] else None for l in spec.layouts),
+                      host.size), per_block
+
+
+def _space_shortfall(copies: Sequence[tuple[str, int]], host: HostRanks) -> str | None:
+    """The host's first rank: why this host lacks the memory for every shared copy of this call
+    together (component, bytes), or None when it has it (or cannot tell). The files are sparse
+    until the fill, so each copy is checked against what the others will take too."""
+    free = available_host_bytes()
+    need = sum(nbytes for _, nbytes in copies)
+    if free is None or free >= need:
+        return None
+    names = ", ".join(name for name, _ in copies)
+    if len(copies) == 1:
+        return (f"{names}: host {host.node} has {_host_size(free)} of memory available, and the shared host copy "
+                f"of {names} needs {_host_size(need)}")
+    parts = " + ".join(f"{name} {_host_size(nbytes)}" for name, nbytes in copies)
+    return (f"{names}: host {host.node} has {_host_size(free)} of memory available, and the shared host copies "
+            f"of this apply_offload need {_host_size(need)} together ({parts})")
+
+
+def _host_size(nbytes: int) -> str:
+    """GiB, or MiB below a quarter of one."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _map_shared_copy(specs: list[_RingSpec], layout: CopyLayout, per_block: Sequence[tuple[int, ...]],
+                     groups: GroupSession, space: str | None) -> list[_RingSpec]:
+    """:func:`_with_shared_copies` for ``specs[0]``, whose copy holds ``layout`` (``per_block``:
+    the host ranks that stream each block); the rest come back as they are, or, when its
+    hand-over failed, falling back to rank-local with it. ``space``: the host's first rank found
+    the host short of memory for every copy of the call (given with the first ring only): every
+    rank raises it, and nothing is created."""
+    spec, host, out = specs[0], specs[0].host, list(specs)
+    name = spec.component.name
     offer, blocks, said = None, None, None
     if host.index == 0:
-        free = available_host_bytes()
-        if free is not None and free < layout.nbytes:
-            said = ("space", f"host {host.node} has {free / 2**30:.2f} GiB of memory available, and the "
-                             f"shared host copy of {spec.component.name} needs {layout.nbytes / 2**30:.2f} GiB")
+        if space is not None:
+            said = ("space", space)
         else:
             try:
                 blocks = SharedBlocks.create(f"omni-offload:{host.job}:{spec.component.name}", layout, per_block)
@@ -734,11 +782,10 @@ def _map_shared_copy(specs: list[_RingSpec], groups: GroupSession) -> list[_Ring
     told = groups.all_gather(said, f"{name}: offer the shared copy")
     error, serving = None, None
     try:
-        if space := next((t[1] for t in told if t is not None and t[0] == "space"), None):
+        if short := next((t[1] for t in told if t is not None and t[0] == "space"), None):
             raise OffloadConfigError(
-                f"{spec.component.name}: {space}. Free host memory, store the blocks in 8 bits "
-                "(storage_dtype), keep blocks resident (device_budget), or give each rank a shard "
-                "(weight_transfer: allgather).")
+                f"{short}. Free host memory, store the blocks in 8 bits (storage_dtype), keep blocks "
+                "resident (device_budget), or give each rank a shard (weight_transfer: allgather).")
         try:
             kind, what = told[host.ranks[0]]
             if kind != "offer":
@@ -1131,6 +1178,7 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
                 held = None
             elif layout.image is None:
                 held = tuple(e.view_in(view) for e in layout.entries)
+                shared.adopt(i, held)  # the ring's own: not a caller's views when the block is left
             else:
                 held = tuple(_placeholder(e, placeholders) for e in layout.entries)
             parked.append(held)

@@ -22,23 +22,31 @@ page-lock their mappings of it while they are still writing their own part. A ra
 using a block (it became resident there, the rank edited it and keeps a copy of its own, or the
 rank released the ring) clears its byte under a lock on the header; the last one out empties the
 block's file (``fallocate PUNCH_HOLE``), so memory no rank uses goes back to the host at once.
+Tensors a caller took over a rank's mapping of the block while its ring ran (a ``state_dict()``)
+would then read zeros: a rank that still has such tensors when it stops using the block (the
+storage's use count says, beyond the ring's own views) first puts a private copy of the block in
+place of its mapping, at the same address, and that copy goes with the last of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import functools
 import hmac
 import mmap
 import os
+import posixpath
 import re
+import resource
 import secrets
 import socket
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -101,23 +109,127 @@ def job_name() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", raw)[:40]
 
 
+#: Where :func:`available_host_bytes` reads. Module attributes, so tests can point them at a
+#: fake tree.
+_MEMINFO = "/proc/meminfo"
+_PROC_CGROUP = "/proc/self/cgroup"
+_MOUNTINFO = "/proc/self/mountinfo"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+#: Per cgroup version: the files of a cgroup that hold its memory limit and its usage now.
+_V2_FILES = ("memory.max", "memory.current")
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+#: v1 says "no limit" with a number near 2**63 (rounded down to a page).
+_V1_UNLIMITED = 1 << 60
+
+
 def available_host_bytes() -> int | None:
-    """Host memory a new allocation can take: ``MemAvailable``, capped by the memory limit of
-    this process's cgroup (v2 or v1) where one is set; None where neither can be read."""
+    """Host memory a new allocation can take: ``MemAvailable``, capped by the room left under
+    each memory limit on the way from this process's cgroup (``/proc/self/cgroup``: v2, and v1's
+    memory controller) up to the root of its hierarchy (a limit minus that cgroup's usage: the
+    pages a shared copy allocates are charged to this cgroup and to each above it). None where
+    nothing can be read."""
     found = []
     with contextlib.suppress(OSError, ValueError):
-        with open("/proc/meminfo") as f:
+        with open(_MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     found.append(int(line.split()[1]) * 1024)
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        with contextlib.suppress(OSError, ValueError):
-            cap = open(limit).read().strip()
-            if cap != "max" and int(cap) < 1 << 60:
-                found.append(max(0, int(cap) - int(open(usage).read().strip())))
-            break
+    found += _cgroup_room()
     return min(found) if found else None
+
+
+def _cgroup_room() -> list[int]:
+    """The room under every memory limit set on this process's cgroup or an ancestor of it."""
+    try:
+        with open(_PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:  # as before: where this process's cgroup is unknown, the hierarchies' roots
+        lines = ["0::/", "0:memory:/"]
+    mounts = _cgroup_mounts()
+    room: list[int] = []
+    seen: set[str] = set()
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":  # cgroup v2 (the unified hierarchy)
+            kind, files, default = "cgroup2", _V2_FILES, _CGROUP_ROOT
+        elif "memory" in controllers.split(","):  # cgroup v1's memory controller
+            kind, files, default = "memory", _V1_FILES, f"{_CGROUP_ROOT}/memory"
+        else:
+            continue
+        # Where the hierarchy is mounted (mountinfo), and the usual place in case that says nothing.
+        for root, point in [*mounts.get(kind, []), ("/", default)]:
+            here = _under(path, root)
+            if here is None:
+                continue
+            top = point.rstrip("/") or "/"
+            cgroup = posixpath.normpath(top + here) if here != "/" else top
+            while True:
+                if cgroup not in seen:
+                    seen.add(cgroup)
+                    left = _room_in(cgroup, files)
+                    if left is not None:
+                        room.append(left)
+                if cgroup == top or len(cgroup) <= len(top):
+                    break
+                cgroup = posixpath.dirname(cgroup)
+    return room
+
+
+def _under(path: str, root: str) -> str | None:
+    """``path`` (a cgroup, as ``/proc/self/cgroup`` names it) relative to a mount of its
+    hierarchy whose root is ``root``, starting with ``/``; None when the mount does not hold it."""
+    if not path.startswith("/") or ".." in path.split("/"):  # outside this cgroup namespace
+        return None
+    root = root.rstrip("/")
+    if not root:
+        return path
+    if path == root:
+        return "/"
+    return path[len(root):] if path.startswith(root + "/") else None
+
+
+def _room_in(cgroup: str, files: tuple[str, str]) -> int | None:
+    """A cgroup's memory limit less its usage, or None when it has none (or it cannot be read)."""
+    try:
+        with open(f"{cgroup}/{files[0]}") as f:
+            cap = f.read().strip()
+        if cap == "max" or int(cap) >= _V1_UNLIMITED:
+            return None
+        limit = int(cap)
+    except (OSError, ValueError):
+        return None
+    usage = 0
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"{cgroup}/{files[1]}") as f:
+            usage = int(f.read().strip())
+    return max(0, limit - usage)
+
+
+def _cgroup_mounts() -> dict[str, list[tuple[str, str]]]:
+    """``"cgroup2"`` and ``"memory"`` (v1) -> their mounts as (root within the hierarchy, mount
+    point), from ``/proc/self/mountinfo``; empty where it cannot be read."""
+    mounts: dict[str, list[tuple[str, str]]] = {}
+    with contextlib.suppress(OSError):
+        with open(_MOUNTINFO) as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields, tail = left.split(), right.split()
+                if not sep or len(fields) < 5 or len(tail) < 3:
+                    continue
+                root, point = _unescape(fields[3]), _unescape(fields[4])
+                if tail[0] == "cgroup2":
+                    mounts.setdefault("cgroup2", []).append((root, point))
+                elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+                    mounts.setdefault("memory", []).append((root, point))
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, tab, newline or backslash in a path as an octal escape."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _pages(nbytes: int) -> int:
@@ -129,18 +241,51 @@ def _pages(nbytes: int) -> int:
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+
+
+def _storage_users(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold ``tensor``'s storage, itself included."""
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1  # not the storage object made here
 
 
 class SharedSegment:
     """A shared-memory file of ``nbytes``, mapped read-write into this process, as a flat
-    ``uint8`` tensor. The descriptor stays open: it carries the header lock and the hole punching."""
+    ``uint8`` tensor. The descriptor stays open: it carries the header lock and the hole punching.
+
+    The mapping is made with ``mmap(2)`` itself, not Python's ``mmap`` (which keeps a duplicate
+    of the descriptor for as long as the mapping lives), and goes when the last tensor viewing
+    it does: it takes no descriptor of its own, and one that a caller keeps (a ``state_dict()``)
+    holds no descriptor open either."""
 
     def __init__(self, fd: int, nbytes: int) -> None:
         self.fd = fd
         self.nbytes = nbytes
-        self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.private = False
+        """Whether this process's mapping holds a private copy now (:meth:`keep_private`)."""
+        libc, length = _libc(), _pages(nbytes)
+        start = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if start in (None, _MAP_FAILED):
+            code = ctypes.get_errno()
+            raise OSError(code, f"could not map a shared file of {nbytes} bytes: {os.strerror(code)}")
+        try:
+            memory = (ctypes.c_uint8 * nbytes).from_address(start)
+            self.tensor = torch.frombuffer(memory, dtype=torch.uint8)
+        except BaseException:
+            libc.munmap(start, length)
+            raise
+        # The tensor's storage holds ``memory``: once no tensor views it, it goes, and unmaps.
+        weakref.finalize(memory, libc.munmap, start, length).atexit = False
         # Advice only: huge pages where the host lets shared memory have them (fewer faults
         # while filling, fewer pages to page-lock).
         _libc().madvise(ctypes.c_void_p(self.tensor.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
@@ -178,6 +323,30 @@ class SharedSegment:
     def allocated_bytes(self) -> int:
         """Bytes of host memory the file holds now (pages written and not punched)."""
         return os.fstat(self.fd).st_blocks * 512
+
+    def keep_private(self) -> None:
+        """Put a private copy of the mapping's bytes in its place, at the same address: every
+        tensor that views it reads the same values from then on, and no longer the file, so
+        the file's pages may go (:meth:`punch`, or another process's) without them turning to
+        zeros. The copy goes when the last tensor viewing it does (it unmaps with the mapping).
+        The kernel swaps the mappings in one step (``mremap``): a reader at that moment reads
+        the old or the new, both the same bytes."""
+        if self.private:
+            return
+        libc, length = _libc(), _pages(self.nbytes)
+        start = self.tensor.data_ptr()
+        copy = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if copy in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"could not copy a shared block's {length} bytes: "
+                                              f"{os.strerror(ctypes.get_errno())}")
+        try:
+            ctypes.memmove(copy, start, self.nbytes)
+            if libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, start) in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        except BaseException:
+            libc.munmap(copy, length)
+            raise
+        self.private = True
 
     def close(self) -> None:
         """Close the descriptor. The mapping goes when the last tensor viewing it does."""
@@ -257,16 +426,29 @@ def _quietly(fn, *args) -> None:
 def receive(address: str, key: bytes, count: int, timeout_s: float) -> list[int]:
     """A non-first rank's side: present the key, get ``count`` descriptors."""
     fds: list[int] = []
+    truncated = False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(address)
             sock.sendall(key)
-            while len(fds) < count:
-                msg, got, _flags, _addr = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
-                fds += got
-                if not msg:
-                    break
+            try:
+                while len(fds) < count:
+                    msg, got, flags, _addr = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+                    fds += got
+                    # The kernel drops the descriptors this process cannot take (no free
+                    # descriptor under its limit) and says so with MSG_CTRUNC.
+                    truncated = truncated or bool(flags & getattr(socket, "MSG_CTRUNC", 0))
+                    if not msg or truncated:
+                        break
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise SharedMemoryError(_out_of_descriptors(
+                    f"it took {len(fds)} of the {count} descriptors the host's first rank sent", count, exc)) from exc
+            if len(fds) != count and (truncated or _no_descriptor_left(sock)):
+                raise SharedMemoryError(_out_of_descriptors(
+                    f"it took {len(fds)} of the {count} descriptors the host's first rank sent", count))
         for fd in fds:
             os.set_inheritable(fd, False)
         if len(fds) != count:
@@ -277,6 +459,25 @@ def receive(address: str, key: bytes, count: int, timeout_s: float) -> list[int]
         for fd in fds:
             os.close(fd)
         raise
+
+
+def _no_descriptor_left(sock: socket.socket) -> bool:
+    """Whether this process has reached its limit of open files (errno says so)."""
+    try:
+        os.close(os.dup(sock.fileno()))
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
+    return False
+
+
+def _out_of_descriptors(what: str, files: int, exc: OSError | None = None) -> str:
+    """Why this rank, not the one that sent them, could not take a copy's ``files``."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    return (f"this rank may have run out of file descriptors: {what}{f' ({exc})' if exc is not None else ''}, "
+            f"and its limit of open files (ulimit -n) is {limit}. Each rank holds a descriptor per file of "
+            f"each shared copy ({files} for this one: a header and a file per block): raise ulimit -n on "
+            "this rank")
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
@@ -326,6 +527,9 @@ class SharedBlocks:
         n, r = len(layout.sizes), layout.ranks
         self._flags = header.tensor[: n * r].view(n, r)
         self._written = header.tensor[n * r : n * (r + 1)]
+        # Per block, the tensors this rank's ring made over its mapping (:meth:`view`,
+        # :meth:`adopt`), weakly: any other tensor over it is a caller's (a state_dict).
+        self._own: list[list[weakref.ref]] = [[] for _ in range(n)]
 
     @classmethod
     def create(cls, name: str, layout: CopyLayout, users: Sequence[Sequence[int]]) -> SharedBlocks:
@@ -340,10 +544,11 @@ class SharedBlocks:
                     made.append(SharedSegment.create(f"{name}:{b}", max(size, 1)))
                 files.append(made[-1] if size is not None else None)
             blocks = cls(made[0], files, layout, 0)
-            blocks._flags.zero_()
-            for b, who in enumerate(users):
-                for r in who:
-                    blocks._flags[b, r] = 1
+            with torch.inference_mode():  # see _locked
+                blocks._flags.zero_()
+                for b, who in enumerate(users):
+                    for r in who:
+                        blocks._flags[b, r] = 1
             return blocks
         except BaseException:
             for segment in made:
@@ -377,8 +582,36 @@ class SharedBlocks:
         return [self.header.fd] + [f.fd for f in self.files if f is not None]
 
     def view(self, block: int) -> torch.Tensor | None:
+        """This rank's mapping of ``block``'s bytes (None where the copy does not hold it)."""
         file = self.files[block]
-        return None if file is None else file.tensor[: self.layout.sizes[block]]
+        if file is None:
+            return None
+        view = file.tensor[: self.layout.sizes[block]]
+        self.adopt(block, (view,))
+        return view
+
+    def adopt(self, block: int, tensors: Sequence[torch.Tensor]) -> None:
+        """``tensors`` (views of ``block``'s mapping, such as the ring's parked tensors) are
+        this rank's own: :meth:`leave` does not count them as tensors a caller still holds."""
+        refs = [r for r in self._own[block] if r() is not None]
+        refs += [weakref.ref(t) for t in tensors]
+        self._own[block] = refs
+
+    def outside_views(self, block: int) -> int:
+        """How many tensors over ``block``'s mapping in this process are not this rank's own
+        (:meth:`adopt`): tensors a caller took from the block's parameters (``state_dict()``,
+        ``param.data``), or parameters still pointing at it. Counted from the storage's use
+        count, which every tensor over it adds one to."""
+        file = self.files[block]
+        if file is None:
+            return 0
+        own = {id(file.tensor)}
+        for ref in self._own[block]:
+            if (t := ref()) is not None:
+                # A view made through a tensor autograd does not see as one (``.view(dtype)``
+                # to another element size) keeps that tensor alive as its base.
+                own.update((id(t), id(t._base)) if t._base is not None else (id(t),))
+        return max(0, _storage_users(file.tensor) - len(own))
 
     def populate(self, block: int, view: torch.Tensor) -> None:
         """Allocate the pages of ``view``, a range of :meth:`view` of ``block``."""
@@ -387,7 +620,8 @@ class SharedBlocks:
     def mark_written(self, block: int) -> None:
         """Its writer has filled ``block``: the other ranks may page-lock it without allocating
         its pages against the writer (a hint only; page-locking is correct at any time)."""
-        self._written[block] = 1
+        with torch.inference_mode():  # see _locked
+            self._written[block] = 1
 
     def written(self, block: int) -> bool:
         return bool(self._written[block])
@@ -398,10 +632,15 @@ class SharedBlocks:
 
     def leave(self, block: int) -> None:
         """This rank no longer reads ``block`` here (it has unregistered its pages); the last
-        rank to leave gives the pages back."""
+        rank to leave gives the pages back. Tensors a caller still holds over this rank's
+        mapping of it (a ``state_dict()`` taken while the ring ran) keep their values: the
+        mapping becomes a private copy first (:meth:`SharedSegment.keep_private`), which goes
+        with them."""
         file = self.files[block]
         if file is None or file.fd < 0:
             return
+        if self._flags[block, self.me] and not file.private and self.outside_views(block):
+            file.keep_private()  # while this rank's byte still keeps the pages from being punched
         with self._locked():
             if not self._flags[block, self.me]:
                 return
@@ -443,9 +682,13 @@ class SharedBlocks:
 
     @contextlib.contextmanager
     def _locked(self):
+        """Hold the lock on the header's per-rank bytes. Writes to the header run in inference
+        mode: its tensor is an inference tensor where setup ran in that mode (a model built
+        under it), and may still be written from outside it (``remove()``)."""
         header = len(self.layout.sizes) * self.layout.ranks
         fcntl.lockf(self.header.fd, fcntl.LOCK_EX, header, 0)
         try:
-            yield
+            with torch.inference_mode():
+                yield
         finally:
             fcntl.lockf(self.header.fd, fcntl.LOCK_UN, header, 0)

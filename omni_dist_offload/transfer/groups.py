@@ -16,6 +16,7 @@ cross the network.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -147,6 +148,12 @@ class GroupSession:
         """The weight group :meth:`resolve` chose, or None (no allgather, or a fallback)."""
         self.host: HostRanks | None = None
         """The ranks sharing host copies, as :meth:`resolve_shared` found them, or None."""
+        # Whether this rank has reached the shared copies' plan (plan_shared), whether the
+        # ranks already told each other of a failure (compare_residency), and whether an
+        # exchange broke (a peer gone, a timeout): tell_failure then has no one to tell.
+        self._planned = False
+        self._told = False
+        self._broken = False
 
     @property
     def active(self) -> bool:
@@ -159,7 +166,11 @@ class GroupSession:
         (its step and component): ranks that reach different exchanges raise alike, naming them,
         instead of reading each other's objects as their own."""
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (tag, obj), group=self._exchange_group())
+        try:
+            dist.all_gather_object(gathered, (tag, obj), group=self._exchange_group())
+        except BaseException:
+            self._broken = True
+            raise
         tags = [t for t, _ in gathered]
         if any(t != tag for t in tags):
             exc = OffloadConfigError(
@@ -201,13 +212,51 @@ class GroupSession:
         assert self.group is not None
         gathered = self.all_gather((self.group.ranks, rings), "compare residency plans")
         failed = [(r, why) for r, (_, why) in enumerate(gathered) if isinstance(why, str)]
+        self._told = bool(failed)  # every rank knows, and raises: tell_failure has nothing to add
         if failed and not isinstance(rings, str):
             rank, why = failed[0]
             raise OffloadConfigError(
                 f"rank {rank} could not plan which blocks stay resident ({why}), so no rank streams: "
                 "fix the error on that rank and apply again.")
         if not failed:
-            _check_same_residency(gathered)
+            try:
+                _check_same_residency(gathered)
+            except OffloadConfigError as exc:  # the same on every rank
+                self._told = True
+                setattr(exc, AGREED, True)
+                raise
+
+    def plan_shared(self, plan: dict[str, Any] | str) -> list[Any]:
+        """shared: the first exchange of the host copies' setup, which every rank reaches once
+        :meth:`resolve_shared` found the ranks sharing them: this rank's ``plan`` (per shared
+        ring, what the copy needs from it), or why it could not get here (a string; it raises
+        its own error after this, see :meth:`tell_failure`). Returns every rank's plan, in rank
+        order; where some rank failed, every other rank raises one error naming it (and
+        nothing has changed on any rank)."""
+        assert self.host is not None
+        self._planned = True
+        gathered = self.all_gather(plan, "plan the shared host copies")
+        failed = [(r, why) for r, why in enumerate(gathered) if isinstance(why, str)]
+        if failed and not isinstance(plan, str):
+            rank, why = failed[0]
+            exc = OffloadConfigError(
+                f"rank {rank} could not set up its shared rings ({why}), so no rank streams: the ranks of a "
+                "host share its host copies. Fix the error on that rank and apply again.")
+            setattr(exc, AGREED, True)
+            raise exc
+        return gathered
+
+    def tell_failure(self, exc: BaseException) -> None:
+        """Setup's first phase failed on this rank (``exc``) before the shared copies' plan, where
+        the other ranks wait for it (:meth:`plan_shared`): tell them why, so that they raise an
+        error naming this rank at once rather than a peer's lost connection or a timeout. Does
+        nothing where there are no shared copies, where every rank knows already, or where an
+        exchange broke. Never raises."""
+        if (self.host is None or self._planned or self._told or self._broken
+                or getattr(exc, AGREED, False) or not dist.is_initialized()):
+            return
+        with contextlib.suppress(Exception):
+            self.plan_shared(f"{type(exc).__name__}: {exc}")
 
     def resolve_shared(self, components: dict[str, ComponentFacts], device: torch.device) -> tuple[HostRanks | None, str | None]:
         """The ranks of this host that share host copies, or ``(None, reason)`` when they cannot:

@@ -133,9 +133,12 @@ def memory_and_edits(rank: Rank) -> dict:
         edited.blocks[0].lin.weight.add_(1.0)
     out["edit_equal"] = torch.equal(model(x), edited(x))
     out["after_edit"] = handle.summary()[0]
+    # A state_dict that rank 0 keeps past remove() (to save it, say) views the shared copy.
+    kept = model.state_dict() if rank.rank == 0 else {}
     dist.barrier()
     watch = [os.dup(fd) for fd in blocks.fds()]
     handle.remove()
+    out["private"] = [getattr(f, "private", None) for f in blocks.files]
     del ring, blocks
     out["equal_after_remove"] = torch.equal(model(x), edited(x))
     out["left_after_remove"] = _segments_mapped(ignore=watch)
@@ -143,6 +146,10 @@ def memory_and_edits(rank: Rank) -> dict:
     out["allocated_at_end"] = sum(os.fstat(fd).st_blocks * 512 for fd in watch)
     for fd in watch:
         os.close(fd)
+    # ...and the state_dict still reads the weights (its own copy of them, which goes with it).
+    want = edited.state_dict()
+    out["kept_equal"] = [k for k, v in kept.items() if not torch.equal(v, want[k])]
+    out["kept"] = len(kept)
     return out
 
 
@@ -161,6 +168,10 @@ def test_host_memory_once_per_host_and_edits_stay_on_their_rank():
         assert r["equal"] and r["edit_equal"] and r["equal_after_remove"]
         assert r["summary"]["host_bytes"] == copy // 2 or abs(r["summary"]["host_bytes"] - copy / 2) <= 1
         assert r["left_after_remove"] == [] and r["allocated_at_end"] == 0
+    # Rank 0's state_dict views every block of the copy: leaving, it took a copy of each for
+    # the views; rank 1, which keeps none, took none.
+    assert results[0]["kept"] == len(ToyDiT(8, dim=512).state_dict()) and results[0]["kept_equal"] == []
+    assert results[0]["private"] == [True] * 8 and results[1]["private"] == [False] * 8
     block0 = copy // 8
     # After the edit, rank 1 holds block 0 on its own, and rank 0 alone reads the shared one.
     for r in results:  # rank 1's copy of its own, rank 0's now unshared read of the shared one
@@ -196,6 +207,15 @@ def failures(rank: Rank) -> dict:
         apply_mod.available_host_bytes = real
     assert_same(before, model)
     out["left_after_space"] = _segments_mapped()
+    # Rank 1's device_budget cannot hold the ring (its GPU busier, say): it raises its own error
+    # and rank 0 one naming rank 1 and why, at once; nothing changes on either.
+    try:
+        apply_offload(model, dict(shared_config(), device_budget=1000 if rank.rank == 1 else "1GiB"))
+        out["budget"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is checked
+        out["budget"] = f"{type(exc).__name__}: {exc}"
+    assert_same(before, model)
+    out["left_after_budget"] = _segments_mapped()
     # Rank 1 cannot collect the copy (ranks of a host in different network namespaces): every
     # rank streams rank-local, with the reason.
     real_receive = apply_mod.receive
@@ -214,7 +234,7 @@ def failures(rank: Rank) -> dict:
     handle = apply_offload(model, shared_config())
     dist.barrier()
     if rank.rank == 1:
-        rank.report({"killed": True})
+        rank.report({"killed": True, "budget": out["budget"]})
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)
     with torch.no_grad():
@@ -226,7 +246,10 @@ def failures(rank: Rank) -> dict:
 
 def test_exception_space_and_a_killed_rank_leave_nothing():
     r0, r1 = run_ranks(failures, 2, broken_group=True)
-    assert r1 == {"killed": True}
+    assert r1["killed"] and r1["budget"].startswith("OffloadConfigError: config key 'device_budget'"), r1
+    assert r0["budget"].startswith("OffloadConfigError: rank 1 could not set up its shared rings (OffloadConfigError: "
+                                   "config key 'device_budget'"), r0["budget"]
+    assert r0["left_after_budget"] == []
     assert r0["pin"].startswith("RuntimeError: apply_offload failed on rank 1"), r0["pin"]
     assert "page-locking the host copy of block" in r0["pin"]
     assert "memory available" in r0["space"] and "storage_dtype" in r0["space"], r0["space"]
