@@ -133,6 +133,15 @@ def memory_and_edits(rank: Rank) -> dict:
         edited.blocks[0].lin.weight.add_(1.0)
     out["edit_equal"] = torch.equal(model(x), edited(x))
     out["after_edit"] = handle.summary()[0]
+    # Every rank writes the same new weights into block 0, which its slots hold since the last
+    # forward prefetched it: the write lands in the one shared copy, and each rank copies the
+    # block again.
+    new0 = ToyDiT(8, dim=512, seed=7).blocks[0].lin.weight
+    dist.barrier()
+    model.blocks[0].lin.weight.copy_(new0)
+    edited.blocks[0].lin.weight.copy_(new0)
+    dist.barrier()
+    out["written_equal"] = torch.equal(model(x), edited(x))
     # A state_dict that rank 0 keeps past remove() (to save it, say) views the shared copy.
     kept = model.state_dict() if rank.rank == 0 else {}
     dist.barrier()
@@ -155,6 +164,7 @@ def memory_and_edits(rank: Rank) -> dict:
 
 def test_host_memory_once_per_host_and_edits_stay_on_their_rank():
     results = run_ranks(memory_and_edits, 2)
+    assert all(r["written_equal"] for r in results)
     for r in results:  # each block marked filled by its writer, and page-locked once by each rank
         assert r["written"] == [True] * 8
         assert r["handed"] == sorted(f"blocks.{i}" for i in range(8)), r["handed"]
