@@ -117,10 +117,12 @@ class _Hook:
     __slots__ = ("_call", "_ring", "_lock")
 
     def __init__(self, ring: "BlockRing", fn: Callable[..., Any]) -> None:
-        self._call = torch.compiler.disable(fn)
+        self._call = fn
         self._ring = ring
         self._lock = ring._lock
 
+    # Disabled as a whole: a compiled block (``fullgraph=True`` too) calls it eagerly, lock and all.
+    @torch.compiler.disable
     def __call__(self, *args: Any) -> Any:
         with self._lock:
             return self._call(*args)

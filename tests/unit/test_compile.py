@@ -21,13 +21,13 @@ def _eager(num_layers: int) -> tuple[torch.nn.Module, dict, torch.Tensor]:
     return model, batch, ref
 
 
-def _regional(offload: dict | None) -> tuple[list[torch.Tensor], dict]:
+def _regional(offload: dict | None, fullgraph: bool = False) -> tuple[list[torch.Tensor], dict]:
     torch._dynamo.reset()
     counters.clear()
     model = tiny.tiny_wan_transformer(num_layers=4)
     batch = tiny.wan_transformer_inputs(model)
     handle = apply_offload(model, offload) if offload is not None else None
-    model.compile_repeated_blocks(fullgraph=False)
+    model.compile_repeated_blocks(fullgraph=fullgraph)
     with torch.no_grad():
         # Across the wrap to block 0, and (under a budget) across the re-plan after the second.
         outs = [model(**batch)[0] for _ in range(4)]
@@ -39,11 +39,15 @@ def _regional(offload: dict | None) -> tuple[list[torch.Tensor], dict]:
     return outs, stats
 
 
-@pytest.mark.parametrize("offload", [{"mode": "layer"}, {"mode": "layer", "device_budget": "96KiB"}],
-                         ids=["streamed", "budget"])
-def test_regional_compile_after_offload_matches_compiled_resident(offload):
-    ref, resident = _regional(None)
-    outs, streamed = _regional(offload)
+@pytest.mark.parametrize(("offload", "fullgraph"), [({"mode": "layer"}, False),
+                                                   ({"mode": "layer", "device_budget": "96KiB"}, False),
+                                                   ({"mode": "layer", "device_budget": "96KiB"}, True)],
+                         ids=["streamed", "budget", "budget-fullgraph"])
+def test_regional_compile_after_offload_matches_compiled_resident(offload, fullgraph):
+    """fullgraph: the block's graph holds no break, so the ring's hooks (run eagerly, lock and
+    all) must never be traced."""
+    ref, resident = _regional(None, fullgraph)
+    outs, streamed = _regional(offload, fullgraph)
     assert streamed["streamed_blocks"] >= 2  # under the budget: one block resident, the rest streamed
     assert all(torch.equal(a, b) for a, b in zip(outs, ref))
     # The same graphs as the compiled resident model: streaming adds none, and none recompiles.
