@@ -36,7 +36,8 @@ from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError, check_cache
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
-from ..runtime.flags import finite_float, non_negative_int, positive_int
+from ..runtime.flags import OneLineParser as _Parser
+from ..runtime.flags import UsageError, finite_float, non_negative_int, positive_int
 from ..runtime.logs import rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
@@ -53,16 +54,6 @@ DEFAULT_MODEL = "tiny-wan"
 DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
 DEFAULT_PROMPT = "a red fox running through snow"
 _COMMANDS = ("generate", "inspect", "bench", "serve")
-
-
-class UsageError(Exception):
-    """A bad flag or flag value: reported in one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # argparse would print the usage block and exit; one line that names the problem is enough.
-        raise UsageError(message)
 
 
 @dataclass(kw_only=True, slots=True)
