@@ -239,6 +239,14 @@ class Omni:
                 "lora= with the DiT's upcast \"layer\": LoRAs are loaded after offloading, and 8-bit blocks "
                 "upcast per layer cannot take an adapter then. Use upcast \"block\" (the default) with LoRAs, "
                 "or load them before apply_offload (the Python API: they stream with their blocks).")
+        if self.compile and self.config is not None and "dit" in self.config.components \
+                and self.config.options_for("dit").upcast == "layer":
+            # The per-layer upcast swaps tensors inside each block, which a compiled graph does not
+            # follow (the ring refuses it at the first forward): say so before anything loads.
+            raise OffloadConfigError(
+                f"compile={self.compile!r} with the DiT's upcast \"layer\": the per-layer upcast swaps each "
+                "layer's tensors inside the block, which a compiled block does not follow. Use upcast \"block\" "
+                "(the default) with compile, or do not compile.")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,

@@ -247,3 +247,21 @@ def test_cli_refuses_first_block_cache_with_context_parallel_in_one_line(flags, 
         assert "--cache taylorseer:N or pyramid-attention:N" in err[0]
         assert "drop --ulysses-degree/--ring-degree" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_compile_with_upcast_per_layer_is_refused_before_anything_loads(monkeypatch, tmp_path, capsys):
+    """The per-layer upcast swaps tensors inside each block, which a compiled block does not
+    follow: refused before the model loads (the ring would refuse it only at the first forward),
+    and in one line with exit status 2 from the CLI."""
+    import omni_dist_offload.app.api as api
+    from omni_dist_offload import OffloadConfigError
+    from omni_dist_offload.app.cli import main as cli_main
+
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(OffloadConfigError, match=r"compile='regional' with the DiT's upcast \"layer\""):
+        Omni("tiny-flux", None, compile=True, storage_dtype="float8_e4m3fn", upcast="layer")
+    out = tmp_path / "out"
+    assert cli_main(["generate", "--model", "tiny-flux", "--compile", "--storage-dtype", "float8_e4m3fn",
+                     "--upcast", "layer", "--output-dir", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "upcast \"layer\"" in err[0] and not out.exists()
