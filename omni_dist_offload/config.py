@@ -214,6 +214,11 @@ class OffloadConfig:
         if self.device_budget is not None and self.device_budget != "auto":
             object.__setattr__(self, "device_budget", _size("device_budget", self.device_budget, "or \"auto\""))
         if self.activation_reserve is not None:
+            if self.device_budget != "auto":
+                raise OffloadConfigError(
+                    f"config key 'activation_reserve' ({self.activation_reserve!r}) is what device_budget \"auto\" "
+                    f"leaves free for activations; with device_budget {self.device_budget!r} it would do nothing. "
+                    "Set device_budget to \"auto\", or drop activation_reserve.")
             object.__setattr__(self, "activation_reserve", _size("activation_reserve", self.activation_reserve))
 
     def options_for(self, category: str) -> LayerOptions:

@@ -227,10 +227,16 @@ def test_resident_blocks_override_the_planner_for_their_component():
 
 
 def test_budget_keys_round_trip():
-    cfg = OffloadConfig.parse(_budget_cfg("24GiB", activation_reserve="512MiB"))
-    assert cfg.device_budget == 24 * 2**30 and cfg.activation_reserve == 512 * 2**20
+    cfg = OffloadConfig.parse(_budget_cfg("24GiB"))
+    assert cfg.device_budget == 24 * 2**30 and OffloadConfig.parse(cfg.to_dict()) == cfg
+    cfg = OffloadConfig.parse(_budget_cfg("auto", activation_reserve="512MiB"))
+    assert cfg.device_budget == "auto" and cfg.activation_reserve == 512 * 2**20
     assert OffloadConfig.parse(cfg.to_dict()) == cfg
-    assert OffloadConfig.parse(_budget_cfg("auto")).device_budget == "auto"
+    # A reserve is what "auto" leaves free: with any other budget it would do nothing.
+    for budget in ("24GiB", None):
+        with pytest.raises(OffloadConfigError, match=r"'activation_reserve' \('512MiB'\) is what device_budget "
+                                                     r"\"auto\" leaves free"):
+            OffloadConfig.parse(_budget_cfg(budget, activation_reserve="512MiB"))
 
 
 def test_a_plan_made_under_inference_mode_leaves_ordinary_tensors():
