@@ -181,7 +181,8 @@ def check_cache(spec: ContextParallel | None, cache: CacheSpec | None, *, flags:
         f"{given}: First Block Cache decides from the first block's output, which context parallelism splits "
         "across the ranks, so it fails on the first forward (or the ranks decide apart and hang). Use "
         f"{use} with context parallelism (they skip by step, alike on every rank), or drop {drop} to keep "
-        f"{cache.type}")
+        f"{cache.type}" + (". On Wan, diffusers' TaylorSeer hooks no module in its default mode; its lite mode "
+                           "does ({\"type\": \"taylorseer\", \"use_lite_mode\": true})" if "taylorseer" in fine else ""))
 
 
 def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
