@@ -539,20 +539,18 @@ class BlockRing:
         raise AssertionError("no free slot")  # unreachable: keep holds at most num_slots blocks, one being filled
 
     def _fill(self, block: int, slot: int) -> None:
+        if self._inference and not torch.is_inference_mode_enabled():
+            # Inference slots take writes only in inference mode (a pipeline's forwards run
+            # under no_grad): rare, a model built under inference_mode.
+            with torch.inference_mode():
+                return self._fill(block, slot)
         # Mark the slot empty first: if the enqueue is interrupted, the slot must not claim
         # to hold its former block.
         self._slot_block[slot] = _EMPTY
         try:
             marks = self.tracer.transfer_marks(block) if self.tracer is not None else None
-            if self._inference and not torch.is_inference_mode_enabled():
-                # Inference slots take writes only in inference mode (a pipeline's forwards
-                # run under no_grad): rare, a model built under inference_mode.
-                with torch.inference_mode():
-                    self.transfer.fill(block, self._fill_views[slot][block], self._free[slot],
-                                       self._ready[slot], marks, start=self._base[block])
-            else:
-                self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot],
-                                   marks, start=self._base[block])
+            self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot], marks,
+                               start=self._base[block])
         except RuntimeError as exc:  # e.g. a gloo collective timed out: say which ring and block
             raise RuntimeError(
                 f"{self.component.name}: moving block {self.layouts[block].name} with the "
@@ -752,19 +750,21 @@ class BlockRing:
     # of their device tensors when the device and host last agreed; a block without an entry
     # (inference tensors keep no counters; peft's hotswap writes without one: forget_slots) is
     # written back whatever it holds.
-    def _note_device_versions(self, i: int) -> None:
+    def _device_tensor_versions(self, i: int) -> tuple[int, ...]:
         entries = self.layouts[i].entries[: self._kept[i]] if i in self._kept else self.layouts[i].entries
+        return tuple(e.tensor._version for e in entries)
+
+    def _note_device_versions(self, i: int) -> None:
         if not self._inference:
-            self._device_versions[i] = tuple(e.tensor._version for e in entries)
+            self._device_versions[i] = self._device_tensor_versions(i)
         else:
             self._device_versions.pop(i, None)
 
     def _written_on_device(self, i: int) -> bool:
         if not self.transfer.has_host_copy(i):
             return False
-        entries = self.layouts[i].entries[: self._kept[i]] if i in self._kept else self.layouts[i].entries
         seen = self._device_versions.get(i)
-        return seen is None or seen != tuple(e.tensor._version for e in entries)
+        return seen is None or seen != self._device_tensor_versions(i)
 
     def _moved(self, i: int, host: torch.Tensor | None) -> None:
         """The transfer gave block ``i`` a new host copy (``write_back``): park it there."""
