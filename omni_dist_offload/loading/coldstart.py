@@ -311,8 +311,9 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                 persistent = registry is mod._parameters or attr not in mod._non_persistent_buffers_set
                 # Every name of a tied tensor may have its own key (T5's ``shared`` and
                 # ``encoder.embed_tokens``): all are the model's, none is unused.
-                used.update(k for q in quals if (k := _checkpoint_key([q], checkpoint, prefix, renamed)))
-                key = _checkpoint_key(quals, checkpoint, prefix, renamed) if persistent else None
+                found = [k for q in quals if (k := _checkpoint_key([q], checkpoint, prefix, renamed))]
+                used.update(found)
+                key = found[0] if persistent and found else None
                 if key is None and not t.is_meta:
                     continue  # a buffer the constructor computed: apply_offload places it
                 if key is None:
