@@ -231,16 +231,16 @@ class Omni:
         self.model = model
         self.config = with_upcast(with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype),
                                   upcast)
-        if self.loras and self.config is not None and "dit" in self.config.components \
-                and self.config.options_for("dit").upcast == "layer":
+        dit_per_layer = self.config is not None and "dit" in self.config.components \
+            and self.config.options_for("dit").upcast == "layer"
+        if self.loras and dit_per_layer:
             # Omni loads LoRAs after offloading; a DiT of 8-bit blocks upcast per layer cannot take
             # an adapter then (its base layer's dtype reads 8 bits): say so before anything loads.
             raise AdapterError(
                 "lora= with the DiT's upcast \"layer\": LoRAs are loaded after offloading, and 8-bit blocks "
                 "upcast per layer cannot take an adapter then. Use upcast \"block\" (the default) with LoRAs, "
                 "or load them before apply_offload (the Python API: they stream with their blocks).")
-        if self.compile and self.config is not None and "dit" in self.config.components \
-                and self.config.options_for("dit").upcast == "layer":
+        if self.compile and dit_per_layer:
             # The per-layer upcast swaps tensors inside each block, which a compiled graph does not
             # follow (the ring refuses it at the first forward): say so before anything loads.
             raise OffloadConfigError(
