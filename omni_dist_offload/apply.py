@@ -247,8 +247,13 @@ class OffloadHandle:
                 # A ring whose blocks all stay resident for good needs no hooks: the model runs
                 # as it would without offloading (where the host is the bottleneck, hooks cost).
                 ring.install_hooks()
-        for mod in self._modules.values():
+        for name, mod in self._modules.items():
             setattr(mod, _STATE_ATTR, self)
+            # Looked up on the instance by pickle and deepcopy before anything inside the model
+            # is reached, such as diffusers' layerwise-casting hooks (local functions) under
+            # 8-bit storage, so the user meets this library's message, not one about a hook.
+            for attr in _COPY_ATTRS:
+                setattr(mod, attr, _RefuseCopy(name))
         # Adapters loaded or fused after this point reach the device (see tenants.py).
         self._watch = BlockWatch(self.rings)
 
@@ -308,6 +313,25 @@ class OffloadHandle:
         for mod in self._modules.values():
             if getattr(mod, _STATE_ATTR, None) is self:
                 delattr(mod, _STATE_ATTR)
+                for attr in _COPY_ATTRS:
+                    if isinstance(mod.__dict__.get(attr), _RefuseCopy):
+                        delattr(mod, attr)
+
+
+_COPY_ATTRS = ("__reduce_ex__", "__deepcopy__")
+
+
+class _RefuseCopy:
+    """Set on a streamed component's module as ``__reduce_ex__`` and ``__deepcopy__``: pickle and
+    ``copy.deepcopy`` look both up on the instance first (see ``OffloadHandle._install``)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any) -> Any:
+        raise refuse_copy(self._name)
 
 
 def _set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:

@@ -622,3 +622,22 @@ def test_a_failure_while_storing_the_layers_outside_the_blocks_takes_their_hooks
     assert not hooked
     assert all(torch.equal(before[n], t) and t.dtype == before[n].dtype for n, t in model.state_dict().items())
     assert torch.equal(model(**x)[0], want)
+
+
+@pytest.mark.parametrize("upcast_at", ["block", "layer"])
+def test_pickling_an_8bit_model_names_the_fix_before_any_hook(upcast_at, tmp_path):
+    """diffusers' layerwise-casting hooks (local functions) sit on layers that pickle reaches
+    before any block: the refusal is met on the model itself, for pickle, torch.save and deepcopy;
+    after remove() the model pickles as usual."""
+    import pickle
+
+    model = tiny.tiny_flux_transformer()
+    handle = apply_offload(model, stored(upcast=upcast_at), device="cpu")
+    for attempt in (pickle.dumps, copy.deepcopy, lambda m: torch.save(m, tmp_path / "m.pt")):
+        with pytest.raises(TypeError, match=r"transformer: an offloaded model cannot be deep-copied or pickled"):
+            attempt(model)
+    handle.remove()
+    assert "__reduce_ex__" not in vars(model) and "__deepcopy__" not in vars(model)
+    x = tiny.flux_transformer_inputs(model)
+    with torch.no_grad():
+        assert torch.equal(pickle.loads(pickle.dumps(model))(**x)[0], model(**x)[0])
