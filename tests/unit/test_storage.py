@@ -641,3 +641,27 @@ def test_pickling_an_8bit_model_names_the_fix_before_any_hook(upcast_at, tmp_pat
     x = tiny.flux_transformer_inputs(model)
     with torch.no_grad():
         assert torch.equal(pickle.loads(pickle.dumps(model))(**x)[0], model(**x)[0])
+
+
+@torch.no_grad()
+def test_save_pretrained_under_upcast_layer_writes_what_layerwise_casting_writes(tmp_path):
+    """Under upcast "layer" the blocks' tensors are their 8-bit bytes: the file is the one
+    diffusers' enable_layerwise_casting model writes, bitwise, before and after a forward."""
+    from safetensors.torch import load_file
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    reference.save_pretrained(tmp_path / "ref")
+    want = load_file(tmp_path / "ref" / "diffusion_pytorch_model.safetensors")
+    assert any(t.dtype == torch.float8_e4m3fn for t in want.values())
+    handle = apply_offload(model, stored(upcast="layer"), device="cpu")
+    for forward_first in (False, True):
+        if forward_first:
+            model(**tiny.flux_transformer_inputs(model))
+        model.save_pretrained(tmp_path / "layer")
+        got = load_file(tmp_path / "layer" / "diffusion_pytorch_model.safetensors")
+        assert set(got) == set(want)
+        for k, t in want.items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+    handle.remove()
