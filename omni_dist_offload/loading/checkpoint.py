@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -231,21 +231,57 @@ def _read_header(path: Path) -> Mapping[str, TensorInfo]:
     except (OSError, ValueError, struct.error) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); download it again.") from exc
     base = 8 + length
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file (its header is not a JSON object); "
+                              "download it again.")
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype = DTYPES.get(meta.get("dtype"))
+        begin, end, shape = _entry(path, name, meta)
+        dtype = DTYPES.get(meta["dtype"])
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta.get('dtype')!r}, which "
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {meta['dtype']!r}, which "
                                   f"this loader does not read (it reads {sorted(DTYPES)}).")
-        begin, end = meta["data_offsets"]
-        info = TensorInfo(path, dtype, tuple(meta["shape"]), base + begin, base + end)
+        info = TensorInfo(path, dtype, shape, base + begin, base + end)
         if info.stop - info.start != info.numel * dtype.itemsize or info.stop > size:
             raise CheckpointError(f"{path}: tensor {name!r} has a byte range that does not match its "
-                                  "shape and dtype or lies past the end of the file; the file is damaged.")
+                                  "shape and dtype or lies past the end of the file; the file is damaged, "
+                                  "download it again.")
         out[name] = info
+    # What safetensors itself checks: the tensors tile the data section exactly, with no overlap
+    # and no hole (an overlap would read one tensor's bytes as another's, a hole header bytes).
+    at = base
+    for name, info in sorted(out.items(), key=lambda kv: (kv[1].start, kv[1].stop)):
+        if info.start != at:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} starts at byte {info.start - base} of the data, where the tensors "
+                f"before it end at {at - base} ({'an overlap' if info.start < at else 'a hole'}); the file is "
+                "damaged, download it again.")
+        at = info.stop
+    if at != size:
+        raise CheckpointError(f"{path}: the tensors end at byte {at} of {size}; the file is damaged, "
+                              "download it again.")
     return out
+
+
+def _entry(path: Path, name: str, meta: Any) -> tuple[int, int, tuple[int, ...]]:
+    """``(begin, end, shape)`` of one header entry, checked for the types safetensors writes."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a readable safetensors file (tensor {name!r}: {what}); "
+                               "download it again.")
+
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
+        raise bad("its entry is not an object with dtype, shape and data_offsets")
+    offsets, shape = meta["data_offsets"], meta["shape"]
+    if not isinstance(meta["dtype"], str):
+        raise bad(f"dtype {meta['dtype']!r} is not a string")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise bad(f"shape {shape!r} is not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {offsets!r} are not two increasing byte offsets")
+    return offsets[0], offsets[1], tuple(shape)
 
 
 #: Destination bytes of one read task; a large tensor is split so threads share it.

@@ -236,7 +236,9 @@ def _transformers_builder(class_name: str, folder: Path, dtype: torch.dtype, che
         raise CheckpointError(f"{folder}: transformers has no class {class_name!r} (model_index.json); "
                               "upgrade transformers or fix the folder.")
     # The library's own meta load: its dtype rules, tied weights and key names, no tensor data.
-    module = cls.from_pretrained(folder, dtype=dtype, device_map="meta")
+    # Sizes are checked against the checkpoint by _materialise, which names every mismatch in
+    # one CheckpointError (transformers would raise a bare RuntimeError after a log report).
+    module = cls.from_pretrained(folder, dtype=dtype, device_map="meta", ignore_mismatched_sizes=True)
     module.eval()
 
     def fresh_buffers() -> dict[str, torch.Tensor]:

@@ -180,6 +180,15 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             f"{list(BUILTIN_MODELS)}, a local diffusers folder, or a hub id whose weights are in "
             "the local cache (set HF_HUB_OFFLINE=1 to skip the network)."
         ) from exc
+    except RuntimeError as exc:
+        # transformers refuses a checkpoint whose shapes differ from the config this way, after
+        # logging a report that names the tensors.
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelLoadError(
+            f"could not load {model!r} ({type(exc).__name__}: {detail}): a component's checkpoint does "
+            "not match its config.json (the loader's report above names the tensors); fix the folder or "
+            "download it again."
+        ) from exc
 
 
 def module_components(pipe: Any) -> dict[str, nn.Module]:

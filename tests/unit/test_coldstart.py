@@ -136,12 +136,76 @@ def test_mismatched_shape_is_named(wan_folder, tmp_path):
         load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
 
 
+def test_a_text_encoder_shape_mismatch_is_named_in_one_line(wan_folder, tmp_path, capsys):
+    """transformers raises a bare RuntimeError after a log report: the cold start names the
+    tensors in a CheckpointError, and the CLI gives one line either way."""
+    from omni_dist_offload.app.cli import main
+
+    folder = _copy_folder(wan_folder, tmp_path / "other-te-config")
+    config_path = folder / "text_encoder/config.json"
+    config = json.loads(config_path.read_text())
+    config["d_ff"] += 8
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"text_encoder .*tensor shapes differ .*DenseReluDense\.wi_0\.weight"):
+        load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+    for cold in ([], ["--no-cold-start"]):
+        rc = main(["generate", "--model", str(folder), "--num-inference-steps", "1", "--no-progress",
+                   "--output-dir", str(tmp_path / "out"), *cold])
+        err = capsys.readouterr().err
+        assert rc == 1 and "omni-offload generate: error:" in err and "Traceback" not in err, err
+
+
 def test_truncated_file_is_an_error(wan_folder, tmp_path):
     folder = _copy_folder(wan_folder, tmp_path / "truncated")
     shard = sorted((folder / "transformer").glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="damaged|truncated"):
         load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    (n,) = __import__("struct").unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header = edit(header) or header
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _overlap(h):  # b reads a's bytes
+    h["b"]["data_offsets"] = h["a"]["data_offsets"]
+
+
+def _before_data(h):  # a starts inside the header
+    begin, end = h["a"]["data_offsets"]
+    h["a"]["data_offsets"] = [begin - 16, end - 16]
+
+
+def _hole(h):  # the last tensor ends short of the file
+    h["b"]["data_offsets"][1] -= 4
+    h["b"]["shape"] = [3]
+
+
+@pytest.mark.parametrize("edit, found", [
+    (_overlap, r"tensor 'b' starts at byte 0 of the data, where the tensors before it end at 16 \(an overlap\)"),
+    (_before_data, r"data_offsets \[-16, 0\] are not two increasing byte offsets"),
+    (_hole, r"the tensors end at byte \d+ of \d+"),
+    (lambda h: h["a"].pop("data_offsets") and None, r"tensor 'a': its entry is not an object with dtype, shape and data_offsets"),
+    (lambda h: h.update(a=[1, 2]), r"tensor 'a': its entry is not an object"),
+    (lambda h: h["a"].update(shape=["4"]), r"shape \['4'\] is not a list of sizes"),
+    (lambda h: [1, 2], r"its header is not a JSON object"),
+])
+def test_a_damaged_header_is_refused_as_safetensors_refuses_it(tmp_path, edit, found):
+    """A header whose byte ranges overlap, start before the data or leave a hole would read one
+    tensor's bytes (or the header's) as another's; safetensors refuses such files, and so does
+    the cold start, naming the file, instead of loading garbage or raising a KeyError."""
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(4)}, path)
+    SafetensorsCheckpoint([path]).close()  # intact: read
+    _rewrite_header(path, edit)
+    with pytest.raises(CheckpointError, match=rf"m\.safetensors: .*{found}.*download it again"):
+        SafetensorsCheckpoint([path])
 
 
 class _CountingCheckpoint(SafetensorsCheckpoint):
