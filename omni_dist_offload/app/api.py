@@ -466,9 +466,12 @@ def _is_json_scalar(value: Any) -> bool:
 
 def _versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
-    for dist in ("omni_dist_offload", "torch", "diffusers", "transformers"):
+    for dist in ("omni_dist_offload", "diffusers", "transformers"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = "not installed"
+    # The running build's own version, with its local tag (+cu130, +cpu): an installer's record
+    # can leave the tag out.
+    versions["torch"] = torch.__version__
     return versions
