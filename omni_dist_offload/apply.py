@@ -391,6 +391,8 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
     dev = _checked_device(device)
     modules = _fresh_modules(target)
     components = discover(target, cfg, plan)
+    for c in components:
+        _check_not_quantized(c)
     casts = _stored_casts(components, cfg)
     for stored in {d for cast in casts.values() for d in cast.values()}:
         _check_cast(stored, dev)
@@ -530,6 +532,29 @@ def _stored_casts(components: Sequence[StreamedComponent], cfg: OffloadConfig) -
             _check_not_layerwise_cast(c, stored)
             out[c.name] = cast_tensors(c.module, getattr(torch, stored))
     return out
+
+
+def quantization_method(quantizer: Any) -> str:
+    """What a diffusers or transformers quantizer (``model.hf_quantizer``) calls its method."""
+    qc = getattr(quantizer, "quantization_config", None)
+    method = getattr(qc, "quant_method", None) or (qc.get("quant_method") if isinstance(qc, dict) else None)
+    return str(getattr(method, "value", method) or type(quantizer).__name__)
+
+
+def quantized_refusal(what: str, method: str) -> OffloadConfigError:
+    return OffloadConfigError(
+        f"{what} is quantized ({method}): layerwise offloading streams ordinary tensors, and a quantized "
+        "layer's weights are not those (its packed data and scales live in a tensor subclass or beside "
+        "the layer). Load the model without quantization_config and stream it as it is, or with "
+        "layer_options.<component>.storage_dtype 'float8_e4m3fn' for 8-bit host storage.")
+
+
+def _check_not_quantized(comp: StreamedComponent) -> None:
+    """A model loaded with a ``quantization_config`` (bitsandbytes, quanto, torchao, GGUF, ...)
+    carries its quantizer: refused before anything changes."""
+    quantizer = getattr(comp.module, "hf_quantizer", None)
+    if quantizer is not None:
+        raise quantized_refusal(f"{comp.name} ({type(comp.module).__name__})", quantization_method(quantizer))
 
 
 def _check_not_layerwise_cast(comp: StreamedComponent, stored: str) -> None:

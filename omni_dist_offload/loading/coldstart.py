@@ -43,7 +43,7 @@ from accelerate import init_empty_weights
 from huggingface_hub import snapshot_download
 from torch import nn
 
-from ..apply import apply_offload, resolve_device
+from ..apply import apply_offload, quantized_refusal, resolve_device
 from ..config import OffloadConfig
 from ..plan import OffloadPlan, resolve_component
 from .checkpoint import (
@@ -143,6 +143,7 @@ def prepare_cold_start(
                 logger.info("%s (%s.%s): loaded the ordinary way (%s)", name, library,
                             class_name, "no safetensors weights" if builder else "library not supported")
                 continue
+            _check_not_quantized(name, class_name, sub)
             checkpoint = SafetensorsCheckpoint.from_folder(sub)
             try:
                 module, dtype_of, fresh_buffers, renamed = builder(class_name, sub, dtype, checkpoint)
@@ -155,6 +156,18 @@ def prepare_cold_start(
             cold.sources[name] = CheckpointSource(checkpoint, keys, threads)
         undo.pop_all()
     return cold
+
+
+def _check_not_quantized(name: str, class_name: str, folder: Path) -> None:
+    """A component saved quantized (its config.json holds a ``quantization_config``) is refused
+    before anything loads, as ``apply_offload`` refuses it loaded."""
+    try:
+        found = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # the builder reads the config again and says what is wrong with it
+    if found:
+        method = found.get("quant_method", "quantization_config") if isinstance(found, dict) else "quantization_config"
+        raise quantized_refusal(f"{name} ({class_name}, {folder / 'config.json'})", str(method))
 
 
 def load_offloaded(

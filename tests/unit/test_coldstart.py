@@ -155,6 +155,17 @@ def test_a_text_encoder_shape_mismatch_is_named_in_one_line(wan_folder, tmp_path
         assert rc == 1 and "omni-offload generate: error:" in err and "Traceback" not in err, err
 
 
+def test_a_component_saved_quantized_is_refused_before_anything_loads(wan_folder, tmp_path):
+    folder = _copy_folder(wan_folder, tmp_path / "quantized")
+    config_path = folder / "transformer/config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": "quanto", "weights_dtype": "int8"}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(OffloadConfigError, match=r"transformer \(WanTransformer3DModel, .*config\.json\) is "
+                                                 r"quantized \(quanto\)"):
+        prepare_cold_start(folder, BOTH, device=torch.device("cpu"), dtype=torch.float32)
+
+
 def test_truncated_file_is_an_error(wan_folder, tmp_path):
     folder = _copy_folder(wan_folder, tmp_path / "truncated")
     shard = sorted((folder / "transformer").glob("*.safetensors"))[0]

@@ -232,3 +232,17 @@ def test_process_group_must_be_a_group():
         apply_offload(ToyDiT(2), {"mode": "layer", "components": ["dit"],
                                   "layer_options": {"dit": {"weight_transfer": "allgather"}}},
                       process_group="world")
+
+
+def test_a_quantized_model_is_refused_naming_its_method_before_anything_changes():
+    """A model loaded with a quantization_config carries its quantizer (``hf_quantizer``, in
+    diffusers and transformers alike); its layers' weights are not ordinary tensors."""
+    model = ToyDiT(2)
+    before = snapshot(model)
+    model.hf_quantizer = types.SimpleNamespace(quantization_config=types.SimpleNamespace(quant_method="bitsandbytes"))
+    with pytest.raises(OffloadConfigError, match=r"transformer \(ToyDiT\) is quantized \(bitsandbytes\): .* "
+                                                 r"without quantization_config"):
+        apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    assert_same(before, model)
+    model.hf_quantizer = None  # what an unquantized diffusers model carries
+    apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu").remove()
