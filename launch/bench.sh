@@ -9,10 +9,19 @@
 #       --height 32 --width 32                                        # CPU smoke run (gloo)
 #
 # Arguments go to `omni-offload bench` (python -m omni_dist_offload.tools.bench); see its --help.
-#   NGPU      processes on this host (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
+#   NGPU      processes on this host, 1 or more (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK  ranks whose output torchrun shows (default: all; only rank 0 prints results)
 #   TORCHRUN  the launcher (default torchrun; e.g. "python3 -m torch.distributed.run")
 set -euo pipefail
+
+# NGPU is a count: a bad one stops here, naming it, where torchrun would be handed it (NGPU=abc)
+# or a negative one would quietly become 1 (launch/generate.sh checks NNODES the same way).
+count() {  # NAME VALUE WHAT
+    if [[ ! $2 =~ ^[1-9][0-9]*$ ]]; then
+        echo "$(basename "$0"): error: $1='$2' is not a positive integer: give the number of $3, e.g. $1=2." >&2
+        exit 2
+    fi
+}
 
 # The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
 # every GPU nvidia-smi lists.
@@ -21,8 +30,11 @@ if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
 else
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
-NGPU=${NGPU:-${gpus:-0}}
-if [ "$NGPU" -lt 1 ]; then NGPU=1; fi
+if [ -z "${NGPU:-}" ]; then
+    NGPU=${gpus:-0}
+    if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
+fi
+count NGPU "$NGPU" "processes on this host"
 TORCHRUN=${TORCHRUN:-torchrun}
 filter=()
 if [ -n "${LOG_RANK:-}" ]; then filter=(--local-ranks-filter "$LOG_RANK"); fi

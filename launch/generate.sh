@@ -7,11 +7,21 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 NGPU=8 launch/generate.sh --prompts-file p.txt
 #
 # Arguments go to launch/generate.py (flags of `omni-offload generate`).
-#   NGPU         processes on this host (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
+#   NGPU         processes on this host, 1 or more (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK     comma-separated ranks whose INFO logs show (default 0); warnings show from all
-#   NNODES       hosts (default 1); above 1 also NODE_RANK, MASTER_ADDR and MASTER_PORT (29500)
+#   NNODES       hosts, 1 or more (default 1); above 1 also NODE_RANK (0..NNODES-1), MASTER_ADDR and MASTER_PORT (29500)
 #   TORCHRUN     the launcher (default torchrun)
 set -euo pipefail
+
+# NGPU and NNODES are counts: a bad one stops here, naming it, where torchrun would be handed it
+# (NGPU=abc), a failed test would fall through to a one-host run (NNODES=x), or a negative one
+# would quietly become 1.
+count() {  # NAME VALUE WHAT
+    if [[ ! $2 =~ ^[1-9][0-9]*$ ]]; then
+        echo "$(basename "$0"): error: $1='$2' is not a positive integer: give the number of $3, e.g. $1=2." >&2
+        exit 2
+    fi
+}
 
 # The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
 # every GPU nvidia-smi lists.
@@ -20,10 +30,14 @@ if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
 else
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
-NGPU=${NGPU:-${gpus:-0}}
-if [ "$NGPU" -lt 1 ]; then NGPU=1; fi
+if [ -z "${NGPU:-}" ]; then
+    NGPU=${gpus:-0}
+    if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
+fi
+count NGPU "$NGPU" "processes on this host"
 export LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
+count NNODES "$NNODES" "hosts"
 TORCHRUN=${TORCHRUN:-torchrun}
 
 # NVLink multicast stays off: on shared GPU hosts a program using it can put every GPU of the
@@ -32,8 +46,12 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 
-if [ "$NNODES" -gt 1 ]; then
-  rendezvous=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on each host}"
+if [ "$NNODES" != 1 ]; then  # a positive integer (checked above), of any length
+  if [[ ! ${NODE_RANK:-} =~ ^(0|[1-9][0-9]*)$ ]] || [ "${NODE_RANK}" -ge "$NNODES" ]; then
+    echo "$(basename "$0"): error: NODE_RANK='${NODE_RANK:-}' is not a host of NNODES=$NNODES: set NODE_RANK (0..$((NNODES - 1))) on each host." >&2
+    exit 2
+  fi
+  rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK"
               --master-addr "${MASTER_ADDR:?set MASTER_ADDR to the address of the NODE_RANK=0 host}"
               --master-port "${MASTER_PORT:-29500}")
 else

@@ -7,7 +7,7 @@
 #   NGPU=2 LOG_RANK=0,1 launch/serve.sh --model tiny-flux --port 8000
 #
 # Arguments go to `omni-offload serve`.
-#   NGPU         processes on this host (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
+#   NGPU         processes on this host, 1 or more (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK     comma-separated ranks whose INFO logs show (default 0); warnings show from all
 #   TORCHRUN     the launcher (default torchrun)
 # Stop it with SIGTERM to rank 0 (all ranks then exit 0, and torchrun with them): queued requests
@@ -16,6 +16,15 @@
 # where your torch has it), cutting off generations running longer than that.
 set -euo pipefail
 
+# NGPU is a count: a bad one stops here, naming it, where torchrun would be handed it (NGPU=abc)
+# or a negative one would quietly become 1 (launch/generate.sh checks NNODES the same way).
+count() {  # NAME VALUE WHAT
+    if [[ ! $2 =~ ^[1-9][0-9]*$ ]]; then
+        echo "$(basename "$0"): error: $1='$2' is not a positive integer: give the number of $3, e.g. $1=2." >&2
+        exit 2
+    fi
+}
+
 # The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
 # every GPU nvidia-smi lists.
 if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
@@ -23,8 +32,11 @@ if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
 else
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
-NGPU=${NGPU:-${gpus:-0}}
-if [ "$NGPU" -lt 1 ]; then NGPU=1; fi
+if [ -z "${NGPU:-}" ]; then
+    NGPU=${gpus:-0}
+    if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
+fi
+count NGPU "$NGPU" "processes on this host"
 export LOG_RANK=${LOG_RANK:-0}
 TORCHRUN=${TORCHRUN:-torchrun}
 

@@ -37,7 +37,7 @@ from ..loading.parallel import ContextParallel, ContextParallelError, check_cach
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser as _Parser
-from ..runtime.flags import UsageError, finite_float, non_negative_int, positive_int
+from ..runtime.flags import UsageError, finite_float, non_negative_int, positive_int, write_error
 from ..runtime.logs import rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
@@ -157,8 +157,8 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt", action="append", default=None,
                          help=f"a prompt; repeat for several (default: {DEFAULT_PROMPT!r})")
     prompts.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
-                         help="one prompt per line (UTF-8, with or without a BOM); blank lines and lines "
-                         "starting with # are skipped")
+                         help="one prompt per line (UTF-8, with or without a BOM; a line ends at \\n or "
+                         "\\r\\n only, as wc -l counts); blank lines and lines starting with # are skipped")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--num-inference-steps", type=positive_int, default=None, metavar="N")
     parser.add_argument("--height", type=positive_int, default=None)
@@ -169,7 +169,8 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of prompt 0; prompt k uses seed + k, at most 2**64 - 1 (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
-                        help="where outputs and their JSON sidecars go (default: %(default)s)")
+                        help="where outputs and their JSON sidecars go, checked writable before the model "
+                        "loads; output k replaces an earlier run's k, in whatever format (default: %(default)s)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
                         help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
     parser.add_argument("--fps", type=positive_int, default=None, help="video frame rate (default: 16)")
@@ -272,10 +273,14 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
         return prompts
     path: Path = ns.prompts_file
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM, as some editors write, is dropped
+        text = path.read_bytes().decode("utf-8-sig")  # a BOM, as some editors write, is dropped
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--prompts-file {str(path)!r} cannot be read ({type(exc).__name__}: "
                          f"{getattr(exc, 'strerror', None) or exc}).") from None
+    # Only "\n" (or "\r\n") ends a line, as wc -l and editors count them: splitlines() also breaks
+    # at U+2028, U+0085, form feeds and the like inside a prompt, shifting every later prompt's
+    # number and seed.
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
     prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise UsageError(f"--prompts-file {str(path)!r} has no prompts: write one per line.")
@@ -292,12 +297,22 @@ def _check_seed(seed: int, count: int) -> None:
 
 
 def _check_output_dir(output_dir: Path) -> None:
-    """The folder, or the first of its parents that exists, must be a folder: a file on the way
-    would fail only when the first output is written."""
+    """The folder, or the first of its parents that exists, must be a folder a file can be
+    written in: a file on the way, a folder without write permission, a read-only mount or
+    /proc would fail only when the first output is written, after the model loaded, on every
+    rank. The folder itself is not created here (a refused run leaves nothing behind);
+    ``write_error`` writes a temporary file in the one that exists and removes it."""
     existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
+    if existing is None:  # a relative path ends at ".", an absolute one at "/": not reached
+        return
+    if not existing.is_dir():
         where = "is a file" if existing == output_dir else f"is below {str(existing)!r}, a file"
         raise UsageError(f"--output-dir {str(output_dir)!r} {where}: give a folder.")
+    reason = write_error(existing)
+    if reason is not None:
+        where = ("is not writable" if existing == output_dir
+                 else f"cannot be created: {str(existing)!r}, the folder it would be made in, is not writable")
+        raise UsageError(f"--output-dir {str(output_dir)!r} {where} ({reason}): give a folder you can write to.")
 
 
 def _check_model(model: str) -> None:

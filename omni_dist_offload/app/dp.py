@@ -38,7 +38,7 @@ from torch.distributed import distributed_c10d
 
 from ..runtime.dist import DistContext
 from .api import Omni, SamplingOptions
-from .outputs import VideoFormat
+from .outputs import VideoFormat, numbered_outputs
 
 __all__ = ["PromptJob", "RunReport", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts",
            "static_indices"]
@@ -133,8 +133,10 @@ def run_prompts(
     fps: int | None = None,
 ) -> RunReport:
     """Generate every prompt once over the ranks: free when no ring needs lockstep
-    (:func:`run_free`), else in padded waves (:func:`plan_jobs`, :func:`run_jobs`)."""
+    (:func:`run_free`), else in padded waves (:func:`plan_jobs`, :func:`run_jobs`). Output k
+    replaces the one of an earlier run in ``output_dir``, in whatever media format it was."""
     _check_prompts(prompts)
+    _warn_earlier_outputs(output_dir, len(prompts), ctx)
     if ctx.world_size > 1 and not omni.lockstep:
         return run_free(omni, prompts, base_seed, ctx, sampling=sampling, output_dir=output_dir,
                         video_format=video_format, fps=fps)
@@ -252,11 +254,38 @@ def _generate(omni: Omni, job: PromptJob, ctx: DistContext, out: _Output, report
                     where, time.perf_counter() - start)
         return
     result.metadata.update(index=job.index, rank=ctx.rank, world_size=ctx.world_size)
-    saved = result.save(out.output_dir, video_format=out.video_format)
+    # replace: an earlier run's 00000.gif beside this run's 00000.png would have no sidecar.
+    saved = result.save(out.output_dir, video_format=out.video_format, replace=True)
     report.written.append(saved.media)
     report.local_count += 1
     logger.info("%sprompt %d %r -> %s (%.1f s)", where, job.index, job.prompt, saved.media,
                 time.perf_counter() - start)
+
+
+def _warn_earlier_outputs(output_dir: Path, count: int, ctx: DistContext) -> None:
+    """One warning line when ``output_dir`` already holds numbered outputs: those of this run's
+    numbers are replaced as it writes them, the others stay beside them. Logged by each host's
+    first rank (a host writes its own folder), before any rank writes (the loop starts after a
+    barrier)."""
+    if ctx.local_rank != 0:
+        return
+    found = numbered_outputs(output_dir)
+    if not found:
+        return
+    replaced = [k for k in found if k < count]
+    kept = [k for k in found if k >= count]
+    parts = []
+    if replaced:
+        parts.append(f"{_span(replaced)} will be replaced (with its media in any other format)")
+    if kept:
+        parts.append(f"{_span(kept)} past this run's {count} prompt(s) will stay as they are")
+    logger.warning("--output-dir %s already holds outputs of an earlier run: %s", output_dir, "; ".join(parts))
+
+
+def _span(indices: list[int]) -> str:
+    """``3 (00000 to 00002)``, ``1 (00004)``: how many, and the first and last."""
+    first, last = indices[0], indices[-1]
+    return f"{len(indices)} ({first:05d})" if first == last else f"{len(indices)} ({first:05d} to {last:05d})"
 
 
 def _default_store() -> dist.Store | None:

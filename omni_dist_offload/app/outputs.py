@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,10 +19,12 @@ import numpy as np
 from PIL import Image
 
 __all__ = [
+    "MEDIA_SUFFIXES",
     "VIDEO_FORMATS",
     "GenerationResult",
     "SavedOutput",
     "mp4_available",
+    "numbered_outputs",
     "resolve_video_format",
     "to_uint8",
 ]
@@ -32,6 +35,13 @@ logger = logging.getLogger(__name__)
 VIDEO_FORMATS: tuple[str, ...] = ("auto", "mp4", "gif")
 
 VideoFormat = Literal["auto", "mp4", "gif"]
+
+#: The media files :meth:`GenerationResult.save` writes: images as PNG, videos as MP4 or GIF.
+MEDIA_SUFFIXES: tuple[str, ...] = (".png", ".mp4", ".gif")
+
+# What the runner writes for prompt k (``dp``): ``<k:05d>`` and one of the media suffixes or the
+# JSON sidecar.
+_NUMBERED = re.compile(r"(\d{5,})\.(?:png|mp4|gif|json)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +68,14 @@ class GenerationResult:
     metadata: dict[str, Any] = field(default_factory=dict)
     """The JSON sidecar's content (prompt, seed, model, config, sizes, timings, versions)."""
 
-    def save(self, directory: str | Path, *, video_format: VideoFormat = "auto") -> SavedOutput:
-        """Write the media file and its JSON sidecar into ``directory`` (created if missing)."""
+    def save(self, directory: str | Path, *, video_format: VideoFormat = "auto",
+             replace: bool = False) -> SavedOutput:
+        """Write the media file and its JSON sidecar into ``directory`` (created if missing).
+
+        ``replace``: also remove ``<name>`` in the other media formats (a GIF an earlier run of
+        a video model wrote where this writes a PNG), which the new sidecar no longer
+        describes; nothing else is touched. Off by default: a caller may save one result in
+        two formats on purpose."""
         out_dir = Path(directory)
         out_dir.mkdir(parents=True, exist_ok=True)
         # Suffixes are appended: a name with a dot (``fox.v1``) keeps its tail.
@@ -75,7 +91,24 @@ class GenerationResult:
         sidecar = out_dir / f"{self.name}.json"
         record = {**self.metadata, "file": media.name}
         sidecar.write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
+        if replace:
+            # Only once the new pair is written: a failure before it leaves the old media its sidecar.
+            for suffix in MEDIA_SUFFIXES:
+                stale = out_dir / f"{self.name}{suffix}"
+                if stale != media and stale.is_file():
+                    stale.unlink()
         return SavedOutput(media=media, sidecar=sidecar)
+
+
+def numbered_outputs(directory: str | Path) -> list[int]:
+    """The prompt numbers k of the outputs the runner wrote in ``directory`` (``<k:05d>`` with a
+    media suffix or ``.json``), sorted; none when it does not exist."""
+    try:
+        names = [entry.name for entry in Path(directory).iterdir()]
+    except OSError:  # missing, or not a folder (the CLI refuses that before)
+        return []
+    found = {int(m[1]) for name in names if (m := _NUMBERED.fullmatch(name)) and m[1] == f"{int(m[1]):05d}"}
+    return sorted(found)
 
 
 def mp4_available() -> bool:

@@ -11,11 +11,12 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
 __all__ = ["OneLineParser", "UsageError", "finite_float", "non_negative_float", "non_negative_int", "output_file",
-           "port", "positive_float", "positive_int", "report_usage_error"]
+           "port", "positive_float", "positive_int", "report_usage_error", "write_error"]
 
 
 class UsageError(Exception):
@@ -42,8 +43,9 @@ def report_usage_error(prog: str, error: BaseException | str, *, show: bool = Tr
 def output_file(flag: str, path: str | os.PathLike[str]) -> Path:
     """Check, before any work, that a run can write its output file ``path`` (given with
     ``flag``): missing parent folders are created (as ``generate --output-dir`` creates its
-    folder); a path that is a folder, a folder that cannot be created, or one not writable is a
-    :class:`UsageError` naming the flag, the path and the reason. Nothing else is written."""
+    folder); a path that is a folder, a folder that cannot be created, or one not writable (a
+    temporary file is written there and removed: :func:`write_error`) is a :class:`UsageError`
+    naming the flag, the path and the reason. Nothing else is written."""
     target = Path(path).expanduser()
     where = f"{flag} {str(path)!r}"
     if target.is_dir():
@@ -56,11 +58,40 @@ def output_file(flag: str, path: str | os.PathLike[str]) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"{where}: cannot create its folder {str(folder)!r}: {exc.strerror or exc}.") from None
-    if target.exists() and not os.access(target, os.W_OK):
-        raise UsageError(f"{where}: the file is not writable (permission denied).")
-    if not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{where}: its folder {str(folder)!r} is not writable (permission denied).")
+    if target.is_file():
+        # Opened for appending and closed again: its bytes and times stay as they are.
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+        except OSError as exc:
+            raise UsageError(f"{where}: the file is not writable ({exc.strerror or exc}).") from None
+    elif target.exists():  # a device or a pipe (/dev/stdout): opening it could block, or write
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"{where}: the file is not writable (permission denied).")
+    elif (reason := write_error(folder)) is not None:
+        raise UsageError(f"{where}: its folder {str(folder)!r} is not writable ({reason}).")
     return target
+
+
+def write_error(folder: str | os.PathLike[str]) -> str | None:
+    """Why no file can be created in the existing ``folder``, or None when one can: a small
+    temporary file is written there and removed. ``os.access`` alone answers from the
+    permission bits, and says yes where the write itself fails: for root, in /proc or /sys, on
+    some network and FUSE mounts."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".omni-offload-write-check-")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        os.write(fd, b"\n")
+        return None
+    except OSError as exc:  # a full disk or quota
+        return exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
 
 
 def _int(text: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -288,3 +289,112 @@ def test_every_entry_point_exits_through_exit_with() -> None:
     for path, block in blocks.items():
         assert "exit_with(" in block or "run()" in block, f"{path} exits without exit_with: {block.strip()}"
     assert "skip_final_collection()" in (REPO / "omni_dist_offload" / "__main__.py").read_text()
+
+
+# -- output folders that cannot be written, prompts files, re-runs into one folder -------------
+UNWRITABLE = {
+    # os.access says yes to all of these (for root, everywhere); the write itself fails.
+    "below /proc": ("/proc/nowhere/out", "cannot be created: '/proc', the folder it would be made in, is not writable"),
+    "below /sys": ("/sys/omni_out", "cannot be created: '/sys', the folder it would be made in, is not writable"),
+    "an existing folder of /proc": ("/proc/self", "--output-dir '/proc/self' is not writable"),
+}
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir() or not Path("/sys").is_dir(), reason="needs Linux /proc and /sys")
+@pytest.mark.parametrize("case", UNWRITABLE)
+def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(case, monkeypatch, capsys) -> None:
+    from omni_dist_offload.app import cli
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("an unwritable --output-dir must be refused before the model is built")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    output_dir, expected = UNWRITABLE[case]
+    assert main(["--model", "tiny-flux", "--output-dir", output_dir, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith("omni-offload generate: error: --output-dir ") and expected in lines[0]
+    assert "give a folder you can write to" in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_output_dir_without_write_permission_is_refused_and_nothing_is_left(tmp_path, capsys) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        for output_dir, expected in [(locked, "is not writable"), (locked / "sub" / "out", "cannot be created")]:
+            assert main(["--output-dir", str(output_dir)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and expected in err and "(Permission denied)" in err
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+def test_the_output_dir_check_writes_nothing_it_leaves_behind(tmp_path) -> None:
+    from omni_dist_offload.app.cli import _check_output_dir
+
+    _check_output_dir(tmp_path / "new" / "out")  # missing: the file written to try is in tmp_path
+    _check_output_dir(tmp_path)  # existing
+    assert list(tmp_path.iterdir()) == []  # nor is the folder created: a refused run leaves nothing
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\r"],
+                         ids=lambda c: f"U+{ord(c):04X}")
+def test_a_prompts_file_splits_only_at_line_feeds(char, tmp_path) -> None:
+    from omni_dist_offload.app.cli import _validate, build_parser
+
+    prompts = tmp_path / "prompts.txt"
+    # 3 lines, as wc -l and editors count them; Windows line ends on the first.
+    prompts.write_bytes(f"a red fox\r\na cat{char}sitting on a mat\na dog\n".encode())
+    plan = _validate(build_parser().parse_args(["generate", "--prompts-file", str(prompts), "--seed", "5"]))
+    assert plan.prompts == ["a red fox", f"a cat{char}sitting on a mat", "a dog"]  # prompt 2 keeps seed 7
+
+
+def test_a_rerun_into_the_same_folder_leaves_every_media_file_its_sidecar(tmp_path, capsys) -> None:
+    out_dir = tmp_path / "out"
+    assert main(["--model", "tiny-wan", "--prompt", "a", "--prompt", "b", "--prompt", "c", "--video-format", "gif",
+                 "--num-inference-steps", "1", "--no-progress", "--output-dir", str(out_dir)]) == 0
+    assert "already holds outputs" not in capsys.readouterr().err
+    (out_dir / "notes.txt").write_text("mine")  # not of the runner's naming: never touched
+    (out_dir / "00000.gif.bak").write_text("mine")
+    assert main(["--model", "tiny-flux", "--prompt", "x", "--no-progress", "--output-dir", str(out_dir)]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "already holds outputs" in line]
+    assert warnings == [f"--output-dir {out_dir} already holds outputs of an earlier run: 1 (00000) will be "
+                        "replaced (with its media in any other format); 2 (00001 to 00002) past this run's "
+                        "1 prompt(s) will stay as they are"]
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert names == ["00000.gif.bak", "00000.json", "00000.png", "00001.gif", "00001.json", "00002.gif",
+                     "00002.json", "notes.txt"]
+    described = {sidecar(out_dir / f"0000{k}.x")["file"] for k in range(3)}
+    assert described == {"00000.png", "00001.gif", "00002.gif"}
+    assert sidecar(out_dir / "00000.x")["model"] == "tiny-flux"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir() or not Path("/sys").is_dir(), reason="needs Linux /proc and /sys")
+@pytest.mark.parametrize("flag, path, reason", [("--json", "/proc/bench.json", "its folder '/proc' is not writable"),
+                                                ("--png", "/sys/bench.png", "its folder '/sys' is not writable")])
+def test_bench_refuses_an_output_file_in_a_folder_that_cannot_be_written(flag, path, reason, monkeypatch,
+                                                                         capsys) -> None:
+    from omni_dist_offload.tools import bench
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("an unwritable output file must be refused before the run")
+
+    monkeypatch.setattr(bench, "maybe_init_dist", refuse)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["bench", flag, path]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"omni-offload bench: error: {flag} {path!r}: {reason} (")
+
+
+def test_an_output_file_check_leaves_no_file_behind(tmp_path) -> None:
+    from omni_dist_offload.runtime.flags import output_file
+
+    target = tmp_path / "sub" / "bench.json"
+    assert output_file("--json", target) == target
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["sub"]  # the folder, as before
+    target.write_text("kept")
+    assert output_file("--json", target) == target and target.read_text() == "kept"  # opened, not written

@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,3 +98,75 @@ def test_generate_sh_sets_multicast_off_and_forwards(tmp_path) -> None:
     del multi["NODE_RANK"]
     proc = subprocess.run(["bash", str(script)], env=multi, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "NODE_RANK" in proc.stderr and "ARGS" not in proc.stdout
+
+
+SCRIPTS = ["generate.sh", "bench.sh", "serve.sh"]
+
+
+def _launch(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch" / script), "--prompt", "a cat"],
+                          env={**_fake_launcher(tmp_path), **env}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("value", ["abc", "2.5", "-3", "0", "08", " 2"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_launch_script_refuses_an_ngpu_that_is_not_a_positive_integer(script, value, tmp_path) -> None:
+    proc = _launch(tmp_path, script, NGPU=value)
+    assert proc.returncode == 2 and "ARGS" not in proc.stdout  # torchrun never started
+    assert proc.stderr.splitlines() == [
+        f"{script}: error: NGPU='{value}' is not a positive integer: give the number of processes on this host, "
+        "e.g. NGPU=2."]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_launch_script_without_gpus_still_starts_one_process(script, tmp_path) -> None:
+    proc = _launch(tmp_path, script, CUDA_VISIBLE_DEVICES="")  # no GPU visible: NGPU unset is 1
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc_per_node 1 " in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"NNODES": "x"}, "NNODES='x' is not a positive integer: give the number of hosts, e.g. NNODES=2."),
+    ({"NNODES": "0"}, "NNODES='0' is not a positive integer"),
+    ({"NNODES": "-2"}, "NNODES='-2' is not a positive integer"),
+    ({"NNODES": "1.5"}, "NNODES='1.5' is not a positive integer"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK='2' is not a host of NNODES=2: set NODE_RANK (0..1) on each host."),
+    ({"NNODES": "2", "NODE_RANK": "x"}, "NODE_RANK='x' is not a host of NNODES=2"),
+    ({"NNODES": "2", "NODE_RANK": "-1"}, "NODE_RANK='-1' is not a host of NNODES=2"),
+], ids=["NNODES=x", "NNODES=0", "NNODES=-2", "NNODES=1.5", "NODE_RANK=2", "NODE_RANK=x", "NODE_RANK=-1"])
+def test_generate_sh_refuses_a_bad_host_count_instead_of_running_on_one_host(env, expected, tmp_path) -> None:
+    proc = _launch(tmp_path, "generate.sh", NGPU="2", MASTER_ADDR="10.0.0.1", **env)
+    assert proc.returncode == 2 and "ARGS" not in proc.stdout  # not a --standalone run either
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"generate.sh: error: {expected}"), proc.stderr
+
+
+def test_saving_with_replace_removes_only_the_same_output_in_the_other_formats(tmp_path) -> None:
+    from omni_dist_offload.app.outputs import GenerationResult
+
+    mine = ["00000.gif.bak", "x00000.gif", "000000.gif", "00001.gif", "00000.txt", "notes.json"]
+    for name in ["00000.gif", "00000.mp4", *mine]:
+        (tmp_path / name).write_text("old")
+    (tmp_path / "00000.webp").mkdir()  # not a format this library writes
+    result = GenerationResult(prompt="p", seed=0, kind="image", frames=np.zeros((4, 4, 3), np.uint8), name="00000")
+    result.save(tmp_path)  # the default keeps them: a caller may save one result in two formats
+    assert (tmp_path / "00000.gif").exists() and (tmp_path / "00000.mp4").exists()
+    saved = result.save(tmp_path, replace=True)
+    assert saved.media == tmp_path / "00000.png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["00000.png", "00000.json", "00000.webp", *mine])
+
+
+def test_the_earlier_outputs_warning_comes_once_per_host(tmp_path, caplog) -> None:
+    from omni_dist_offload.app.dp import _warn_earlier_outputs
+
+    for name in ["00000.png", "00000.json", "00003.gif", "100000.json", "0007.png", "000008.png", "00009.webp"]:
+        (tmp_path / name).write_text("")
+    with caplog.at_level("WARNING", logger="omni_dist_offload"):
+        _warn_earlier_outputs(tmp_path, 2, DistContext(rank=1, world_size=2, local_rank=1))  # the host's other rank
+        assert caplog.records == []
+        _warn_earlier_outputs(tmp_path / "missing", 2, DistContext())
+        assert caplog.records == []
+        _warn_earlier_outputs(tmp_path, 4, DistContext(rank=8, world_size=16, local_rank=0))  # a host's first rank
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--output-dir {tmp_path} already holds outputs of an earlier run: 2 (00000 to 00003) will be replaced "
+        "(with its media in any other format); 1 (100000) past this run's 4 prompt(s) will stay as they are"]
