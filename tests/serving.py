@@ -74,15 +74,23 @@ class Server:
     itself (``--port 0``) and says which: a port picked here and passed on could be taken by
     another process first, and its answers taken for this server's."""
 
-    def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1, max_files: int | None = None) -> None:
-        """``max_files``: the server's open-file limit, soft and hard."""
+    def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1, max_files: int | None = None,
+                 prelude: str | None = None) -> None:
+        """``max_files``: the server's open-file limit, soft and hard. ``prelude``: Python run in
+        the server's process before the CLI (one rank), to patch what a test needs; that process
+        starts on the C allocator (``PYTHONMALLOC=malloc``), so the CLI does not restart it (and
+        run the prelude, and its imports, twice)."""
         self.port = 0
         self.out_dir = tmp / "out"
-        cli = ["-m", "omni_dist_offload", "serve", "--model", model, "--diffusion-offload-config",
-               CONFIG, "--port", "0", "--output-dir", str(self.out_dir), "--video-format",
-               "gif", *flags]
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        serve = ["serve", "--model", model, "--diffusion-offload-config", CONFIG, "--port", "0",
+                 "--output-dir", str(self.out_dir), "--video-format", "gif", *flags]
+        cli = ["-m", "omni_dist_offload", *serve]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOG_RANK": "0,1"}
+        if prelude is not None:
+            assert ranks == 1, "a prelude runs in a one-rank server only"
+            cli = ["-c", f"{prelude}\nimport sys\nfrom omni_dist_offload.__main__ import run\nsys.exit(run())", *serve]
+            env["PYTHONMALLOC"] = "malloc"
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         self.log = (tmp / "server.log").open("w+")
         self.proc = subprocess.Popen([sys.executable, *(launcher if ranks > 1 else []), *cli], cwd=tmp,
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT,

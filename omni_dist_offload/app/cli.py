@@ -37,7 +37,7 @@ from ..loading.parallel import ContextParallel, ContextParallelError, check_cach
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser as _Parser
-from ..runtime.flags import UsageError, finite_float, non_negative_int, positive_int, write_error
+from ..runtime.flags import UsageError, finite_float, non_negative_int, output_dir_check, positive_int
 from ..runtime.logs import rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
@@ -246,7 +246,7 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
             resolve_video_format(ns.video_format)
         except ValueError as exc:
             raise UsageError(f"--video-format: {exc}") from None
-        _check_output_dir(ns.output_dir)
+        output_dir_check("--output-dir", ns.output_dir)
     sampling = SamplingOptions(
         num_inference_steps=ns.num_inference_steps, height=ns.height, width=ns.width,
         num_frames=ns.num_frames, guidance_scale=ns.guidance_scale,
@@ -294,25 +294,6 @@ def _check_seed(seed: int, count: int) -> None:
     if last > MAX_SEED:
         raise UsageError(f"--seed {seed}: prompt k uses seed + k, up to {last} here, past {MAX_SEED} (2**64 - 1, "
                          f"the largest seed torch takes): give --seed {seed - (last - MAX_SEED)} or less.")
-
-
-def _check_output_dir(output_dir: Path) -> None:
-    """The folder, or the first of its parents that exists, must be a folder a file can be
-    written in: a file on the way, a folder without write permission, a read-only mount or
-    /proc would fail only when the first output is written, after the model loaded, on every
-    rank. The folder itself is not created here (a refused run leaves nothing behind);
-    ``write_error`` writes a temporary file in the one that exists and removes it."""
-    existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
-    if existing is None:  # a relative path ends at ".", an absolute one at "/": not reached
-        return
-    if not existing.is_dir():
-        where = "is a file" if existing == output_dir else f"is below {str(existing)!r}, a file"
-        raise UsageError(f"--output-dir {str(output_dir)!r} {where}: give a folder.")
-    reason = write_error(existing)
-    if reason is not None:
-        where = ("is not writable" if existing == output_dir
-                 else f"cannot be created: {str(existing)!r}, the folder it would be made in, is not writable")
-        raise UsageError(f"--output-dir {str(output_dir)!r} {where} ({reason}): give a folder you can write to.")
 
 
 def _check_model(model: str) -> None:

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "UsageError", "finite_float", "non_negative_float", "non_negative_int", "output_file",
-           "port", "positive_float", "positive_int", "report_usage_error", "write_error"]
+__all__ = ["OneLineParser", "UsageError", "finite_float", "non_negative_float", "non_negative_int", "output_dir_check",
+           "output_file", "port", "positive_float", "positive_int", "report_usage_error", "write_error"]
 
 
 class UsageError(Exception):
@@ -70,6 +70,25 @@ def output_file(flag: str, path: str | os.PathLike[str]) -> Path:
     elif (reason := write_error(folder)) is not None:
         raise UsageError(f"{where}: its folder {str(folder)!r} is not writable ({reason}).")
     return target
+
+
+def output_dir_check(flag: str, output_dir: Path) -> None:
+    """The folder, or the first of its parents that exists, must be a folder a file can be
+    written in: a file on the way, a folder without write permission, a read-only mount or
+    /proc would fail only when the first output is written, after the model loaded, on every
+    rank. The folder itself is not created here (a refused run leaves nothing behind);
+    :func:`write_error` writes a temporary file in the one that exists and removes it."""
+    existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
+    if existing is None:  # a relative path ends at ".", an absolute one at "/": not reached
+        return
+    if not existing.is_dir():
+        where = "is a file" if existing == output_dir else f"is below {str(existing)!r}, a file"
+        raise UsageError(f"{flag} {str(output_dir)!r} {where}: give a folder.")
+    reason = write_error(existing)
+    if reason is not None:
+        where = ("is not writable" if existing == output_dir
+                 else f"cannot be created: {str(existing)!r}, the folder it would be made in, is not writable")
+        raise UsageError(f"{flag} {str(output_dir)!r} {where} ({reason}): give a folder you can write to.")
 
 
 def write_error(folder: str | os.PathLike[str]) -> str | None:

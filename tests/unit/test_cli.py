@@ -333,10 +333,10 @@ def test_an_output_dir_without_write_permission_is_refused_and_nothing_is_left(t
 
 
 def test_the_output_dir_check_writes_nothing_it_leaves_behind(tmp_path) -> None:
-    from omni_dist_offload.app.cli import _check_output_dir
+    from omni_dist_offload.runtime.flags import output_dir_check
 
-    _check_output_dir(tmp_path / "new" / "out")  # missing: the file written to try is in tmp_path
-    _check_output_dir(tmp_path)  # existing
+    output_dir_check("--output-dir", tmp_path / "new" / "out")  # missing: the file written to try is in tmp_path
+    output_dir_check("--output-dir", tmp_path)  # existing
     assert list(tmp_path.iterdir()) == []  # nor is the folder created: a refused run leaves nothing
 
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -189,6 +190,54 @@ def test_video_job_bodies_that_crashed_the_handler_get_400(flux) -> None:
     assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, "limit", "invalid_value"), answer
 
 
+def test_a_lone_surrogate_in_any_text_field_gets_400_naming_it(flux) -> None:
+    from pydantic import ValidationError
+
+    from omni_dist_offload.app.serve.http import ImageRequest, VideoJobRequest, VideoRequest
+
+    # JSON's "\udfff" is no text: the tokenizer raised on a negative_prompt holding it (500).
+    for path, field in ((IMAGES, "negative_prompt"), (IMAGES, "prompt"), (IMAGES, "user"),
+                        (VIDEOS, "negative_prompt"), ("/v1/videos", "negative_prompt"), ("/v1/videos", "prompt")):
+        status, answer = call(flux.port, path, {"prompt": "a red fox", field: "a \udfff b"})
+        error = answer["error"]
+        assert (status, error["param"], error["code"]) == (400, field, "invalid_value"), (path, answer)
+        assert error["message"].startswith(f"{field}: holds a lone UTF-16 surrogate (U+DFFF at character 2)")
+    # The request bodies refuse it whatever model is served (a video model tokenizes too).
+    for model in (ImageRequest, VideoRequest, VideoJobRequest):
+        with pytest.raises(ValidationError) as err:
+            model.model_validate({"prompt": "x", "negative_prompt": "\ud800"})
+        assert err.value.errors()[0]["loc"] == ("negative_prompt",)
+    # A surrogate pair is one character (an emoji here): text.
+    status, body = call(flux.port, IMAGES, {"prompt": "a fox \U0001f98a", "negative_prompt": "blur \U0001f98a",
+                                            "seed": 1})
+    assert status == 200, body
+
+
+def test_a_number_too_long_for_int_or_a_boolean_for_a_number_gets_400_naming_the_field(flux) -> None:
+    digits = b"1" * 5000  # past int()'s 4300
+    for path, body, param in ((IMAGES, b'{"prompt": "x", "seed": ' + digits + b"}", "seed"),
+                              (IMAGES, b'{"prompt": "x", "n": -' + digits + b"}", "n"),
+                              ("/v1/videos", b'{"prompt": "x", "seed": ' + digits + b"}", "seed"),
+                              (IMAGES, b"[" + digits + b"]", None)):
+        status, answer = call(flux.port, path, body)
+        error = answer["error"]
+        assert (status, error["param"], error["code"]) == (400, param, "invalid_value"), (path, answer)
+        # Not Python's advice to raise its limit (sys.set_int_max_str_digits).
+        assert "5000 digits" in error["message"] and "sys." not in error["message"], answer
+    assert "give a seed below 2**63" in call(flux.port, IMAGES, b'{"prompt": "x", "seed": ' + digits + b"}")[1][
+        "error"]["message"]
+    # JSON's true is no number on /v1/videos either, as on the synchronous endpoints.
+    for field in ("seed", "num_frames", "fps", "num_inference_steps", "seconds"):
+        status, answer = call(flux.port, "/v1/videos", {"prompt": "x", field: True})
+        assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, field, "invalid_value"), answer
+    status, answer = call(flux.port, IMAGES, {"prompt": "x", "seed": True})
+    assert (status, answer["error"]["param"]) == (400, "seed")
+    # A form's strings still convert ("7" is 7): the job is refused only because tiny-flux makes images.
+    status, answer = call(flux.port, "/v1/videos", b"prompt=x&seed=7&num_frames=9",
+                          content_type="application/x-www-form-urlencoded")
+    assert (status, answer["error"]["code"]) == (400, "wrong_endpoint"), answer
+
+
 def test_get_routes_answer_head_and_405_says_what_is_allowed(flux) -> None:
     import http.client
 
@@ -288,6 +337,63 @@ def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
         # both down with a gate.
         assert set(codes) <= {200, 503} and codes.count(503) >= 3, codes
         assert "stopping: finishing the running wave" in server.output()
+    finally:
+        server.kill()
+
+
+# Run in a server's process before its CLI: a slot with the prompt "block" runs one long op in C++
+# (a torch future's wait) that runs no bytecode until the file RELEASE exists, as a long CPU op
+# (an attention, a VAE decode) holds the main thread.
+_BLOCKING_OP = """
+import os, threading, time
+import torch
+from omni_dist_offload.app.serve import service
+
+_run_slot = service.run_slot
+
+def _blocked(omni, slot, *args, **kwargs):
+    if slot.prompt == "block":
+        done = torch.futures.Future()
+
+        def release():
+            while not os.path.exists(RELEASE):
+                time.sleep(0.05)
+            done.set_result(None)
+
+        threading.Thread(target=release, daemon=True).start()
+        print("blocking op started", flush=True)
+        done.wait()
+    return _run_slot(omni, slot, *args, **kwargs)
+
+service.run_slot = _blocked
+"""
+
+
+def test_sigterm_is_acted_on_at_once_while_the_main_thread_is_inside_one_long_op(tmp_path) -> None:
+    release = tmp_path / "release"
+    server = Server(tmp_path, "tiny-flux", prelude=f"RELEASE = {str(release)!r}\n{_BLOCKING_OP}")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                running = pool.submit(call, server.port, IMAGES, {"prompt": "block", "seed": 1})
+                _until(lambda: "blocking op started" in server.output())
+                queued = pool.submit(call, server.port, IMAGES, {"prompt": "queued", "seed": 2})
+                _until(lambda: call(server.port, "/health")[1]["queue_depth"] == 1)
+                os.kill(server.proc.pid, signal.SIGTERM)
+                # Python runs a handler on the main thread between bytecodes: a handler there
+                # waited for the op to end, with /health "ok" and new requests taken all along.
+                _until(lambda: call(server.port, "/health")[0] == 503, timeout=10)
+                assert call(server.port, "/health")[1]["status"] == "stopping"
+                status, body = call(server.port, IMAGES, {"prompt": "late"})
+                assert (status, body["error"]["code"]) == (503, "shutting_down")
+                status, body = queued.result(timeout=30)
+                assert (status, body["error"]["code"]) == (503, "shutting_down")
+                assert not running.done()  # still inside its op
+            finally:
+                release.touch()  # on a failure too: the pool waits for the blocked request
+            assert running.result(timeout=60)[0] == 200  # the running slot finished
+        assert server.proc.wait(timeout=60) == 0, server.output()
+        assert "stopped" in server.output() and "Traceback" not in server.output(), server.output()
     finally:
         server.kill()
 
@@ -505,9 +611,6 @@ def _until(condition, timeout: float = 60) -> None:
 
 
 def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() -> None:
-    import socket
-
-
     omni = Omni("tiny-flux", CONFIG, progress=False)
     generate, ran = omni.generate, []
 
@@ -520,12 +623,8 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
     with in_process(omni, ServeOptions(port=0)) as service:
         port = service.options.port
 
-        def leave(prompt: str) -> socket.socket:
-            body = json.dumps({"prompt": prompt, "seed": 1}).encode()
-            sock = socket.create_connection(("127.0.0.1", port))
-            sock.sendall(b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            return sock
+        def leave(prompt: str):
+            return _leave(port, {"prompt": prompt, "seed": 1})
 
         with ThreadPoolExecutor(1) as pool:
             kept = pool.submit(call, port, IMAGES, {"prompt": "kept", "seed": 1})
@@ -548,6 +647,73 @@ def test_a_request_whose_client_left_is_dropped_from_the_queue_or_discarded() ->
         assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="queued") == 1
         assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="running") == 1
         assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="200") == 1  # "kept" only
+
+
+def _leave(port: int, body: dict):
+    """A socket that has sent a generation request; closing it is the client going away."""
+    import socket
+
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST " + IMAGES.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def test_slots_of_a_client_that_left_leave_the_queue_at_once() -> None:
+    # They used to stay until the running slot ended: counted in /health, /metrics and against
+    # --max-queue, so clients that queue work and leave could get every other client 429.
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    generate, gate, ran = omni.generate, threading.Event(), []
+
+    def gated(prompt: str, **kwargs):
+        ran.append(prompt)
+        assert gate.wait(60)
+        return generate(prompt, **kwargs)
+
+    omni.generate = gated
+    with in_process(omni, ServeOptions(port=0, max_queue=2)) as service, ThreadPoolExecutor(2) as pool:
+        port = service.options.port
+        try:
+            running = pool.submit(call, port, IMAGES, {"prompt": "running", "seed": 1})
+            _until(lambda: ran == ["running"])
+            gone = _leave(port, {"prompt": "gone", "n": 2, "seed": 2})
+            _until(lambda: service.queue.depth() == 2)  # the queue is full
+            gone.close()
+            _until(lambda: call(port, "/health")[1]["queue_depth"] == 0, timeout=10)
+            text = call(port, "/metrics")[1]
+            assert metric(text, "omni_serve_queue_depth") == 0
+            assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="queued") == 2
+            later = pool.submit(call, port, IMAGES, {"prompt": "later", "n": 2, "seed": 3})
+            _until(lambda: service.queue.depth() == 2 or later.done())
+            assert not later.done(), later.result()  # queued, not 429
+        finally:
+            gate.set()
+        assert running.result()[0] == 200 and later.result()[0] == 200
+        assert ran == ["running", "later", "later"]  # "gone" never ran
+
+
+def test_a_cancelled_job_leaves_the_queue_whoever_cancels_it() -> None:
+    from omni_dist_offload.app.serve.jobs import VideoStore
+    from omni_dist_offload.app.serve.service import Job
+
+    queue, store = WaveQueue(max_jobs=3), VideoStore(max_jobs=4, ttl_s=60)
+    try:
+        jobs = [Job(_slot(s)) for s in range(3)]
+        queue.put(jobs)
+        video = store.add(jobs[0], model="m", prompt="p", size="16x16", seconds="1")
+        with pytest.raises(QueueFull):
+            queue.put([Job(_slot(3))])
+        assert store.delete(video.id) == "dropped"  # a queued video job deleted
+        assert queue.depth() == 2
+        assert jobs[2].future.cancel()  # a request whose client left
+        assert queue.depth() == 1
+        queue.put([Job(_slot(4)), Job(_slot(5))])  # their room is free again
+        (taken,) = queue.next_wave(1, 0.0, 0.0)
+        assert taken is jobs[1] and taken.future.cancel()  # taken by a wave, then cancelled: the loop skips it
+        assert [j.slot.seed for j in queue.close()] == [4, 5]
+    finally:
+        store.close()
 
 
 class _Follower:
@@ -625,7 +791,7 @@ def test_free_ranks_take_slots_as_they_come_and_a_failing_rank_is_left_out(caplo
     assert live.sent[-1] is None and None not in dead.sent and len(dead.sent) == 1  # a stop for the live one
 
 
-def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
+def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop(capfd) -> None:
     import socket
 
     from omni_dist_offload.app.serve.http import HttpServer
@@ -666,6 +832,12 @@ def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
         # The 2 s graceful wait (a stalled header has no deadline of its own; before, the wait
         # was 30 s), with room for a loaded machine.
         assert time.monotonic() - start < 6
+        # The uploads cut off in their bodies then are answered 503, not logged as errors with a traceback.
+        for sock in stalled[1::2]:
+            sock.settimeout(10)
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 503") and b"shutting_down" in answer + sock.recv(65536), answer
+        assert "Exception in ASGI application" not in capfd.readouterr().err
     finally:
         for sock in stalled:
             sock.close()
@@ -673,6 +845,38 @@ def test_a_stalled_upload_gets_408_and_does_not_hold_up_a_stop() -> None:
         loop.join(timeout=10)
         server.stop()
         omni.close()
+
+
+def test_a_stop_answers_an_upload_still_arriving_503_and_logs_no_error(caplog) -> None:
+    import asyncio
+
+    from omni_dist_offload.app.serve.guards import Buffered
+
+    async def app(scope, receive, send) -> None:
+        raise AssertionError("the app saw a request whose body never came")
+
+    sent, waiting = [], asyncio.Event()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        waiting.set()
+        await asyncio.Event().wait()  # the rest of the body never comes
+        return {}
+
+    async def stop() -> None:
+        scope = {"type": "http", "method": "POST", "path": IMAGES, "headers": [(b"content-length", b"100")]}
+        task = asyncio.ensure_future(Buffered(app, limit=1024, deadline_s=60)(scope, receive, send))
+        await waiting.wait()
+        task.cancel()  # as uvicorn's graceful shutdown does once its wait is over
+        await task  # raised CancelledError, which uvicorn logged as an ERROR with its traceback
+
+    asyncio.run(stop())
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert [m["status"] for m in starts] == [503]
+    assert json.loads(b"".join(m.get("body", b"") for m in sent))["error"]["code"] == "shutting_down"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def _held(port: int, count: int) -> list:
@@ -981,3 +1185,11 @@ def test_a_stop_answers_the_queued_requests_at_once_and_lets_the_running_one_fin
         gate.set()
         running.join(30)
         assert answers["running"][0][0] == 200
+
+
+@pytest.mark.parametrize("folder", ["/proc/omni-serve-out", "/sys/omni-serve-out"])
+def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(folder, capsys) -> None:
+    """response_format=path writes there: refused at start, in one line, not at the first request."""
+    assert main(["serve", "--model", "tiny-flux", "--output-dir", folder]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"--output-dir '{folder}' cannot be created" in lines[0], lines

@@ -56,7 +56,13 @@ class Buffered:
     closes the connection (the rest of the body may still come).
 
     A stalled upload so holds only this small coroutine, not the framework's stack of
-    middlewares and handlers (some 16 KiB a request): 10,000 of them cost a third as much."""
+    middlewares and handlers (some 16 KiB a request): 10,000 of them cost a third as much.
+
+    A stop cancels a body still arriving once the graceful wait is over (uvicorn's
+    ``timeout_graceful_shutdown``): that request is answered 503 ``shutting_down`` and the
+    connection closed, quietly. The cancellation is a normal end of the upload, not an error, and
+    raised on it would reach uvicorn, which logs any exception out of the app as "Exception in ASGI
+    application" with its traceback."""
 
     def __init__(self, app: Any, limit: int, deadline_s: float) -> None:
         self.app, self.limit, self.deadline_s = app, limit, deadline_s
@@ -75,6 +81,13 @@ class Buffered:
             except asyncio.TimeoutError:
                 response = error_response(408, f"the request body did not arrive within {self.deadline_s:g} s "
                                   "(--read-timeout).", code="request_timeout", headers={"Connection": "close"})
+                return await response(scope, receive, send)
+            except asyncio.CancelledError:
+                # The server is stopping (see above). Nothing waits on this task's outcome: once it
+                # has answered, it ends as any answered request does.
+                response = error_response(503, "the service stopped before the request body arrived: retry "
+                                          "on a running service.", code="shutting_down",
+                                          headers={"Connection": "close"})
                 return await response(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client left before its body arrived: no one to answer

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import math
 import re
 import reprlib
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -35,7 +37,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -100,6 +103,22 @@ class _OpenAIBody(BaseModel):
         return {key: value for key, value in data.items()
                 if value is not None or key not in fields or fields[key].is_required()}
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        """A string must be text. JSON can carry a lone UTF-16 surrogate (``"\\udfff"``), which is
+        not: the tokenizer raises on it (a 500, where the field is to blame) and no answer holding
+        it could be encoded. Refused here, naming the field, whichever field it is."""
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise PydanticCustomError(
+                    "string_unicode", "holds a lone UTF-16 surrogate ({char} at character {index}), which is "
+                    "not text: send UTF-8 text (a surrogate pair, one character, is fine)",
+                    {"char": f"U+{ord(value[exc.start]):04X}", "index": exc.start}) from None
+        return value
+
 
 class _GenerationRequest(_OpenAIBody):
     # Unknown fields are refused (a typo must not be silently ignored); JSON types are strict.
@@ -142,7 +161,8 @@ class VideoJobRequest(_OpenAIBody):
     """``POST /v1/videos``: OpenAI's video job fields, then this service's own.
 
     OpenAI's client sends it as a multipart form (every value a string), so types are converted
-    the way form data needs ("7" is 7); unknown fields are still refused."""
+    the way form data needs ("7" is 7); a JSON boolean is still no number, and unknown fields are
+    still refused."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -159,6 +179,15 @@ class VideoJobRequest(_OpenAIBody):
     fps: int | None = Field(None, ge=1, le=240)
     num_inference_steps: int | None = Field(None, ge=1)
     negative_prompt: str | None = None
+
+    @field_validator("seconds", "seed", "num_frames", "fps", "num_inference_steps", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: Any) -> Any:
+        """A form's strings convert ("7" is 7), but a JSON ``true`` is no number: the lax types
+        would take it as 1, where the synchronous endpoints (strict) refuse it."""
+        if isinstance(value, bool):
+            raise PydanticCustomError("int_type", "Input should be a number, not a boolean")
+        return value
 
 
 def plan_job(body: VideoJobRequest, limits: ModelLimits) -> VideoRequest:
@@ -296,6 +325,54 @@ def _shown(value: Any, limit: int = 40) -> str:
     return reprlib.repr(value)
 
 
+class _LongInteger:
+    """An integer literal of more digits than ``int()`` reads (``sys.get_int_max_str_digits()``)."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _LongInteger:
+    limit = sys.get_int_max_str_digits()
+    digits = len(text) - text.startswith("-")
+    return _LongInteger(digits) if limit and digits > limit else int(text)
+
+
+def _load_json(body: bytes) -> Any:
+    """A request body as ``json.loads`` reads it, except for an integer too long for ``int()``:
+    ``json.loads`` raises a ``ValueError`` whose text tells the client to raise Python's limit
+    (``sys.set_int_max_str_digits``); here it is a :class:`RequestError` naming the top-level
+    field that holds it, out of range for every field. Raises ``ValueError`` (``UnicodeDecodeError``
+    among them) and ``RecursionError`` as ``json.loads`` does."""
+    data = json.loads(body, parse_int=_parse_int)
+    for key, value in data.items() if isinstance(data, dict) else [(None, data)]:
+        digits = _long_integer_in(value)
+        if digits is None:
+            continue
+        if key is None:
+            raise RequestError(f"the body holds a number of {digits} digits, out of range for every field.", None)
+        name = key if key.isidentifier() and len(key) <= 40 else _shown(key)
+        hint = "give a seed below 2**63" if key == "seed" else "see docs/serving.md for its range"
+        raise RequestError(f"{name}: a number of {digits} digits is out of range: {hint}.", key)
+    return data
+
+
+def _long_integer_in(value: Any) -> int | None:
+    """The digits of the first :class:`_LongInteger` in ``value``, at any depth; None if none."""
+    stack = [value]
+    while stack:  # not recursive: a body may nest as deep as json.loads reads
+        item = stack.pop()
+        if isinstance(item, _LongInteger):
+            return item.digits
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def _unreadable_json(exc: BaseException) -> str:
     """Why a body could not be read as JSON, for a 400 ``invalid_json``."""
     if isinstance(exc, RecursionError):
@@ -351,6 +428,16 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, ValueError) and not isinstance(cause, UnicodeDecodeError):
+            # A JSON body the framework could not read for an integer too long for int(): read
+            # again (the body is kept) to name the field.
+            try:
+                _load_json(await request.body())
+            except RequestError as err:
+                return error_response(err.status, str(err), err.param, code=err.code)
+            except (ValueError, RecursionError):
+                pass
         return _http_error_response(request, exc)
 
     @app.exception_handler(Exception)
@@ -463,8 +550,9 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
     except ServiceUnavailable as exc:
         return error_response(503, str(exc), code="shutting_down")
     # Wait for the outputs or for the client to leave, whichever comes first. A client that left
-    # cancels its queued slots (the generation loop skips cancelled ones, so they never run; with
-    # several ranks rank 0 leaves them out of the wave it sends, so the ranks agree); slots
+    # cancels its queued slots: they leave the queue at once (so they stop counting against
+    # --max-queue) and never run (a wave taken just before is skipped by the generation loop;
+    # with several ranks rank 0 leaves them out of the wave it sends, so the ranks agree); slots
     # already running finish and are discarded, counted apart from answered requests.
     gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
     gone = asyncio.ensure_future(_client_gone(request))
@@ -524,7 +612,7 @@ async def _job_fields(request: Request) -> dict[str, Any]:
                 fields[key] = value if isinstance(value, str) else "<file>"
             return fields
     try:
-        fields = await request.json()
+        fields = _load_json(await request.body())
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise RequestError(_unreadable_json(exc), None, code="invalid_json") from None
     if not isinstance(fields, dict):

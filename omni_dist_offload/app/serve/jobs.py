@@ -157,7 +157,8 @@ class VideoStore:
                 path.unlink(missing_ok=True)
         if video.finished:
             return "finished"
-        # A queued slot never runs; a running one cannot be stopped.
+        # A queued slot leaves the queue at once (see WaveQueue) and never runs; a running one
+        # cannot be stopped.
         return "dropped" if video.job.future.cancel() else "discarded"
 
     def _sweep(self) -> None:

@@ -33,9 +33,11 @@ rank, and ``run.py`` creates the gloo groups (beside the pipeline's own) that mo
   each rank runs its slot and encodes the media, and ``gather_object`` brings the bytes back to
   rank 0, which answers. ``Job.progress`` follows rank 0's slot, which runs the same steps.
 
-A slot whose client went away (its future was cancelled) is not run, in either mode.
+A slot whose client went away (its future was cancelled) leaves the queue at once and is not
+run, in either mode.
 
-On SIGTERM (or SIGINT) rank 0 stops taking requests (503), lets the running slots finish (the
+On SIGTERM (or SIGINT) rank 0 stops taking requests (503) at once, whatever its main thread is
+doing (``run.py``: [Note: signals while generating]), lets the running slots finish (the
 wave; free: every rank's running slot), answers the slots still queued with 503, tells every
 other rank to stop (a wave of ``None``; free: ``None`` over each live link) and closes the
 server; all ranks exit 0. Other ranks ignore the signal and wait for rank 0's stop message.
@@ -45,8 +47,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import io
@@ -66,7 +70,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from ...runtime.dist import DistContext
-from ...runtime.flags import port, positive_int
+from ...runtime.flags import UsageError, output_dir_check, port, positive_int
 from ..api import Omni
 from ..outputs import VIDEO_FORMATS, resolve_video_format
 
@@ -222,8 +226,10 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError(f"--read-timeout {ns.read_timeout}: give a positive number of seconds.")
     if not ns.video_ttl > 0:
         raise ValueError(f"--video-ttl {ns.video_ttl}: give a positive number of seconds.")
-    if ns.output_dir.exists() and not ns.output_dir.is_dir():
-        raise ValueError(f"--output-dir {str(ns.output_dir)!r} is a file: give a folder.")
+    try:  # response_format=path writes there: found now, not at the first such request
+        output_dir_check("--output-dir", ns.output_dir)
+    except UsageError as exc:
+        raise ValueError(str(exc)) from None
     try:
         video_format = resolve_video_format(ns.video_format)
     except ValueError as exc:
@@ -392,7 +398,12 @@ class Job:
 
 
 class WaveQueue:
-    """Queued jobs in arrival order; ``next_wave`` takes up to one per rank of one shape."""
+    """Queued jobs in arrival order; ``next_wave`` takes up to one per rank of one shape.
+
+    A job whose future is cancelled (its client went away, its video job was deleted) leaves the
+    queue at once: left in until a wave took it, it would count against ``--max-queue`` and the
+    queue depth for as long as the running wave lasts, and clients that queue work and leave
+    could keep every other client out (429)."""
 
     def __init__(self, max_jobs: int) -> None:
         self._jobs: deque[Job] = deque()
@@ -413,6 +424,9 @@ class WaveQueue:
                                 f"{self._max_jobs}): retry later.")
             self._jobs.extend(jobs)
             self._cond.notify_all()
+        # Outside the lock: a future cancelled already calls back at once.
+        for job in jobs:
+            job.future.add_done_callback(functools.partial(self._forget, job))
 
     def next_wave(self, size: int, fill_wait_s: float, timeout_s: float) -> list[Job]:
         """The oldest job and up to ``size - 1`` more of its shape, in arrival order.
@@ -442,6 +456,14 @@ class WaveQueue:
             left, self._jobs = list(self._jobs), deque()
             self._cond.notify_all()
             return left
+
+    def _forget(self, job: Job, future: concurrent.futures.Future) -> None:
+        """A job's future is done: if it was cancelled, the job leaves the queue. (In the thread
+        that cancelled it; a job a wave took already is skipped by the generation loop.)"""
+        if future.cancelled():
+            with self._cond:
+                with contextlib.suppress(ValueError):  # not queued: a wave took it, or a stop
+                    self._jobs.remove(job)
 
     def _count(self, key: tuple[Any, ...]) -> int:
         return sum(1 for job in self._jobs if job.slot.shape_key == key)
@@ -525,13 +547,14 @@ class Service:
         return jobs
 
     def request_stop(self, *_: object) -> None:
-        """Stop after the running slots (a signal handler on rank 0). The queued slots are
-        answered 503 at once, not after the running ones: a launcher that kills the ranks a
-        while after its own SIGTERM (torchrun's shutdown timeout) must not cut them off unanswered."""
+        """Stop after the running slots (on rank 0, from the thread that watches for SIGTERM and
+        SIGINT: ``run.py``, [Note: signals while generating]). The queued slots are answered 503
+        at once, not after the running ones: a launcher that kills the ranks a while after its own
+        SIGTERM (torchrun's shutdown timeout) must not cut them off unanswered."""
         if not self._stop.is_set():
             logger.info("stopping: finishing the running %s, refusing new work",
                         "slots" if self.free else "wave")
-            # A thread: the queue's lock may be held by the code this signal interrupted.
+            # A thread: the caller returns at once, whoever holds the queue's lock.
             threading.Thread(target=self._refuse_queued, name="serve-stop", daemon=True).start()
         self._stop.set()
 
