@@ -249,9 +249,9 @@ class OffloadHandle:
                 ring.install_hooks()
         for name, mod in self._modules.items():
             setattr(mod, _STATE_ATTR, self)
-            # Looked up on the instance by pickle and deepcopy before anything inside the model
-            # is reached, such as diffusers' layerwise-casting hooks (local functions) under
-            # 8-bit storage, so the user meets this library's message, not one about a hook.
+            # Looked up on the instance when pickling or deep-copying, before anything inside
+            # the model is reached, such as diffusers' layerwise-casting hooks (local functions)
+            # under 8-bit storage: the user meets this library's message, not one about a hook.
             for attr in _COPY_ATTRS:
                 setattr(mod, attr, _RefuseCopy(name))
         # Adapters loaded or fused after this point reach the device (see tenants.py).
@@ -322,7 +322,7 @@ _COPY_ATTRS = ("__reduce_ex__", "__deepcopy__")
 
 
 class _RefuseCopy:
-    """Set on a streamed component's module as ``__reduce_ex__`` and ``__deepcopy__``: pickle and
+    """Set on a streamed component's module as ``__reduce_ex__`` and ``__deepcopy__``: pickling and
     ``copy.deepcopy`` look both up on the instance first (see ``OffloadHandle._install``)."""
 
     __slots__ = ("_name",)
