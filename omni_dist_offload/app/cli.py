@@ -415,6 +415,7 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "fallback_reason": ring.fallback_reason if ring else None,
             "setup_s": ring.setup_s if ring else None,
             "resident_blocks": list(ring.resident_blocks) if ring else [],
+            "kept_blocks": list(ring.kept_blocks) if ring else [],
             "device_budget": ring.device_budget if ring else None,
             "predicted_ratio": ring.predicted_ratio if ring else None,
             # The share of the module's bytes that stream, both as stored (8-bit blocks count
@@ -453,10 +454,12 @@ def _fmt_stored(row: dict[str, Any]) -> str:
 
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
-    header = ["component", "category", "class", "blocks", "kept", "streamed", "share", "host", "slots",
-              "resident", "budget", "transfer", "stored", "found", "setup", "fallback"]
+    # "resident": how many blocks the plan keeps on the device (summary's resident_blocks);
+    # "on-device": the bytes that stay there (resident_bytes), beside "slots".
+    header = ["component", "category", "class", "blocks", "resident", "streamed", "share", "host", "slots",
+              "on-device", "budget", "transfer", "stored", "found", "setup", "fallback"]
     table = [header] + [[
-        r["component"], r["category"], r["module_class"], str(r["num_blocks"]), _fmt_kept(r),
+        r["component"], r["category"], r["module_class"], str(r["num_blocks"]), _fmt_resident(r),
         _fmt_bytes(r["block_bytes"]), f"{100 * r['streamed_share']:.0f}%" if r["weight_transfer"] else "-",
         _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
         _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r),
@@ -487,7 +490,7 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     ])
 
 
-def _fmt_kept(row: dict[str, Any]) -> str:
+def _fmt_resident(row: dict[str, Any]) -> str:
     """Blocks kept resident by the residency plan (``layer_options.resident_blocks`` or the
     budget's planner)."""
     return str(len(row["resident_blocks"])) if row["weight_transfer"] else "-"

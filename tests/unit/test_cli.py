@@ -88,8 +88,8 @@ def test_inspect_prints_the_plan_table(capsys) -> None:
     assert main(["inspect", "--model", "tiny-flux"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("component"))
-    assert header.split() == ["component", "category", "class", "blocks", "kept", "streamed", "share", "host",
-                              "slots", "resident", "budget", "transfer", "stored", "found", "setup", "fallback"]
+    assert header.split() == ["component", "category", "class", "blocks", "resident", "streamed", "share", "host",
+                              "slots", "on-device", "budget", "transfer", "stored", "found", "setup", "fallback"]
     rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in
             (["transformer"], ["text_encoder"], ["text_encoder_2"], ["vae"])}
     assert rows["transformer"][1:5] == ["dit", "FluxTransformer2DModel", "5", "0"]
@@ -109,6 +109,7 @@ def test_inspect_shows_the_plan_a_device_budget_makes(capsys) -> None:
     rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)}
     dit = rows["transformer"]
     assert dit["device_budget"] and dit["resident_blocks"] and dit["predicted_ratio"] == 1.0
+    assert dit["kept_blocks"] == []  # as summary() names it: blocks keeping a part (a measured plan)
     budgets = [r["device_budget"] for r in rows.values() if r["device_budget"] is not None]
     assert len(budgets) == 3 and sum(budgets) <= 700 * 1024
     assert main(["inspect", "--model", "tiny-flux", "--device-budget", "1KiB"]) == 2
