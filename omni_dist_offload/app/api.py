@@ -22,6 +22,8 @@ import importlib.metadata
 import inspect
 import logging
 import math
+import numbers
+import os
 import platform
 import threading
 import time
@@ -29,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -81,6 +84,12 @@ MAX_SEED = 2**64 - 1
 
 # Pipeline arguments that Omni sets itself.
 _RESERVED = frozenset({"prompt", "generator", "output_type", "return_dict"})
+
+# Options that must be positive integers (a bool is refused).
+_POSITIVE_INTS = ("num_inference_steps", "height", "width", "num_frames", "max_sequence_length")
+
+# Outputs per prompt: generate makes, returns and records one.
+_PER_PROMPT = ("num_images_per_prompt", "num_videos_per_prompt")
 
 
 class GenerationOptionError(ValueError):
@@ -225,7 +234,8 @@ class Omni:
             check_cache(split, self.cache)  # the options themselves, before the job's ranks
             check_ranks(split)
         self.compile = resolve_compile(compile)
-        self.loras = [LoraSpec.parse(x) for x in ([lora] if isinstance(lora, (str, Mapping)) else lora)]
+        single = isinstance(lora, (str, os.PathLike, Mapping, LoraSpec))
+        self.loras = [LoraSpec.parse(x) for x in ([lora] if single else lora)]
         for spec in self.loras:
             spec.check()
         self.model = model
@@ -316,8 +326,8 @@ class Omni:
         params = self._signature.parameters
         open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         for key, value in given.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise GenerationOptionError(f"{key}={value!r} is not a finite number: give a finite value.")
+            if _is_non_finite(value):
+                raise GenerationOptionError(f"{key}={_show(value)} is not a finite number: give a finite value.")
             if key in _RESERVED:
                 raise GenerationOptionError(
                     f"{key!r} is set by Omni.generate itself: drop it (the seed is the 'seed' argument)."
@@ -328,6 +338,21 @@ class Omni:
                     f"{key!r} is not an option of {type(self.pipeline).__name__} ({self.model}): "
                     f"drop it; of the common options it takes {common}."
                 )
+            if key in _PER_PROMPT and (isinstance(value, bool) or value != 1):
+                raise GenerationOptionError(
+                    f"{key}={value!r}: Omni.generate makes, returns and records one output per call; "
+                    f"drop {key} and call generate once per output (seed + i for output i).")
+            if key in _POSITIVE_INTS:
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                    raise GenerationOptionError(f"{key}={value!r} is not a positive integer: give an integer "
+                                                "of 1 or more (or None for the default).")
+                given[key] = int(value)
+            if key == "guidance_scale":
+                number = _real_number(value)
+                if number is None:
+                    raise GenerationOptionError(f"guidance_scale={value!r} is not a real number: give a finite "
+                                                "number such as 5.0 (or None for the default).")
+                given[key] = number
         return {**_builtin_defaults(self.model), **given}
 
     # -- generation --------------------------------------------------------------------
@@ -346,11 +371,22 @@ class Omni:
         The noise comes from a CPU generator seeded with ``seed``, so a seed gives the same
         latents on every device and rank. Calls from several threads run one at a time. Raises
         :class:`GenerationOptionError`, before the pipeline runs, for a seed torch cannot take
-        (an integer up to :data:`MAX_SEED`) or an option the pipeline does not take, and for
-        one its own input check refuses (a height its sizes do not divide, say)."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed <= MAX_SEED:
+        (an integer from 0 to :data:`MAX_SEED`), a prompt that is not one string, an ``fps``
+        that is not a positive integer, ``num_images_per_prompt``/``num_videos_per_prompt``
+        other than 1, a size, step or frame count that is not a positive integer, a
+        ``guidance_scale`` that is not a real number, a non-finite number (Python, numpy or 0-d
+        tensor) or an option the pipeline does not take, and for one its own input check
+        refuses (a height its sizes do not divide, say)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise GenerationOptionError(f"seed {seed!r} is not one torch's generator takes: give an "
                                         f"integer from 0 to {MAX_SEED} (2**64 - 1).")
+        if prompt is not None and not isinstance(prompt, str):  # None: with prompt_embeds
+            raise GenerationOptionError(
+                f"prompt must be one string, not {type(prompt).__name__}: Omni.generate makes one output per "
+                "call; call it once per prompt.")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int) or fps < 1):
+            raise GenerationOptionError(f"fps={fps!r} is not a positive integer: give the video's frame rate "
+                                        f"as an integer of 1 or more (or None for {DEFAULT_FPS}).")
         with self._lock:
             return self._generate(prompt, seed, name, fps, options)
 
@@ -365,7 +401,9 @@ class Omni:
         try:
             out = self.pipeline(prompt=prompt, generator=generator, output_type="np", **call)
         except ValueError as exc:
-            if not _raised_in(exc, "check_inputs"):
+            # The pipeline's own argument checks: check_inputs, and encode_prompt's (a negative
+            # prompt list whose length differs from the prompt's).
+            if not (_raised_in(exc, "check_inputs") or _raised_in(exc, "encode_prompt")):
                 raise
             message = " ".join(str(exc).split()).rstrip(".")
             raise GenerationOptionError(f"{type(self.pipeline).__name__} ({self.model}) refused the options in "
@@ -406,8 +444,9 @@ class Omni:
             "pipeline_kwargs": {k: v for k, v in call.items() if _is_json_scalar(v)},
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
-            "offload_config": self.config.to_dict() if self.config else None,
-            "offload_summary": self.summary(),
+            # After close() nothing streams any more: neither the config nor a summary applies.
+            "offload_config": self.config.to_dict() if self.config and self.handle is not None else None,
+            "offload_summary": None if self.config and self.handle is None else self.summary(),
             "compile": self.compile,
             "lora": [spec.to_dict() for spec in self.loras],
             "cache": self.cache.to_dict() if self.cache is not None else None,
@@ -450,6 +489,39 @@ def _raised_in(exc: BaseException, function: str) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy scalar or 0-d array, or a 0-d tensor, as a Python number; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        return value.item()
+    if isinstance(value, (np.ndarray, np.generic)) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+def _is_non_finite(value: Any) -> bool:
+    """Whether ``value`` is a number (a Python, numpy or 0-d torch one) that is NaN or infinite."""
+    number = _scalar(value)
+    if isinstance(number, (bool, numbers.Integral)) or not isinstance(number, numbers.Number):
+        return False
+    try:
+        return not all(math.isfinite(part) for part in (number.real, number.imag))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _real_number(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (Python, numpy, 0-d tensor; not a bool)."""
+    number = _scalar(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+        return None
+    return float(number)
+
+
+def _show(value: Any) -> str:
+    number = _scalar(value)
+    return repr(number) if isinstance(number, float) else repr(value)
 
 
 def _builtin_defaults(model: str) -> dict[str, Any]:

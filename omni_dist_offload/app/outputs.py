@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,20 +78,26 @@ class GenerationResult:
         describes; nothing else is touched. Off by default: a caller may save one result in
         two formats on purpose."""
         out_dir = Path(directory)
+        if self.kind == "image":
+            media_suffix = ".png"
+        else:
+            media_suffix = ".mp4" if resolve_video_format(video_format) == "mp4" else ".gif"
+        # Strict JSON (no bare NaN or Infinity), made before anything is written: a value that
+        # cannot be written leaves the folder as it was.
+        text = _sidecar_text({**self.metadata, "file": f"{self.name}{media_suffix}"})
         out_dir.mkdir(parents=True, exist_ok=True)
         # Suffixes are appended: a name with a dot (``fox.v1``) keeps its tail.
         if self.kind == "image":
             media = out_dir / f"{self.name}.png"
             _write_png(media, self.frames)
-        elif resolve_video_format(video_format) == "mp4":
+        elif media_suffix == ".mp4":
             media = out_dir / f"{self.name}.mp4"
             _write_mp4(media, self.frames, self.fps)
         else:
             media = out_dir / f"{self.name}.gif"
             _write_gif(media, self.frames, self.fps)
         sidecar = out_dir / f"{self.name}.json"
-        record = {**self.metadata, "file": media.name}
-        sidecar.write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
+        sidecar.write_text(text)
         if replace:
             # Only once the new pair is written: a failure before it leaves the old media its sidecar.
             for suffix in MEDIA_SUFFIXES:
@@ -159,6 +166,27 @@ def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
     # H.264 in yuv420p needs even sizes; a macro block of 2 pads odd ones instead of resizing
     # every frame to a multiple of 16.
     imageio.mimwrite(path, list(frames), fps=fps, codec="libx264", quality=8, macro_block_size=2)
+
+
+def _sidecar_text(record: dict[str, Any]) -> str:
+    """``record`` as strict JSON; raises ValueError naming a value that is not a finite number."""
+    try:
+        return json.dumps(record, indent=2, default=_json_default, allow_nan=False) + "\n"
+    except ValueError as exc:
+        where = _non_finite_path(json.loads(json.dumps(record, default=_json_default)), "metadata")
+        raise ValueError(f"{where or 'a metadata value'} is not a finite number, which strict JSON cannot "
+                         "hold: give finite values (or fix result.metadata) before save().") from exc
+
+
+def _non_finite_path(value: Any, path: str) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path} = {value!r}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite_path(item, f"{path}[{key!r}]")
+        if found:
+            return found
+    return None
 
 
 def _json_default(value: Any) -> Any:

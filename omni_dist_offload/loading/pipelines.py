@@ -10,11 +10,12 @@ whole model; everything else loads as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from diffusers import DiffusionPipeline
@@ -99,7 +100,7 @@ def load_and_place(
         cold = _prepare_cold_start(model, config, device, dtype, kwargs)
     try:
         pipe = load_pipeline(str(cold.folder) if cold else model, dtype,
-                             {**kwargs, **(cold.components if cold else {})})
+                             {**kwargs, **(cold.components if cold else {})}, progress=progress)
         loaded = time.perf_counter()
         handle = _place(pipe, model, config, device, cold.sources if cold else None, progress)
     finally:
@@ -141,8 +142,10 @@ def _place(pipe: Any, model: str, config: OffloadConfig | None, device: torch.de
     return apply_offload(pipe, config, device=device, block_sources=sources, progress=progress)
 
 
-def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]) -> Any:
-    """Build a built-in pipeline, or load a local folder or hub id, on the host in ``dtype``."""
+def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any], *,
+                  progress: bool = True) -> Any:
+    """Build a built-in pipeline, or load a local folder or hub id, on the host in ``dtype``.
+    ``progress=False`` hides diffusers' and transformers' loading bars while it loads."""
     if model in BUILTIN_MODELS:
         pipe = BUILTIN_PIPELINES[model]()
         if dtype != torch.float32:
@@ -170,9 +173,10 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             # from_pretrained treats components with a default (WanPipeline's transformer) as
             # plain options, loads them from disk anyway and then drops them.
             loader = pipeline_class(path)
-        return loader.from_pretrained(
-            str(path) if path.is_dir() else model, **{dtype_kwarg(): dtype},
-            **{"use_safetensors": True, **load_kwargs})
+        with _loading_bars(progress):
+            return loader.from_pretrained(
+                str(path) if path.is_dir() else model, **{dtype_kwarg(): dtype},
+                **{"use_safetensors": True, **load_kwargs})
     except (OSError, ValueError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelLoadError(
@@ -189,6 +193,26 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             "not match its config.json (the loader's report above names the tensors); fix the folder or "
             "download it again."
         ) from exc
+
+
+@contextlib.contextmanager
+def _loading_bars(show: bool) -> Iterator[None]:
+    """Hide diffusers' and transformers' progress bars ("Loading pipeline components", "Loading
+    weights") unless ``show``; each library's setting is restored afterwards."""
+    if show:
+        yield
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    libraries = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+    for lib in libraries:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib in libraries:
+            lib.enable_progress_bar()
 
 
 def module_components(pipe: Any) -> dict[str, nn.Module]:

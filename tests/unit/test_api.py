@@ -265,3 +265,124 @@ def test_compile_with_upcast_per_layer_is_refused_before_anything_loads(monkeypa
                      "--upcast", "layer", "--output-dir", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "upcast \"layer\"" in err[0] and not out.exists()
+
+
+# -- generate's options: one output per call, checked numbers, strict sidecars --------------
+
+@pytest.fixture(scope="module")
+def wan() -> Omni:
+    """One streamed tiny-wan shared by the option checks below (none of them closes it)."""
+    omni = Omni("tiny-wan", STREAM_ALL, progress=False)
+    yield omni
+    omni.close()
+
+
+@pytest.fixture(scope="module")
+def wan_reference(wan: Omni) -> np.ndarray:
+    return wan.generate("a cat", seed=1).frames
+
+
+def _refused(omni: Omni, words: str, prompt=None, **kwargs) -> None:
+    with pytest.raises(GenerationOptionError, match=words):
+        omni.generate("a cat" if prompt is None else prompt, **{"seed": 1, **kwargs})
+
+
+def test_one_output_per_call_refused_before_compute(wan, wan_reference, monkeypatch) -> None:
+    """num_*_per_prompt above 1 or a list of prompts made N outputs, returned the first and recorded N."""
+    calls = []
+    monkeypatch.setattr(type(wan.pipeline), "encode_prompt", lambda *a, **k: calls.append(1))
+    _refused(wan, "num_videos_per_prompt=2: Omni.generate makes, returns and records one output",
+             num_videos_per_prompt=2)
+    _refused(wan, "num_videos_per_prompt=True", num_videos_per_prompt=True)
+    for prompt in (["a cat", "a dog"], ("a cat",), 7):
+        _refused(wan, "prompt must be one string", prompt=prompt)
+    assert calls == []
+    monkeypatch.undo()
+    assert np.array_equal(wan.generate("a cat", seed=1, num_videos_per_prompt=1).frames, wan_reference)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(num_inference_steps=0), "num_inference_steps=0 is not a positive integer"),
+    (dict(num_inference_steps=2.5), "num_inference_steps=2.5 is not a positive integer"),
+    (dict(num_inference_steps="2"), "num_inference_steps='2' is not a positive integer"),
+    (dict(num_inference_steps=True), "num_inference_steps=True is not a positive integer"),
+    (dict(height=-16), "height=-16 is not a positive integer"),
+    (dict(width=0), "width=0 is not a positive integer"),
+    (dict(num_frames=0), "num_frames=0 is not a positive integer"),
+    (dict(max_sequence_length=0), "max_sequence_length=0 is not a positive integer"),
+    (dict(guidance_scale="5"), "guidance_scale='5' is not a real number"),
+    (dict(guidance_scale=True), "guidance_scale=True is not a real number"),
+    (dict(negative_prompt=["a", "b"]), r"WanPipeline \(tiny-wan\) refused the options .*negative_prompt"),
+    (dict(guidance_scale=np.float32("nan")), "guidance_scale=nan is not a finite number"),
+    (dict(guidance_scale=np.array(float("inf"))), "guidance_scale=inf is not a finite number"),
+    (dict(guidance_scale=torch.tensor(float("nan"))), "guidance_scale=nan is not a finite number"),
+    (dict(seed=-1), "seed -1 is not one torch's generator takes: give an integer from 0"),
+    (dict(fps=0), "fps=0 is not a positive integer"),
+    (dict(fps=-5), "fps=-5 is not a positive integer"),
+    (dict(fps=True), "fps=True is not a positive integer"),
+    (dict(fps="8"), "fps='8' is not a positive integer"),
+])
+def test_bad_numbers_raise_generation_option_error(wan, wan_reference, kwargs, words) -> None:
+    _refused(wan, words, **kwargs)
+    assert np.array_equal(wan.generate("a cat", seed=1).frames, wan_reference)
+
+
+def test_numpy_and_tensor_numbers_are_taken_as_numbers(wan) -> None:
+    expected = wan.generate("a cat", seed=1, guidance_scale=1.0, num_inference_steps=2)
+    for scale, steps in ((np.float32(1.0), np.int64(2)), (torch.tensor(1.0), 2)):
+        result = wan.generate("a cat", seed=1, guidance_scale=scale, num_inference_steps=steps, fps=8)
+        assert np.array_equal(result.frames, expected.frames)
+        assert result.metadata["guidance_scale"] == 1.0 and type(result.metadata["guidance_scale"]) is float
+        assert result.metadata["fps"] == 8
+
+
+def test_sidecar_is_strict_json(tmp_path: Path) -> None:
+    frames = np.zeros((8, 8, 3), dtype=np.uint8)
+    bad = GenerationResult(prompt="p", seed=0, kind="image", frames=frames, name="nan",
+                           metadata={"pipeline_kwargs": {"true_cfg_scale": np.float32("nan")}})
+    with pytest.raises(ValueError, match=r"metadata\['pipeline_kwargs'\]\['true_cfg_scale'\] = nan is not a finite"):
+        bad.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    good = GenerationResult(prompt="p", seed=0, kind="image", frames=frames, name="ok", metadata={"g": 1.5})
+    assert json.loads(good.save(tmp_path).sidecar.read_text(), parse_constant=pytest.fail)["g"] == 1.5
+
+
+def test_metadata_after_close_reports_no_offload() -> None:
+    omni = Omni("tiny-flux", STREAM_ALL, progress=False)
+    assert omni.generate("a dog").metadata["offload_config"]["components"] == ["dit", "text_encoder"]
+    omni.close()
+    meta = omni.generate("a dog").metadata
+    assert (meta["offload_config"], meta["offload_summary"]) == (None, None)
+
+
+def test_single_lora_path_or_spec_is_taken_as_one(monkeypatch, tmp_path: Path) -> None:
+    import omni_dist_offload.app.api as api
+    from omni_dist_offload.loading.adapters import AdapterError, LoraSpec
+
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    for lora in (tmp_path / "missing.safetensors", LoraSpec(str(tmp_path / "missing.safetensors"))):
+        with pytest.raises(AdapterError, match="missing.safetensors: no such file"):
+            Omni("tiny-flux", None, lora=lora)
+
+
+def test_no_progress_hides_the_loading_bars_of_a_folder(tmp_path: Path, capfd) -> None:
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+    from tiny_models import tiny_wan_pipeline
+
+    tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
+    capfd.readouterr()
+    Omni(str(tmp_path / "wan"), None, progress=False).close()
+    err = capfd.readouterr().err
+    assert "Loading pipeline components" not in err and "Loading weights" not in err, err
+    assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+
+
+@torch.no_grad()
+def test_no_prompt_with_prompt_embeds_is_taken(wan, wan_reference) -> None:
+    """The one-string rule leaves room for the pipeline's own way of passing a prompt encoded
+    already: prompt None with prompt_embeds (and its negative) gives the same frames."""
+    pe, npe = wan.pipeline.encode_prompt("a cat", do_classifier_free_guidance=True, device=wan.device,
+                                         max_sequence_length=16)  # the built-in default
+    out = wan.generate(None, seed=1, prompt_embeds=pe, negative_prompt_embeds=npe)
+    assert np.array_equal(out.frames, wan_reference)
