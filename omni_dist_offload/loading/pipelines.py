@@ -19,7 +19,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
 from torch import nn
+from transformers.utils import logging as transformers_logging
 
 from ..apply import OffloadHandle, apply_offload
 from ..config import OffloadConfig
@@ -202,9 +204,6 @@ def _loading_bars(show: bool) -> Iterator[None]:
     if show:
         yield
         return
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
     libraries = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
     for lib in libraries:
         lib.disable_progress_bar()
