@@ -534,11 +534,11 @@ def _stored_casts(components: Sequence[StreamedComponent], cfg: OffloadConfig) -
     return out
 
 
-def quantization_method(quantizer: Any) -> str:
-    """What a diffusers or transformers quantizer (``model.hf_quantizer``) calls its method."""
-    qc = getattr(quantizer, "quantization_config", None)
-    method = getattr(qc, "quant_method", None) or (qc.get("quant_method") if isinstance(qc, dict) else None)
-    return str(getattr(method, "value", method) or type(quantizer).__name__)
+def quantization_method(config: Any) -> str | None:
+    """The method a ``quantization_config`` names (an object, or the dict a config.json holds)."""
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    method = getattr(method, "value", method)  # diffusers and transformers use an enum
+    return str(method) if method else None
 
 
 def quantized_refusal(what: str, method: str) -> OffloadConfigError:
@@ -554,7 +554,8 @@ def _check_not_quantized(comp: StreamedComponent) -> None:
     carries its quantizer: refused before anything changes."""
     quantizer = getattr(comp.module, "hf_quantizer", None)
     if quantizer is not None:
-        raise quantized_refusal(f"{comp.name} ({type(comp.module).__name__})", quantization_method(quantizer))
+        method = quantization_method(getattr(quantizer, "quantization_config", None))
+        raise quantized_refusal(f"{comp.name} ({type(comp.module).__name__})", method or type(quantizer).__name__)
 
 
 def _check_not_layerwise_cast(comp: StreamedComponent, stored: str) -> None:

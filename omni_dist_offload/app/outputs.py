@@ -42,7 +42,7 @@ MEDIA_SUFFIXES: tuple[str, ...] = (".png", ".mp4", ".gif")
 
 # What the runner writes for prompt k (``dp``): ``<k:05d>`` and one of the media suffixes or the
 # JSON sidecar.
-_NUMBERED = re.compile(r"(\d{5,})\.(?:png|mp4|gif|json)")
+_NUMBERED = re.compile(r"(\d{5,})(?:%s)" % "|".join(re.escape(suffix) for suffix in (*MEDIA_SUFFIXES, ".json")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,29 +79,24 @@ class GenerationResult:
         two formats on purpose."""
         out_dir = Path(directory)
         if self.kind == "image":
-            media_suffix = ".png"
+            suffix, write = ".png", lambda path: _write_png(path, self.frames)
+        elif resolve_video_format(video_format) == "mp4":
+            suffix, write = ".mp4", lambda path: _write_mp4(path, self.frames, self.fps)
         else:
-            media_suffix = ".mp4" if resolve_video_format(video_format) == "mp4" else ".gif"
+            suffix, write = ".gif", lambda path: _write_gif(path, self.frames, self.fps)
+        # Suffixes are appended: a name with a dot (``fox.v1``) keeps its tail.
+        media = out_dir / f"{self.name}{suffix}"
         # Strict JSON (no bare NaN or Infinity), made before anything is written: a value that
         # cannot be written leaves the folder as it was.
-        text = _sidecar_text({**self.metadata, "file": f"{self.name}{media_suffix}"})
+        text = _sidecar_text({**self.metadata, "file": media.name})
         out_dir.mkdir(parents=True, exist_ok=True)
-        # Suffixes are appended: a name with a dot (``fox.v1``) keeps its tail.
-        if self.kind == "image":
-            media = out_dir / f"{self.name}.png"
-            _write_png(media, self.frames)
-        elif media_suffix == ".mp4":
-            media = out_dir / f"{self.name}.mp4"
-            _write_mp4(media, self.frames, self.fps)
-        else:
-            media = out_dir / f"{self.name}.gif"
-            _write_gif(media, self.frames, self.fps)
+        write(media)
         sidecar = out_dir / f"{self.name}.json"
         sidecar.write_text(text)
         if replace:
             # Only once the new pair is written: a failure before it leaves the old media its sidecar.
-            for suffix in MEDIA_SUFFIXES:
-                stale = out_dir / f"{self.name}{suffix}"
+            for other in MEDIA_SUFFIXES:
+                stale = out_dir / f"{self.name}{other}"
                 if stale != media and stale.is_file():
                     stale.unlink()
         return SavedOutput(media=media, sidecar=sidecar)

@@ -43,7 +43,7 @@ from accelerate import init_empty_weights
 from huggingface_hub import snapshot_download
 from torch import nn
 
-from ..apply import apply_offload, quantized_refusal, resolve_device
+from ..apply import apply_offload, quantization_method, quantized_refusal, resolve_device
 from ..config import OffloadConfig
 from ..plan import OffloadPlan, resolve_component
 from .checkpoint import (
@@ -166,8 +166,8 @@ def _check_not_quantized(name: str, class_name: str, folder: Path) -> None:
     except (OSError, ValueError, AttributeError):
         return  # the builder reads the config again and says what is wrong with it
     if found:
-        method = found.get("quant_method", "quantization_config") if isinstance(found, dict) else "quantization_config"
-        raise quantized_refusal(f"{name} ({class_name}, {folder / 'config.json'})", str(method))
+        raise quantized_refusal(f"{name} ({class_name}, {folder / 'config.json'})",
+                                quantization_method(found) or "quantization_config")
 
 
 def load_offloaded(
