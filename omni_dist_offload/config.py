@@ -211,6 +211,8 @@ class OffloadConfig:
                 f"config key 'collective_timeout_s' must be a positive number of seconds, found "
                 f"{timeout!r}: use e.g. 600, or drop the key for the default."
             )
+        if isinstance(self.device_budget, str) and self.device_budget.strip().lower() == "auto":
+            object.__setattr__(self, "device_budget", "auto")
         if self.device_budget is not None and self.device_budget != "auto":
             object.__setattr__(self, "device_budget", _size("device_budget", self.device_budget, "or \"auto\""))
         if self.activation_reserve is not None:

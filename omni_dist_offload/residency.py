@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from decimal import Decimal
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -46,7 +47,7 @@ _FORWARDS = 4
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: object, key: str) -> int:
@@ -58,8 +59,12 @@ def parse_bytes(value: object, key: str) -> int:
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        if match and match.group(3).lower() in _UNITS:
+            if match.group(1):
+                raise ValueError(f"config key {key!r} is {value.strip()!r}: a byte count cannot be negative.")
+            # Exact decimal arithmetic ("0.3GB" is 300000000 bytes, not one less through a
+            # float); a fraction of a byte left over is dropped.
+            return int(Decimal(match.group(2)) * _UNITS[match.group(3).lower()])
     raise ValueError(
         f"config key {key!r} has value {value!r}, which is not a size: give bytes as a whole "
         "number, or a number with a unit such as \"24GiB\", \"512MiB\" or \"40GB\" "

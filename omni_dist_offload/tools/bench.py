@@ -246,7 +246,7 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
-        if text == "auto":
+        if text.strip().lower() == "auto":
             return cls("auto")
         number = text.removesuffix("%")
         try:

@@ -367,7 +367,9 @@ def test_a_prior_plan_spreads_the_streamed_blocks_and_predicts_nothing():
 
 
 @pytest.mark.parametrize("value, expected", [(0, 0), (1536, 1536), ("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20),
-                                             ("40GB", 40 * 10**9), ("1.5 gib", int(1.5 * 2**30)), ("7", 7)])
+                                             ("40GB", 40 * 10**9), ("1.5 gib", int(1.5 * 2**30)), ("7", 7),
+                                             # Exact: through a float, 2.01 GB was one byte short.
+                                             ("2.01GB", 2_010_000_000), ("2.07MB", 2_070_000)])
 def test_sizes_parse(value, expected):
     assert parse_bytes(value, "device_budget") == expected
 
@@ -376,3 +378,16 @@ def test_sizes_parse(value, expected):
 def test_bad_sizes_name_the_key_and_value(value):
     with pytest.raises(ValueError, match=r"config key 'device_budget'"):
         parse_bytes(value, "device_budget")
+
+
+@pytest.mark.parametrize("value", [-1, "-1", "-2GiB"])
+def test_negative_sizes_say_so_as_ints_and_strings_alike(value):
+    # The CLI passes strings, the API ints: one message for both.
+    with pytest.raises(ValueError, match=r"cannot be negative"):
+        parse_bytes(value, "device_budget")
+
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", " Auto "])
+def test_auto_is_read_in_any_case(value):
+    config = OffloadConfig.parse({"mode": "layer", "device_budget": value, "activation_reserve": "1GiB"})
+    assert config.device_budget == "auto" and config.activation_reserve == 2**30
