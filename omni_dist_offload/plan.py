@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from .config import OffloadConfig, OffloadConfigError
+from .config import COMPONENTS, OffloadConfig, OffloadConfigError
 
 __all__ = [
     "DIT_BLOCK_ALTERNATIVES",
@@ -235,6 +235,19 @@ class OffloadPlan:
                     f"OffloadPlan.encoder_component_types[{name!r}] must be a category name "
                     f"such as 'text_encoder', found {category!r}."
                 )
+            # Any other category stays resident, so a misspelt streaming one would go unnoticed.
+            spelt = category.strip().lower().replace("-", "_").replace(" ", "_")
+            if spelt in COMPONENTS and spelt != category:
+                raise OffloadConfigError(
+                    f"OffloadPlan.encoder_component_types[{name!r}] is {category!r}: the category "
+                    f"that streams is spelt {spelt!r}.")
+        dits = self.dit_components
+        if isinstance(dits, str) or not all(isinstance(n, str) for n in dits):
+            hint = " (a one-name tuple needs its comma: ('denoiser',))" if isinstance(dits, str) else ""
+            raise OffloadConfigError(
+                f"OffloadPlan.dit_components must be a tuple of pipeline attribute names such as "
+                f"('denoiser',), found {dits!r}{hint}.")
+        object.__setattr__(self, "dit_components", tuple(dits))
 
     def category_of(self, name: str) -> str | None:
         if name in self.encoder_component_types:
@@ -312,6 +325,7 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
             "omni_dist_offload.OffloadPlan(...), or None to use the pipeline's own _offload_plan."
         )
     modules = pipeline_modules(target)
+    _check_plan_names(target, plan, modules)
     missing = [n for n in plan.encoder_block_attrs if n not in plan.encoder_component_types and plan.category_of(n) is None]
     if missing:
         raise OffloadConfigError(
@@ -322,14 +336,29 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
     for category in config.components:
         names = [n for n, m in modules.items() if plan.category_of(n) == category]
         if not names:
+            resident = sorted({c for c in plan.encoder_component_types.values() if c not in COMPONENTS})
+            also = (f" The OffloadPlan's other categories, {resident}, stay resident." if resident else "")
             raise OffloadConfigError(
                 f"'components' lists {category!r}, but {type(target).__name__} has no module of "
                 f"that category (its modules: {sorted(modules)}). Remove {category!r} from "
                 "'components', or declare the module in an OffloadPlan "
-                "(encoder_component_types / dit_components)."
+                f"(encoder_component_types / dit_components).{also}"
             )
         found.extend(resolve_component(n, category, modules[n], plan) for n in names)
     return found
+
+
+def _check_plan_names(target: Any, plan: OffloadPlan, modules: Mapping[str, nn.Module]) -> None:
+    """Every attribute a plan names is one the pipeline has (an optional component set to
+    ``None`` counts): a misspelt name would otherwise leave its module resident, unnoticed."""
+    components = getattr(target, "components", None)
+    known = set(modules) | (set(components) if isinstance(components, Mapping) else set())
+    named = [*plan.encoder_component_types, *plan.encoder_block_attrs, *plan.dit_components]
+    absent = sorted({n for n in named if n not in known and not hasattr(target, n)})
+    if absent:
+        raise OffloadConfigError(
+            f"the OffloadPlan names {absent}, which {type(target).__name__} does not have (its "
+            f"modules: {sorted(modules)}): name the pipeline attributes that hold the modules.")
 
 
 def resolve_component(name: str, category: str, module: nn.Module, plan: OffloadPlan | None) -> StreamedComponent:

@@ -75,6 +75,38 @@ def test_plan_declares_an_encoder():
     assert [c.name for c in comps] == ["image_model"] and comps[0].source == "scan"
 
 
+def test_plan_mistakes_are_refused_before_anything_changes():
+    def pipeline():
+        return types.SimpleNamespace(transformer=ToyDiT(2), text_encoder=tiny.tiny_t5_encoder(num_layers=2),
+                                     prompt_model=tiny.tiny_t5_encoder(num_layers=2), image_encoder=None)
+
+    # A misspelt attribute name used to leave its module resident, silently.
+    pipe = pipeline()
+    before = snapshot(pipe.prompt_model)
+    plan = OffloadPlan(encoder_component_types={"prompt_modle": "text_encoder"},
+                       encoder_block_attrs={"prompt_modle": ("encoder.block",)})
+    with pytest.raises(OffloadConfigError, match=r"names \['prompt_modle'\], which SimpleNamespace does not have "
+                                                 r"\(its modules: \['prompt_model', 'text_encoder', 'transformer'\]\)"):
+        apply_offload(pipe, BOTH, plan=plan)
+    assert_same(before, pipe.prompt_model)
+    with pytest.raises(OffloadConfigError, match=r"names \['denoiser'\]"):
+        discover(pipeline(), DIT, plan=OffloadPlan(dit_components=("denoiser",)))
+    # So did a misspelt category, which any other category is: resident.
+    with pytest.raises(OffloadConfigError, match=r"is 'text-encoder': the category that streams is spelt 'text_encoder'"):
+        OffloadPlan(encoder_component_types={"prompt_model": "text-encoder"})
+    # A string, ("denoiser") without its comma, matched every attribute named by a substring of it.
+    with pytest.raises(OffloadConfigError, match=r"found 'unet_transformer' \(a one-name tuple needs its comma"):
+        OffloadPlan(dit_components=("unet_transformer"))
+    # What stays valid: an optional component that is None, a list, a resident category.
+    plan = OffloadPlan(encoder_component_types={"prompt_model": "text_encoder", "image_encoder": "image_encoder"},
+                       dit_components=["transformer"])
+    assert plan.dit_components == ("transformer",)
+    assert [c.name for c in discover(pipeline(), BOTH, plan=plan)] == ["transformer", "text_encoder", "prompt_model"]
+    with pytest.raises(OffloadConfigError, match=r"other categories, \['image_encoder'\], stay resident"):
+        discover(types.SimpleNamespace(transformer=ToyDiT(2), image_encoder=tiny.tiny_t5_encoder(num_layers=2)),
+                 TE, plan=OffloadPlan(encoder_component_types={"image_encoder": "image_encoder"}))
+
+
 def test_scan_finds_one_dominant_list_and_refuses_otherwise():
     class Unknown(nn.Module):
         def __init__(self, n):
