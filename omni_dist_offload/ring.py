@@ -131,6 +131,24 @@ class _Hook:
         raise refuse_copy(self._ring.component.name)
 
 
+class _NoBackward:
+    """Autograd's saved-tensor hooks for one streamed block run with autograd on. Its weights
+    sit in a device slot that later blocks reuse, so a backward pass would read their weights
+    (wrong gradients, no error). What autograd saves in the block is dropped (memory no backward
+    can use) and a backward that reaches it raises."""
+
+    __slots__ = ("_message",)
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def pack(self, _tensor: torch.Tensor) -> None:
+        return None
+
+    def unpack(self, _packed: None) -> torch.Tensor:
+        raise RuntimeError(self._message)
+
+
 class BlockRing:
     """Streams the non-resident blocks of one component through ``num_slots`` device slots."""
 
@@ -221,6 +239,9 @@ class BlockRing:
         self._warm = False
         self._warned_miss = False
         self._warned_grad = False
+        # With autograd on, the running streamed block's saved-tensor hooks (``_NoBackward``)
+        # and the thread that pushed them.
+        self._grad_guard: tuple[Any, threading.Thread] | None = None
         self._hooks: list = []
         self._root_hooks: list = []
         # What the pre-forward checks for CUDA graphs (a user may compile after apply_offload):
@@ -416,8 +437,8 @@ class BlockRing:
         bind(self._moving[i], self._slot_views[slot][i])
         self._current, self._current_slot = i, slot
         self._prefetch(i)
-        if not self._warned_grad and torch.is_grad_enabled():
-            self._warn_grad()
+        if torch.is_grad_enabled():  # rare: pipelines run under no_grad
+            self._guard_backward(i)
 
     def _refuse_concurrent(self, i: int) -> None:
         """Block ``i`` starts while another thread's block of this ring is running: the two
@@ -518,6 +539,8 @@ class BlockRing:
         self._current = self._current_slot = _EMPTY
         if slot == _RESIDENT or slot == _SKIPPED:
             return
+        if self._grad_guard is not None:
+            self._unguard_backward()
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         bind(self._moving[i], self._parked_moving[i])
@@ -624,13 +647,35 @@ class BlockRing:
         self._fill(i, slot)
         return slot
 
+    def _guard_backward(self, i: int) -> None:
+        """Block ``i`` streams with autograd on: a backward through it raises (``_NoBackward``)."""
+        if self._grad_guard is not None:  # an interrupt skipped the last post-forward
+            self._unguard_backward()
+        name = self.layouts[i].name
+        guard = _NoBackward(
+            f"{self.component.name}: backward through streamed block {name}. Offloading is for "
+            "inference: the block's device slot has since held other blocks' weights, so the "
+            "gradients would be wrong. Run the forward under torch.no_grad() or "
+            "torch.inference_mode(), or call remove() on the offload handle to train.")
+        hooks = torch.autograd.graph.saved_tensors_hooks(guard.pack, guard.unpack)
+        hooks.__enter__()
+        self._grad_guard = (hooks, threading.current_thread())
+        if not self._warned_grad:
+            self._warn_grad()
+
+    def _unguard_backward(self) -> None:
+        hooks, thread = self._grad_guard
+        self._grad_guard = None
+        if thread is threading.current_thread():  # the hooks are the thread's own
+            hooks.__exit__(None, None, None)
+
     def _warn_grad(self) -> None:
         self._warned_grad = True
         warnings.warn(
             f"{self.component.name}: streamed blocks ran with autograd enabled. Offloading is for "
-            "inference: the device slots are reused, so a backward pass would read other blocks' "
-            "weights. Run under torch.no_grad() or torch.inference_mode().",
-            RuntimeWarning, stacklevel=4,
+            "inference: the device slots are reused, so nothing is kept for a backward pass, and "
+            "one through these blocks raises. Run under torch.no_grad() or torch.inference_mode().",
+            RuntimeWarning, stacklevel=5,
         )
 
     # -- changes to the blocks after setup: between forwards ---------------------------------

@@ -429,3 +429,28 @@ def test_a_block_module_registered_outside_the_blocks_is_refused_and_an_aliased_
         handle = apply_offload(model, DIT)
         assert torch.equal(model(x), ref)
     handle.remove()
+
+
+def test_a_backward_through_streamed_blocks_raises_instead_of_giving_wrong_gradients():
+    """Forwards with autograd on give the resident model's output; a backward through a
+    streamed block (whose slot later blocks reused) raises, naming it, where it used to give
+    wrong gradients behind a warning. Resident blocks, and the model after remove(), train."""
+    model, x = ToyDiT(4), torch.randn(4, 8)
+    want = model(x)
+    want.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    handle = apply_offload(model, {**DIT, "layer_options": {"dit": {"resident_blocks": [3]}}}, device="cpu")
+    with pytest.warns(RuntimeWarning, match=r"autograd enabled"):
+        out = model(x)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match=r"transformer: backward through streamed block blocks\.2\. "
+                                           r"Offloading is for inference"):
+        out.sum().backward()
+    with torch.no_grad():  # the guard is gone once the block is: nothing else is affected
+        assert torch.equal(model(x), want)
+    torch.randn(3, requires_grad=True).exp().sum().backward()
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
