@@ -343,10 +343,11 @@ class Omni:
                     f"{key}={value!r}: Omni.generate makes, returns and records one output per call; "
                     f"drop {key} and call generate once per output (seed + i for output i).")
             if key in _POSITIVE_INTS:
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                number = _whole_number(value)
+                if number is None or number < 1:
                     raise GenerationOptionError(f"{key}={value!r} is not a positive integer: give an integer "
                                                 "of 1 or more (or None for the default).")
-                given[key] = int(value)
+                given[key] = number
             if key == "guidance_scale":
                 number = _real_number(value)
                 if number is None:
@@ -377,16 +378,21 @@ class Omni:
         ``guidance_scale`` that is not a real number, a non-finite number (Python, numpy or 0-d
         tensor) or an option the pipeline does not take, and for one its own input check
         refuses (a height its sizes do not divide, say)."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        number = _whole_number(seed)
+        if number is None or not 0 <= number <= MAX_SEED:
             raise GenerationOptionError(f"seed {seed!r} is not one torch's generator takes: give an "
                                         f"integer from 0 to {MAX_SEED} (2**64 - 1).")
+        seed = number
         if prompt is not None and not isinstance(prompt, str):  # None: with prompt_embeds
             raise GenerationOptionError(
                 f"prompt must be one string, not {type(prompt).__name__}: Omni.generate makes one output per "
                 "call; call it once per prompt.")
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int) or fps < 1):
-            raise GenerationOptionError(f"fps={fps!r} is not a positive integer: give the video's frame rate "
-                                        f"as an integer of 1 or more (or None for {DEFAULT_FPS}).")
+        if fps is not None:
+            number = _whole_number(fps)
+            if number is None or number < 1:
+                raise GenerationOptionError(f"fps={fps!r} is not a positive integer: give the video's frame rate "
+                                            f"as an integer of 1 or more (or None for {DEFAULT_FPS}).")
+            fps = number
         with self._lock:
             return self._generate(prompt, seed, name, fps, options)
 
@@ -509,6 +515,14 @@ def _is_non_finite(value: Any) -> bool:
         return not all(math.isfinite(part) for part in (number.real, number.imag))
     except (TypeError, ValueError, OverflowError):
         return False
+
+
+def _whole_number(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (Python, numpy, 0-d tensor; not a bool)."""
+    number = _scalar(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+        return None
+    return int(number)
 
 
 def _real_number(value: Any) -> float | None:

@@ -321,6 +321,9 @@ def test_one_output_per_call_refused_before_compute(wan, wan_reference, monkeypa
     (dict(fps=-5), "fps=-5 is not a positive integer"),
     (dict(fps=True), "fps=True is not a positive integer"),
     (dict(fps="8"), "fps='8' is not a positive integer"),
+    (dict(num_inference_steps=torch.tensor(2.0)), r"num_inference_steps=tensor\(2\.\) is not a positive integer"),
+    (dict(height=torch.tensor(True)), r"height=tensor\(True\) is not a positive integer"),
+    (dict(seed=np.int64(-1)), r"seed np.int64\(-1\) is not one torch.s generator takes"),
 ])
 def test_bad_numbers_raise_generation_option_error(wan, wan_reference, kwargs, words) -> None:
     _refused(wan, words, **kwargs)
@@ -329,8 +332,12 @@ def test_bad_numbers_raise_generation_option_error(wan, wan_reference, kwargs, w
 
 def test_numpy_and_tensor_numbers_are_taken_as_numbers(wan) -> None:
     expected = wan.generate("a cat", seed=1, guidance_scale=1.0, num_inference_steps=2)
-    for scale, steps in ((np.float32(1.0), np.int64(2)), (torch.tensor(1.0), 2)):
-        result = wan.generate("a cat", seed=1, guidance_scale=scale, num_inference_steps=steps, fps=8)
+    # 0-d arrays and tensors for integers, numpy integers for fps and seed, as the pipelines take them.
+    for scale, steps, fps, seed in ((np.float32(1.0), np.int64(2), np.int64(8), np.uint64(1)),
+                                    (torch.tensor(1.0), 2, 8, 1),
+                                    (1.0, torch.tensor(2), torch.tensor(8), torch.tensor(1)),
+                                    (1.0, np.array(2), np.array(8), np.array(1))):
+        result = wan.generate("a cat", seed=seed, guidance_scale=scale, num_inference_steps=steps, fps=fps)
         assert np.array_equal(result.frames, expected.frames)
         assert result.metadata["guidance_scale"] == 1.0 and type(result.metadata["guidance_scale"]) is float
         assert result.metadata["fps"] == 8
