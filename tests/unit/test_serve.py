@@ -1193,3 +1193,42 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(folder, 
     assert main(["serve", "--model", "tiny-flux", "--output-dir", folder]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"--output-dir '{folder}' cannot be created" in lines[0], lines
+
+
+def test_the_default_output_dir_unwritable_refuses_only_path_requests(monkeypatch, caplog) -> None:
+    """Started in a folder it cannot write (a read-only container), with no --output-dir: the
+    server starts (b64_json clients need no folder) and refuses response_format=path with a 400;
+    an --output-dir given that cannot be written still stops the start."""
+    import argparse
+
+    from omni_dist_offload.app.serve.http import ImageRequest, RequestError, plan_slots
+    from omni_dist_offload.app.serve.service import add_serve_flags, serve_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    monkeypatch.chdir("/proc")
+    with caplog.at_level("WARNING"):
+        options = serve_options(parser.parse_args([]))
+    assert options.output_dir is None
+    assert "response_format=path requests are refused (400)" in caplog.text
+    with pytest.raises(ValueError, match=r"--output-dir 'served' cannot be created"):
+        serve_options(parser.parse_args(["--output-dir", "served"]))
+    limits = ModelLimits(model="m", kind="image", size_multiple=16, frame_step=1)
+    with pytest.raises(RequestError, match=r"response_format 'path': this server has no folder it can write"):
+        plan_slots(ImageRequest(prompt="x", response_format="path"), "image", limits, options, "r")
+    assert len(plan_slots(ImageRequest(prompt="x"), "image", limits, options, "r")) == 1
+
+
+def test_an_output_that_cannot_be_written_gets_an_openai_shaped_500(flux) -> None:
+    """The folder became unwritable after the start (here: a file where it was)."""
+    aside = flux.out_dir.with_name("out-aside")
+    flux.out_dir.rename(aside) if flux.out_dir.exists() else None
+    flux.out_dir.write_text("not a folder")
+    try:
+        status, body = call(flux.port, IMAGES, {"prompt": "a cat", "response_format": "path"})
+    finally:
+        flux.out_dir.unlink()
+        aside.rename(flux.out_dir) if aside.exists() else None
+    assert status == 500 and body["error"]["code"] == "output_write_failed", body
+    assert "writing its output on the server failed" in body["error"]["message"]
+    assert call(flux.port, IMAGES, {"prompt": "a cat", "response_format": "path"})[0] == 200

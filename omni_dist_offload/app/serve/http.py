@@ -223,6 +223,10 @@ def plan_slots(body: _GenerationRequest, kind: str, limits: ModelLimits, options
         raise RequestError(f"response_format {body.response_format!r} is not served here: use "
                            f"{' or '.join(RESPONSE_FORMATS)} (the media inline, or a path on the server).",
                            "response_format")
+    if body.response_format == "path" and options.output_dir is None:
+        raise RequestError("response_format 'path': this server has no folder it can write outputs to (its "
+                           "default, outputs/, was not writable at start): ask for b64_json, or have it "
+                           "started with --output-dir.", "response_format")
     if body.output_format is not None and (kind != "image" or body.output_format.lower() != "png"):
         raise RequestError(f"output_format {body.output_format!r}: this service writes "
                            f"{'png images' if kind == 'image' else 'videos as --video-format says'}; "
@@ -585,7 +589,13 @@ async def _generate(service: Service, kind: str, body: _GenerationRequest, reque
         if kind == "video":
             item.update(num_frames=meta["num_frames"], fps=meta["fps"])
         if body.response_format == "path":
-            item["path"] = str(_write(service.options.output_dir, slot.name, result))
+            try:
+                item["path"] = str(_write(service.options.output_dir, slot.name, result))
+            except OSError as exc:  # a full disk, a folder removed since the start
+                logger.error("request %s: writing %s under --output-dir %s failed: %s", request_id, slot.name,
+                             service.options.output_dir, exc)
+                return error_response(500, f"request {request_id}: writing its output on the server failed; the "
+                                      "server's log has the reason.", code="output_write_failed")
         else:
             item["b64_json"] = base64.b64encode(result.media).decode("ascii")
         data.append(item)

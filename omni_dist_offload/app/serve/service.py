@@ -142,8 +142,9 @@ class ServeOptions:
     wave_wait_s: float = 0.1
     """How long a wave that is not full waits for more slots of its shape (several ranks in
     lockstep only: free ranks take slots as they come)."""
-    output_dir: Path = Path("outputs")
-    """Where ``"response_format": "path"`` outputs and their JSON sidecars are written."""
+    output_dir: Path | None = Path("outputs")
+    """Where ``"response_format": "path"`` outputs and their JSON sidecars are written; None:
+    nowhere (the default folder cannot be written), and such requests get 400."""
     video_format: Literal["mp4", "gif"] = "gif"
     """Resolved from ``--video-format``: MP4 with the ``video`` extra, else GIF."""
     api_key: str | None = None
@@ -190,8 +191,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds a wave that is not full waits for more requests of its "
                         "shape before it starts padded (several ranks in lockstep, i.e. allgather weights; "
                         "default: %(default)s)")
-    parser.add_argument("--output-dir", type=Path, default=d.output_dir,
-                        help="where response_format=path outputs go (default: %(default)s)")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help=f"where response_format=path outputs go (default: {d.output_dir}; given, it must "
+                        "be writable at start; the default, unwritable, only refuses such requests)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
                         help="auto: MP4 when imageio-ffmpeg is installed, else GIF")
     parser.add_argument("--api-key", default=None, metavar="KEY",
@@ -226,10 +228,17 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError(f"--read-timeout {ns.read_timeout}: give a positive number of seconds.")
     if not ns.video_ttl > 0:
         raise ValueError(f"--video-ttl {ns.video_ttl}: give a positive number of seconds.")
-    try:  # response_format=path writes there: found now, not at the first such request
-        output_dir_check("--output-dir", ns.output_dir)
+    # response_format=path writes there: found now, not at the first such request. Only a
+    # folder asked for stops the start: the default is not needed by b64_json clients.
+    output_dir = ns.output_dir if ns.output_dir is not None else ServeOptions().output_dir
+    try:
+        output_dir_check("--output-dir", output_dir)
     except UsageError as exc:
-        raise ValueError(str(exc)) from None
+        if ns.output_dir is not None:
+            raise ValueError(str(exc)) from None
+        logger.warning("%s response_format=path requests are refused (400) until the server is started with an "
+                       "--output-dir it can write.", exc)
+        output_dir = None
     try:
         video_format = resolve_video_format(ns.video_format)
     except ValueError as exc:
@@ -240,7 +249,7 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
                         max_size=ns.max_size, max_steps=ns.max_steps, max_aspect=ns.max_aspect,
                         max_pixels=ns.max_pixels, max_wave_pixels=ns.max_wave_pixels, max_queue=ns.max_queue,
-                        wave_wait_s=ns.wave_wait, output_dir=ns.output_dir, video_format=video_format,
+                        wave_wait_s=ns.wave_wait, output_dir=output_dir, video_format=video_format,
                         api_key=api_key, max_body_bytes=ns.max_body, read_timeout_s=ns.read_timeout,
                         max_connections=ns.max_connections, max_video_jobs=ns.max_video_jobs,
                         video_ttl_s=ns.video_ttl)
