@@ -43,7 +43,7 @@ from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
 from .api import MAX_SEED, GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage, with_upcast
-from .dp import run_prompts
+from .dp import check_same_run, run_prompts
 from .outputs import VIDEO_FORMATS, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
 
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return _COMMAND_FUNCS[plan.command](plan)
-    except (OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
+    except (UsageError, OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 2
     except (ModelLoadError, CheckpointError) as exc:
@@ -281,6 +281,10 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
     # at U+2028, U+0085, form feeds and the like inside a prompt, shifting every later prompt's
     # number and seed.
     lines = [line.removesuffix("\r") for line in text.split("\n")]
+    for number, line in enumerate(lines, 1):
+        if "\r" in line:  # a carriage return alone ends lines on classic Mac OS: not a prompt's text
+            raise UsageError(f"--prompts-file {str(path)!r} line {number} holds a carriage return that ends no "
+                             "line (classic Mac line endings?): end each prompt with a line feed.")
     prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise UsageError(f"--prompts-file {str(path)!r} has no prompts: write one per line.")
@@ -322,6 +326,8 @@ def _cmd_generate(plan: RunPlan) -> int:
     ctx = maybe_init_dist(plan.device)
     teardown = True
     try:
+        # Before anything loads: a rank given other prompts would drop or mix outputs.
+        check_same_run(plan.prompts, plan.seed, plan.sampling, plan.fps, ctx)
         omni = _load(plan)
         try:
             omni.call_kwargs(**plan.sampling.to_kwargs())  # an option it does not take: exit 2 now

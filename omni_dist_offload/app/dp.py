@@ -23,7 +23,9 @@ runs alone.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
+import json
 import logging
 import math
 import secrets
@@ -37,10 +39,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from ..runtime.dist import DistContext
+from ..runtime.flags import UsageError
 from .api import Omni, SamplingOptions
 from .outputs import VideoFormat, numbered_outputs
 
-__all__ = ["PromptJob", "RunReport", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts",
+__all__ = ["PromptJob", "RunReport", "check_same_run", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts",
            "static_indices"]
 
 logger = logging.getLogger(__name__)
@@ -119,6 +122,39 @@ class _Output:
     output_dir: Path
     video_format: VideoFormat
     fps: int | None
+
+
+def check_same_run(prompts: Sequence[str], base_seed: int, sampling: SamplingOptions, fps: int | None,
+                   ctx: DistContext) -> None:
+    """Every rank must be given the same prompts, seed and sampling flags: output k is prompt k,
+    so a rank that read another prompts file (each host its own copy) would drop prompts past its
+    own count or write its prompts under rank 0's numbers, and a rank with other steps or sizes
+    would leave a lockstep ring's gathers out of step. Raises :class:`UsageError` on every rank,
+    naming what differs from rank 0. Collective (every rank calls it, before the model loads);
+    compares digests, not the prompts."""
+    if ctx.backend is None or ctx.world_size < 2:
+        return
+    text = json.dumps(list(prompts), ensure_ascii=True).encode("ascii")
+    mine = (len(prompts), hashlib.sha256(text).hexdigest(), base_seed,
+            json.dumps(sampling.to_kwargs(), sort_keys=True, default=repr), fps)
+    everyone: list[tuple | None] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == first:
+            continue
+        if theirs[0] != first[0]:
+            what = f"{theirs[0]} prompt(s), where rank 0 has {first[0]}"
+        elif theirs[1] != first[1]:
+            what = f"other prompts than rank 0 (the same count, {first[0]})"
+        elif theirs[2] != first[2]:
+            what = f"--seed {theirs[2]}, where rank 0 has {first[2]}"
+        elif theirs[3] != first[3]:
+            what = f"the sampling flags {theirs[3]}, where rank 0 has {first[3]}"
+        else:
+            what = f"--fps {theirs[4]}, where rank 0 has {first[4]}"
+        raise UsageError(f"rank {rank} has {what}: every rank must be given the same prompts (one prompts "
+                         "file, the same on every host), --seed and sampling flags.")
 
 
 def run_prompts(

@@ -182,3 +182,44 @@ def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> 
     assert proc.returncode != 0
     assert "IsADirectoryError" in proc.stderr and "00001.gif" in proc.stderr, proc.stderr[-4000:]
     assert "collective mismatch" not in proc.stderr
+
+
+def differing_runs(rank: Rank, out_dir: str) -> dict:
+    """Rank 1 is given another run than rank 0 in four ways; then, through the CLI, fewer prompts."""
+    ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
+    sampling = SamplingOptions(num_inference_steps=2)
+    cases = {
+        "count": (PROMPTS if rank.rank == 0 else PROMPTS[:2], 0, sampling, None),
+        "content": (PROMPTS if rank.rank == 0 else PROMPTS[::-1], 0, sampling, None),
+        "seed": (PROMPTS, 0 if rank.rank == 0 else 3, sampling, None),
+        "sampling": (PROMPTS, 0, sampling if rank.rank == 0 else SamplingOptions(num_inference_steps=3), None),
+        "same": (PROMPTS, 0, sampling, None),
+    }
+    found = {}
+    for name, (prompts, seed, options, fps) in cases.items():
+        try:
+            dp.check_same_run(prompts, seed, options, fps, ctx)
+            found[name] = None
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            found[name] = f"{type(exc).__name__}: {exc}"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        found["cli"] = cli_on_rank(rank, out_dir, _prompt_flags(PROMPTS if rank.rank == 0 else PROMPTS[:2]))
+    found["cli_stderr"] = stderr.getvalue()
+    return found
+
+
+def test_ranks_given_other_prompts_are_refused_before_anything_loads(tmp_path) -> None:
+    """Each host reading its own prompts file: rank 1's prompts past its count were dropped, or
+    its prompts written under rank 0's numbers, and the job exited 0."""
+    r0, r1 = run_ranks(differing_runs, 2, args=(str(tmp_path / "out"),))
+    assert r0["same"] is None and r1["same"] is None
+    for found in (r0, r1):  # every rank says the same, naming what differs from rank 0
+        assert found["count"] == ("UsageError: rank 1 has 2 prompt(s), where rank 0 has 4: every rank must be given "
+                                  "the same prompts (one prompts file, the same on every host), --seed and sampling "
+                                  "flags.")
+        assert "rank 1 has other prompts than rank 0 (the same count, 4)" in found["content"]
+        assert "rank 1 has --seed 3, where rank 0 has 0" in found["seed"]
+        assert "rank 1 has the sampling flags" in found["sampling"]
+        assert found["cli"][0] == 2 and "rank 1 has 2 prompt(s), where rank 0 has 4" in found["cli_stderr"]
+    assert not (tmp_path / "out").exists()  # refused before the model loaded
