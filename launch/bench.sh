@@ -9,7 +9,7 @@
 #       --height 32 --width 32                                        # CPU smoke run (gloo)
 #
 # Arguments go to `omni-offload bench` (python -m omni_dist_offload.tools.bench); see its --help.
-#   NGPU      processes on this host, 1 or more (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
+#   NGPU      processes on this host, 1 or more, or torchrun's auto, gpu, cpu or xpu (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK  ranks whose output torchrun shows (default: all; only rank 0 prints results)
 #   TORCHRUN  the launcher (default torchrun; e.g. "python3 -m torch.distributed.run")
 set -euo pipefail
@@ -34,7 +34,10 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=${gpus:-0}
     if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
 fi
-count NGPU "$NGPU" "processes on this host"
+case "$NGPU" in
+    auto|cpu|gpu|xpu) ;;  # torchrun's own names, passed on
+    *) count NGPU "$NGPU" "processes on this host" ;;
+esac
 TORCHRUN=${TORCHRUN:-torchrun}
 filter=()
 if [ -n "${LOG_RANK:-}" ]; then filter=(--local-ranks-filter "$LOG_RANK"); fi

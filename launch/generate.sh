@@ -7,7 +7,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 NGPU=8 launch/generate.sh --prompts-file p.txt
 #
 # Arguments go to launch/generate.py (flags of `omni-offload generate`).
-#   NGPU         processes on this host, 1 or more (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
+#   NGPU         processes on this host, 1 or more, or torchrun's auto, gpu, cpu or xpu (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK     comma-separated ranks whose INFO logs show (default 0); warnings show from all
 #   NNODES       hosts, 1 or more (default 1); above 1 also NODE_RANK (0..NNODES-1), MASTER_ADDR and MASTER_PORT (29500)
 #   TORCHRUN     the launcher (default torchrun)
@@ -34,7 +34,10 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=${gpus:-0}
     if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
 fi
-count NGPU "$NGPU" "processes on this host"
+case "$NGPU" in
+    auto|cpu|gpu|xpu) ;;  # torchrun's own names, passed on
+    *) count NGPU "$NGPU" "processes on this host" ;;
+esac
 export LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
 count NNODES "$NNODES" "hosts"

@@ -7,7 +7,7 @@
 #   NGPU=2 LOG_RANK=0,1 launch/serve.sh --model tiny-flux --port 8000
 #
 # Arguments go to `omni-offload serve`.
-#   NGPU         processes on this host, 1 or more (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
+#   NGPU         processes on this host, 1 or more, or torchrun's auto, gpu, cpu or xpu (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1)
 #   LOG_RANK     comma-separated ranks whose INFO logs show (default 0); warnings show from all
 #   TORCHRUN     the launcher (default torchrun)
 # Stop it with SIGTERM to rank 0 (all ranks then exit 0, and torchrun with them): queued requests
@@ -36,7 +36,10 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=${gpus:-0}
     if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
 fi
-count NGPU "$NGPU" "processes on this host"
+case "$NGPU" in
+    auto|cpu|gpu|xpu) ;;  # torchrun's own names, passed on
+    *) count NGPU "$NGPU" "processes on this host" ;;
+esac
 export LOG_RANK=${LOG_RANK:-0}
 TORCHRUN=${TORCHRUN:-torchrun}
 

@@ -118,6 +118,14 @@ def test_a_launch_script_refuses_an_ngpu_that_is_not_a_positive_integer(script, 
         "e.g. NGPU=2."]
 
 
+@pytest.mark.parametrize("value", ["auto", "gpu", "cpu", "xpu"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_launch_script_passes_torchruns_own_ngpu_names_on(script, value, tmp_path) -> None:
+    proc = _launch(tmp_path, script, NGPU=value)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--nproc_per_node {value} " in proc.stdout.splitlines()[0]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_launch_script_without_gpus_still_starts_one_process(script, tmp_path) -> None:
     proc = _launch(tmp_path, script, CUDA_VISIBLE_DEVICES="")  # no GPU visible: NGPU unset is 1
