@@ -101,7 +101,7 @@ def refuse_copy(what: str) -> TypeError:
     share its host memory, streams and threads with the original, or lose them (pinned pages,
     shared-memory segments, a rank's shard)."""
     return TypeError(
-        f"{what}: an offloaded model cannot be deep-copied or pickled (its blocks' weights live in "
+        f"{what}: an offloaded model cannot be copied (copy.copy or copy.deepcopy) or pickled (its blocks' weights live in "
         "the ring's host memory and device slots, which a copy would share or lose). Copy the model "
         "before apply_offload, or call remove() on its handle first, copy, then apply_offload to each "
         "copy; to save weights, use state_dict() or save_pretrained().")
