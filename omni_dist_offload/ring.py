@@ -578,8 +578,9 @@ class BlockRing:
             raise RuntimeError(
                 f"{self.component.name}: moving block {self.layouts[block].name} with the "
                 f"{self.transfer.name} transfer failed: {exc}. With allgather, a rank that died, "
-                "or ran other blocks or another number of forwards, stalls the others: every rank "
-                "must run the same steps in lockstep."
+                "called remove() on its handle, or ran other blocks or another number of forwards, "
+                "stalls the others: every rank must run the same steps in lockstep (and remove() "
+                "together)."
             ) from exc
         self._slot_block[slot] = block
         if self._versioned:

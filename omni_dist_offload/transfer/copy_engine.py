@@ -180,7 +180,7 @@ class _Watchdog:
             if waited > self.timeout_s and not self._stop.is_set():
                 print(f"omni_dist_offload: {self.name}: block {last[1]} was not rebuilt within "
                       f"{self.timeout_s:g} s (collective_timeout_s): a rank of the weight group "
-                      "died, or ran other blocks or another number of forwards. Ending this "
-                      "process; every rank must run the same steps in lockstep.",
+                      "died, called remove() alone, or ran other blocks or another number of "
+                      "forwards. Ending this process; every rank must run the same steps in lockstep.",
                       file=sys.stderr, flush=True)
                 os._exit(70)
