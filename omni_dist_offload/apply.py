@@ -653,12 +653,31 @@ def _checked_sources(block_sources: Mapping[str, BlockSource] | None,
 
 
 def _check_process_group(process_group: Any | None) -> None:
+    if _is_non_member(process_group):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else "?"
+        raise OffloadConfigError(
+            f"process_group is torch.distributed.GroupMember.NON_GROUP_MEMBER on rank {rank}: rank {rank} is "
+            "not a member of the process_group it passed (new_group(ranks) returns NON_GROUP_MEMBER on the "
+            "ranks not in ranks). Every rank must pass a group that contains it: new_group is collective, "
+            "so every rank creates every group and each passes its own group's handle (in a [0, 1] + [2] "
+            "split, new_group([0, 1]) on ranks 0 and 1 and new_group([2]) on rank 2), or None on every "
+            "rank for one group per host."
+        )
     if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
         raise OffloadConfigError(
             f"process_group must be a torch.distributed ProcessGroup, found "
             f"{type(process_group).__name__}: pass a group from torch.distributed.new_group(ranks), "
             "or None for one group per host."
         )
+
+
+def _is_non_member(process_group: Any | None) -> bool:
+    """Whether ``process_group`` is what ``new_group`` returns on a rank outside its ranks."""
+    member = getattr(torch.distributed, "GroupMember", None)
+    non_member = getattr(member, "NON_GROUP_MEMBER", None)
+    if process_group is None or non_member is None:
+        return False
+    return process_group is non_member or (type(process_group) is type(non_member) and process_group == non_member)
 
 
 def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, Sequence[BlockLayout]],
@@ -1246,7 +1265,15 @@ def _fill_shared(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     failed: list[tuple[int, str]] = []
     try:
         if error is None:
-            failed = setup.groups.agree(None)
+            try:
+                failed = setup.groups.agree(None)
+            except BaseException as exc:  # a rank died or timed out, or reached another exchange
+                exc.add_note(
+                    f"apply_offload could not agree with the other ranks that the setup of {spec.component.name}'s "
+                    "shared host copy succeeded everywhere; this rank undid its setup (the model is as it was). "
+                    "A rank died, stalled past collective_timeout_s or reached another step of setup: see its "
+                    "output, then restart the job (its process group is likely broken).")
+                raise
         else:
             with contextlib.suppress(Exception):
                 setup.groups.agree(f"{type(error).__name__}: {error}")

@@ -369,6 +369,12 @@ def _check_same_layout(gathered: list[_RankFacts]) -> None:
                     f"bytes, gather {mine.gather}), rank 0 for {theirs.transfer} (chunk "
                     f"{theirs.chunk_bytes} bytes, gather {theirs.gather}): use the same config on every rank."
                 )
+            if len(mine.block_digests) != len(theirs.block_digests):
+                raise OffloadConfigError(
+                    f"rank 0 has {len(theirs.block_digests)} blocks in {name}, rank {other.rank} has "
+                    f"{len(mine.block_digests)}: every rank must load the same model (the same checkpoint "
+                    "and architecture config, e.g. the number of layers) and stream it with the same config."
+                )
             for i in range(max(len(mine.block_digests), len(theirs.block_digests))):
                 a = mine.block_digests[i] if i < len(mine.block_digests) else None
                 b = theirs.block_digests[i] if i < len(theirs.block_digests) else None
