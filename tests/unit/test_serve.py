@@ -105,10 +105,12 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
         assert (status, error["param"], error["code"], error["type"]) == (400, param, code, "invalid_request_error"), (
             case, answer)
         assert param is None or param in answer["error"]["message"], (case, answer)
-    # A prompt past the text encoders' longest window (T5's 512 tokens here) is refused...
-    status, answer = call(flux.port, IMAGES, {"prompt": "fox " * 600})
-    assert (status, answer["error"]["code"], answer["error"]["param"]) == (400, "prompt_too_long", "prompt")
-    # ... one past CLIP's 77 only is taken, and the part CLIP cut off is not written to the log.
+    # A prompt past the text encoders' longest window (CLIP's 77 tokens here: tiny-flux calls T5
+    # with max_sequence_length 32) is refused...
+    for prompt in ("fox " * 600, "fox " * 80):
+        status, answer = call(flux.port, IMAGES, {"prompt": prompt})
+        assert (status, answer["error"]["code"], answer["error"]["param"]) == (400, "prompt_too_long", "prompt")
+    # ... one past T5's 32 only is taken, and the part T5 cut off is not written to the log.
     assert call(flux.port, IMAGES, {"prompt": "a red fox " * 20 + "zebracornmarker", "seed": 4})[0] == 200
     assert "zebracornmarker" not in flux.output()
     # What OpenAI's clients send along is taken (and has no effect here).
@@ -122,7 +124,7 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
     errors = sum(metric(after, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c)) -
                  metric(before, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c))
                  for c in (400, 422))
-    assert errors == len(BAD_REQUESTS) + 1  # and the prompt too long
+    assert errors == len(BAD_REQUESTS) + 2  # and the two prompts too long
     for status, answer in _oversized(flux.port):
         assert status == 413 and answer["error"]["code"] == "request_too_large"
     status, card = call(flux.port, "/v1/models/tiny-flux")
@@ -1093,13 +1095,27 @@ def test_a_request_costing_more_pixels_than_allowed_is_refused_before_queueing()
 
 def test_model_limits() -> None:
     with Omni("tiny-wan", None, progress=False) as wan, Omni("tiny-flux", None, progress=False) as flux:
+        # UMT5 reads max_sequence_length tokens (16 for tiny-wan, not its tokenizer's 512: a longer
+        # prompt was cut, silently); Wan's rotary table covers 32 positions an axis: 32 x 2 x 8
+        # pixels a side, (32 - 1) x 4 + 1 frames (832x480 failed inside the pipeline: 500).
         assert ModelLimits.of(wan) == ModelLimits(model="tiny-wan", kind="video", size_multiple=16,
-                                                  frame_step=4, max_prompt_tokens=512,
-                                                  default_size=(32, 32), default_frames=5)
-        # Flux: CLIP reads 77 tokens, T5 512; the longer window bounds a prompt.
+                                                  frame_step=4, max_prompt_tokens=16,
+                                                  default_size=(32, 32), default_frames=5,
+                                                  max_side=512, max_frames=125)
+        # Flux: CLIP reads 77 tokens, T5 max_sequence_length (32 here); the longer window bounds a prompt.
         assert ModelLimits.of(flux) == ModelLimits(model="tiny-flux", kind="image", size_multiple=4,
-                                                   frame_step=1, max_prompt_tokens=512,
+                                                   frame_step=1, max_prompt_tokens=77,
                                                    default_size=(16, 16))
+        from omni_dist_offload.app.serve.http import RequestError, VideoRequest, plan_slots
+
+        limits = ModelLimits.of(wan)
+        with pytest.raises(RequestError, match=r"size '832x480': tiny-wan places at most 512 pixels a side"):
+            plan_slots(VideoRequest(prompt="x", size="832x480", num_frames=5), "video", limits, ServeOptions(), "r")
+        with pytest.raises(RequestError, match=r"num_frames=129: tiny-wan places at most 125 frames"):
+            plan_slots(VideoRequest(prompt="x", size="32x32", num_frames=129), "video", limits,
+                       ServeOptions(max_frames=200), "r")
+        assert len(plan_slots(VideoRequest(prompt="x", size="512x32", num_frames=125), "video", limits,
+                              ServeOptions(max_frames=200), "r")) == 1
 
 
 def test_missing_http_stack_is_one_line_naming_the_extra(monkeypatch, capsys) -> None:

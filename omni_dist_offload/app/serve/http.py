@@ -272,6 +272,9 @@ def _parse_size(size: str | None, limits: ModelLimits,
     if max(width, height) > options.max_size:
         raise RequestError(f"size {size!r} is larger than this service allows (--max-size "
                            f"{options.max_size} pixels a side).", "size")
+    if limits.max_side is not None and max(width, height) > limits.max_side:
+        raise RequestError(f"size {size!r}: {limits.model} places at most {limits.max_side} pixels a side "
+                           "(its DiT's position table); ask for a smaller size.", "size")
     if max(width, height) > options.max_aspect * min(width, height):
         raise RequestError(f"size {size!r} is more than {options.max_aspect:g} times as long as it is wide "
                            "(--max-aspect).", "size")
@@ -311,6 +314,9 @@ def _check_frames(num_frames: int, limits: ModelLimits, options: ServeOptions) -
     if num_frames > options.max_frames:
         raise RequestError(f"num_frames={num_frames} is more than this service allows "
                            f"(--max-frames {options.max_frames}).", "num_frames")
+    if limits.max_frames is not None and num_frames > limits.max_frames:
+        raise RequestError(f"num_frames={num_frames}: {limits.model} places at most {limits.max_frames} frames "
+                           "(its DiT's position table).", "num_frames")
     if step > 1 and num_frames % step != 1:
         lower = num_frames - (num_frames - 1) % step
         raise RequestError(f"num_frames={num_frames}: {limits.model} needs {step}k+1 frames, for "

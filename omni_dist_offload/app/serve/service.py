@@ -186,7 +186,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest width x height x frames of one output, the work of one wave on each "
                         "rank (default: 2048x2048 for images, 1280x720 x 121 frames for videos)")
     parser.add_argument("--max-queue", type=positive_int, default=d.max_queue, metavar="N",
-                        help="queued images or videos at most, then 503 (default: %(default)s)")
+                        help="queued images or videos at most, then 429 (default: %(default)s)")
     parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
                         help="seconds a wave that is not full waits for more requests of its "
                         "shape before it starts padded (several ranks in lockstep, i.e. allgather weights; "
@@ -274,32 +274,58 @@ class ModelLimits:
     """``(width, height)`` of a request that names no size, where the pipeline fixes it."""
     default_frames: int | None = None
     """Frames of a video request that names none, where the pipeline fixes it."""
+    max_side: int | None = None
+    """The largest width or height the DiT's positions cover (Wan's precomputed rotary table:
+    ``rope_max_seq_len`` patches a side); None: no such bound."""
+    max_frames: int | None = None
+    """Videos: the most frames the DiT's positions cover (the same table); None: no bound."""
 
     @classmethod
     def of(cls, omni: Omni) -> ModelLimits:
         pipe = omni.pipeline
         params = inspect.signature(pipe.__call__).parameters
-        spatial = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
-        found = prompt_tokenizer(pipe)
+        spatial = int(getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8))
+        temporal = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         defaults = {name: p.default for name, p in params.items() if isinstance(p.default, int)}
         defaults.update(omni.call_kwargs())  # the project's own defaults for built-in models
+        found = prompt_tokenizer(pipe, defaults.get("max_sequence_length"))
         width, height = defaults.get("width"), defaults.get("height")
+        max_side, max_frames = _position_bounds(pipe, spatial, temporal)
         return cls(model=omni.model, kind="video" if "num_frames" in params else "image",
-                   size_multiple=int(spatial) * 2,
-                   frame_step=int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1),
+                   size_multiple=spatial * 2, frame_step=temporal,
                    max_prompt_tokens=found[1] if found is not None else None,
                    default_size=(width, height) if isinstance(width, int) and isinstance(height, int) else None,
-                   default_frames=defaults.get("num_frames") if isinstance(defaults.get("num_frames"), int) else None)
+                   default_frames=defaults.get("num_frames") if isinstance(defaults.get("num_frames"), int) else None,
+                   max_side=max_side, max_frames=max_frames)
 
 
-def prompt_tokenizer(pipe: Any) -> tuple[Any, int] | None:
-    """The pipeline's tokenizer with the longest window, and that window in tokens."""
+def _position_bounds(pipe: Any, spatial: int, temporal: int) -> tuple[int | None, int | None]:
+    """Largest side and frame count a DiT with a precomputed rotary table (Wan's
+    ``rope_max_seq_len`` positions an axis, over ``patch_size`` patches) can place; past them
+    its forward fails on a shape. ``(None, None)`` for DiTs that compute positions as needed."""
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    positions = getattr(config, "rope_max_seq_len", None)
+    patch = getattr(config, "patch_size", None)
+    if not isinstance(positions, int) or not isinstance(patch, (tuple, list)) or len(patch) != 3:
+        return None, None
+    max_side = positions * int(min(patch[1], patch[2])) * spatial
+    return max_side, (positions * int(patch[0]) - 1) * temporal + 1
+
+
+def prompt_tokenizer(pipe: Any, max_sequence_length: int | None = None) -> tuple[Any, int] | None:
+    """The pipeline's tokenizer with the longest window, and that window in tokens: its
+    ``model_max_length``, or, for a tokenizer whose text encoder is not a CLIP (diffusers
+    pipelines call CLIP at its own window), the pipeline's ``max_sequence_length`` where that is
+    shorter (the built-ins read 16 or 32 tokens)."""
     best = None
-    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
-        tokenizer = getattr(pipe, name, None)
+    for suffix in ("", "_2", "_3"):
+        tokenizer = getattr(pipe, f"tokenizer{suffix}", None)
         window = getattr(tokenizer, "model_max_length", None)
         if tokenizer is None or not isinstance(window, int) or window > 1_000_000:  # "no limit" sentinels
             continue
+        encoder = type(getattr(pipe, f"text_encoder{suffix}", None)).__name__
+        if isinstance(max_sequence_length, int) and not encoder.startswith("CLIP"):
+            window = min(window, max_sequence_length)
         if best is None or window > best[1]:
             best = (tokenizer, window)
     return best
@@ -316,8 +342,8 @@ class PromptCounter:
     by a few levels), or the backend refuse a call ("Already borrowed"). The copy is used by
     one HTTP thread at a time."""
 
-    def __init__(self, pipe: Any) -> None:
-        found = prompt_tokenizer(pipe)
+    def __init__(self, pipe: Any, max_sequence_length: int | None = None) -> None:
+        found = prompt_tokenizer(pipe, max_sequence_length)
         self._tokenizer = copy.deepcopy(found[0]) if found is not None else None
         self._lock = threading.Lock()
 
@@ -519,7 +545,7 @@ class Service:
         self.ctx = ctx
         self.options = options
         self.limits = ModelLimits.of(omni)
-        self.prompts = PromptCounter(omni.pipeline)
+        self.prompts = PromptCounter(omni.pipeline, omni.call_kwargs().get("max_sequence_length"))
         """Prompt lengths for the HTTP side (never the pipeline's own tokenizer)."""
         self.queue = WaveQueue(options.max_queue)
         self.metrics = metrics
