@@ -53,7 +53,7 @@ from .checkpoint import (
     SafetensorsCheckpoint,
     placeholder,
 )
-from .folders import dtype_kwarg, pipeline_class
+from .folders import dtype_kwarg, pipeline_class, resolve_dtype
 
 try:  # transformers 5: keys renamed on load (vision-language models' legacy checkpoint names)
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -175,7 +175,7 @@ def load_offloaded(
     config: OffloadConfig | Mapping[str, Any] | str,
     *,
     device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str | None = None,
     process_group: Any | None = None,
     plan: OffloadPlan | None = None,
     threads: int | None = None,
@@ -183,9 +183,11 @@ def load_offloaded(
     **load_kwargs: Any,
 ) -> tuple[Any, Any]:
     """Load a diffusers pipeline folder (or cached hub snapshot) with its streamed components
-    cold-started, and offload it. Returns ``(pipeline, handle)``. Collective under allgather,
-    like :func:`~omni_dist_offload.apply.apply_offload`."""
+    cold-started, and offload it. Returns ``(pipeline, handle)``. ``dtype``: as ``Omni``'s
+    (``None``: bfloat16 on a GPU, float32 on the CPU). Collective under allgather, like
+    :func:`~omni_dist_offload.apply.apply_offload`."""
     dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, dev)
     folder, reason = cold_start_folder(str(model), load_kwargs)
     if folder is None:
         raise CheckpointError(f"cannot cold-start {model!r}: {reason}.")

@@ -8,8 +8,27 @@ from pathlib import Path
 from typing import Any
 
 import diffusers
+import torch
 
-__all__ = ["dtype_kwarg", "pipeline_class"]
+__all__ = ["DTYPES", "dtype_kwarg", "pipeline_class", "resolve_dtype"]
+
+#: Names accepted for ``dtype`` (and ``--dtype``).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``None``: bfloat16 on a GPU, float32 on the CPU; names from :data:`DTYPES`."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {['auto', *DTYPES]}.")
+    return DTYPES[dtype]
 
 
 def dtype_kwarg() -> str:

@@ -30,7 +30,7 @@ from ..plan import module_bytes
 from ..residency import format_bytes
 from .checkpoint import CheckpointSource
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
-from .folders import dtype_kwarg, pipeline_class
+from .folders import DTYPES, dtype_kwarg, pipeline_class, resolve_dtype
 
 __all__ = [
     "DTYPES",
@@ -44,14 +44,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Names accepted for ``dtype`` (and ``--dtype``).
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-
 
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says what was tried."""
@@ -71,17 +63,6 @@ class LoadedPipeline:
     """Whether the streamed components were cold-started from their safetensors files."""
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """``None``: bfloat16 on a GPU, float32 on the CPU; names from :data:`DTYPES`."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {['auto', *DTYPES]}.")
-    return DTYPES[dtype]
-
-
 def load_and_place(
     model: str,
     config: OffloadConfig | None,
@@ -99,7 +80,8 @@ def load_and_place(
     start = time.perf_counter()
     cold = None
     if config is not None and cold_start and model not in BUILTIN_MODELS:
-        cold = _prepare_cold_start(model, config, device, dtype, kwargs)
+        with _loading_bars(progress):  # it builds encoders with transformers, which shows a bar
+            cold = _prepare_cold_start(model, config, device, dtype, kwargs)
     try:
         pipe = load_pipeline(str(cold.folder) if cold else model, dtype,
                              {**kwargs, **(cold.components if cold else {})}, progress=progress)

@@ -448,3 +448,17 @@ def test_a_checkpoint_tensor_for_a_non_persistent_buffer_is_not_loaded(wan_folde
     handle.remove()
     got = dict(pipe.transformer.named_buffers())[name]
     assert torch.equal(got, buffer) and got.abs().sum() > 0
+
+
+def test_load_offloaded_defaults_to_omnis_dtype_and_hides_bars_without_progress(wan_folder, capfd):
+    """load_offloaded took bfloat16 on the CPU, where Omni takes float32; a cold start showed
+    transformers' "Loading weights" bar with progress=False."""
+    from omni_dist_offload import Omni
+
+    pipe, handle = load_offloaded(wan_folder, BOTH, device="cpu")
+    assert pipe.transformer.dtype == torch.float32
+    handle.remove()
+    capfd.readouterr()
+    with Omni(str(wan_folder), BOTH, device="cpu", progress=False):
+        pass
+    assert "Loading" not in capfd.readouterr().err
