@@ -215,6 +215,7 @@ class OffloadHandle:
         With allgather rings this is collective: every rank of the weight group calls it."""
         if self._removed:
             return
+        self._unguard_casts()  # what undoing the storage does may cast
         self._synchronize()
         self._close_watch()
         for ring in self.rings:
@@ -254,6 +255,8 @@ class OffloadHandle:
             # under 8-bit storage: the user meets this library's message, not one about a hook.
             for attr in _COPY_ATTRS:
                 setattr(mod, attr, _RefuseCopy(name))
+            # ``to``, ``half``, ``float``, ``cuda``... all call ``_apply``: see _RefuseCast.
+            mod._apply = _RefuseCast(mod, name)
         # Adapters loaded or fused after this point reach the device (see tenants.py).
         self._watch = BlockWatch(self.rings)
 
@@ -266,6 +269,7 @@ class OffloadHandle:
 
     def _rollback(self) -> None:
         """Undo a partial setup: blocks and resident tensors go back where they were."""
+        self._unguard_casts()  # what undoing the storage does may cast
         self._synchronize()
         self._close_watch()
         for stored in self._stored:
@@ -310,6 +314,7 @@ class OffloadHandle:
                         t.data = t.data.to(self.device)
 
     def _unmark(self) -> None:
+        self._unguard_casts()
         for mod in self._modules.values():
             if getattr(mod, _STATE_ATTR, None) is self:
                 delattr(mod, _STATE_ATTR)
@@ -317,8 +322,47 @@ class OffloadHandle:
                     if isinstance(mod.__dict__.get(attr), _RefuseCopy):
                         delattr(mod, attr)
 
+    def _unguard_casts(self) -> None:
+        for mod in self._modules.values():
+            if getattr(mod, _STATE_ATTR, None) is self and isinstance(mod.__dict__.get("_apply"), _RefuseCast):
+                del mod._apply
+
 
 _COPY_ATTRS = ("__reduce_ex__", "__deepcopy__")
+
+
+class _RefuseCast:
+    """Set on each module of an offloaded target as ``_apply``, which ``to``, ``half``, ``float``,
+    ``cuda`` and the like call: a change of dtype is refused before any tensor changes. The ring
+    streams each block in the dtype it was laid out in, so a cast let through would reach the
+    non-block tensors and fail at the next forward, the model left half cast. A move to a device
+    (``pipe.to("cuda")``) goes through as before. Which dtypes ``fn`` makes is found by calling
+    it on an empty tensor of each dtype and device the module holds."""
+
+    __slots__ = ("_module", "_name")
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self._module = module
+        self._name = name
+
+    def __call__(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> nn.Module:
+        module = self._module
+        seen: set[tuple[torch.dtype, torch.device]] = set()
+        for t in (*module.parameters(), *module.buffers()):
+            if (t.dtype, t.device) in seen:
+                continue
+            seen.add((t.dtype, t.device))
+            out = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if isinstance(out, torch.Tensor) and out.dtype != t.dtype:
+                raise RuntimeError(
+                    f"{self._name}: casting {type(module).__name__} ({t.dtype} tensors to {out.dtype}) after "
+                    "apply_offload is refused, and nothing was changed: streamed blocks stay in the dtype "
+                    "they were laid out in. Cast before apply_offload, or call remove() on the handle, "
+                    "cast, and apply again.")
+        return type(module)._apply(module, fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy(self._name)
 
 
 class _RefuseCopy:

@@ -335,8 +335,9 @@ def test_weights_written_in_place_between_forwards_are_what_later_forwards_run(n
 
 @torch.no_grad()
 def test_tensors_given_new_storage_between_forwards():
-    """New storage of the same dtype and shape is taken into the host copy; another dtype
-    (``model.to(dtype)``) is refused naming the tensor, the ring unchanged."""
+    """New storage of the same dtype and shape is taken into the host copy; another dtype is
+    refused: ``model.to(dtype)`` at once, changing nothing (it used to cast everything and fail
+    at the next forward), ``tensor.data = ...`` at the next forward, naming the tensor."""
     model, other = ToyDiT(3), ToyDiT(3, seed=1)
     x = torch.randn(4, 8)
     handle = apply_offload(model, DIT)
@@ -350,10 +351,18 @@ def test_tensors_given_new_storage_between_forwards():
         assert torch.equal(model(x), mixed(x))
     host = handle.rings[0].transfer.buffers[1].tensor
     assert host.data_ptr() <= model.blocks[1].lin.weight.data_ptr() < host.data_ptr() + host.numel()
-    model.to(torch.float64)
-    with pytest.raises(RuntimeError, match=r"blocks\.0\.\w+\.\w+ became torch\.float64 .* cast the model before apply_offload"):
-        model(x.double())
-    model.to(torch.float32)
+    for cast in (lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.half()):
+        with pytest.raises(RuntimeError, match=r"transformer: casting ToyDiT \(torch.float32 tensors to torch.float"
+                                               r"(64|16)\) after apply_offload is refused, and nothing was changed"):
+            cast(model)
+        assert {t.dtype for t in model.state_dict().values()} == {torch.float32}
+    model.to("cpu")  # a move goes through
+    weight = model.blocks[0].lin.weight
+    kept = weight.data
+    weight.data = kept.double()
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.lin\.weight became torch\.float64 .* cast the model before apply_offload"):
+        model(x)
+    weight.data = kept
     assert torch.equal(model(x), mixed(x)) and not torch.equal(model(x), ref)
     handle.remove()
     assert torch.equal(model(x), mixed(x))
@@ -362,9 +371,8 @@ def test_tensors_given_new_storage_between_forwards():
 @pytest.mark.parametrize("options", [{}, {"resident_blocks": [1]}, {"storage_dtype": "float8_e4m3fn"}])
 @torch.no_grad()
 def test_remove_keeps_what_was_given_since_the_last_forward(options):
-    """``tensor.data = ...`` or ``model.to(dtype)`` after the last forward, then remove(): the
-    model is what it would be without offloading (the message for another dtype says to remove
-    first, so that must leave one dtype throughout)."""
+    """``tensor.data = ...`` after the last forward, then remove(): the model is what it would be
+    without offloading; ``model.to(dtype)`` is refused while offloaded and works after remove()."""
     model, other = ToyDiT(3), ToyDiT(3, seed=1)
     x = torch.randn(4, 8)
     handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
@@ -375,8 +383,10 @@ def test_remove_keeps_what_was_given_since_the_last_forward(options):
     assert model.blocks[1].lin.weight.data_ptr() == new.data_ptr()
     handle = apply_offload(model, {**DIT, "layer_options": {"dit": options}})
     model(x)
-    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match=r"after apply_offload is refused, and nothing was changed"):
+        model.to(torch.float64)
     handle.remove()
+    model.to(torch.float64)
     assert {t.dtype for t in model.state_dict().values()} == {torch.float64}
     if "storage_dtype" not in options:  # 8-bit: the weights are the stored ones, upcast
         want = ToyDiT(3)

@@ -431,7 +431,7 @@ def test_counting_a_prompt_leaves_the_pipelines_tokenizer_as_the_generation_set_
     # tokenizer (and the next encode could run unpadded). It counts with a copy of its own.
     with Omni("tiny-flux", CONFIG, progress=False) as omni:
         service = Service(omni, DistContext(), ServeOptions(port=0), None)
-        tokenizer, window = prompt_tokenizer(omni.pipeline)
+        tokenizer, window = prompt_tokenizer(omni.pipeline, omni.call_kwargs().get("max_sequence_length"))
         text = "a red fox " * 10
         want = len(tokenizer(text, truncation=False)["input_ids"])
         tokenizer("a red fox", padding="max_length", max_length=window, truncation=True)
