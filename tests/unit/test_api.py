@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_dist_offload import Omni
+from omni_dist_offload import GenerationOptionError as TopLevelGenerationOptionError, Omni
 from omni_dist_offload.app.api import MAX_SEED, GenerationOptionError
 from omni_dist_offload.config import OffloadConfigError
 from omni_dist_offload.loading.pipelines import ModelLoadError, resolve_dtype
@@ -283,6 +283,7 @@ def wan_reference(wan: Omni) -> np.ndarray:
 
 
 def _refused(omni: Omni, words: str, prompt=None, **kwargs) -> None:
+    assert TopLevelGenerationOptionError is GenerationOptionError  # importable from the package, as README names it
     with pytest.raises(GenerationOptionError, match=words):
         omni.generate("a cat" if prompt is None else prompt, **{"seed": 1, **kwargs})
 
