@@ -149,7 +149,8 @@ from ..storage import cast_tensors, unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from ..transfer.groups import ComponentFacts, GroupSession
 from ..transfer.sharding import plan_shards
-from .timeline import draw_budget_sweep, draw_overhead, draw_timeline
+from ._outputs import check_output_file
+from .timeline import draw_budget_sweep, draw_overhead, draw_timeline, image_formats
 
 __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
 
@@ -169,6 +170,8 @@ FP8_STORAGE = "float8_e4m3fn"
 _MULTI_RANK = ("shared", "allgather", "allgather-nccl", "fp8-allgather", "fp8-allgather-layer")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
 RESIDENT = "resident"
+#: The flags that name output files (written by rank 0).
+_OUTPUTS = ("json", "png", "timeline")
 
 
 @dataclasses.dataclass
@@ -1086,8 +1089,10 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
     p.add_argument("--chunk-mib", type=non_negative_float, nargs="+", default=[16, 32, 64, 128, 0],
                    help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
-                   help="offloaded variants beside resident (allgather runs only under torchrun; default: "
-                   f"{' '.join(DEFAULT_VARIANTS)}, without peer under context parallelism)")
+                   help="offloaded variants beside resident (shared, allgather, allgather-nccl and the fp8 "
+                   "allgather ones need torchrun with 2 or more ranks: refused in one process; default: "
+                   f"{' '.join(DEFAULT_VARIANTS)}, allgather only under torchrun, without peer under context "
+                   "parallelism)")
     p.add_argument("--budget", nargs="+", default=None, metavar="BUDGET",
                    help="run each of our variants once per device budget: a percentage of the block "
                    "bytes (0 25 50 60 75 100; below two slots of the largest block runs at that "
@@ -1120,11 +1125,14 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    "per round, --repeats rounds; ratios are medians of per-round ratios (for forwards bound "
                    "by the host, whose speed varies)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
-    p.add_argument("--png", default=None, metavar="PATH", help="draw the overhead chart here (rank 0)")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="draw the overhead chart here (rank 0); the suffix picks the format (.png, .svg, .pdf, "
+                   "...; none: PNG)")
     p.add_argument("--timeline", default=None, metavar="PATH",
                    help="draw one traced forward of the first case here (rank 0)")
     p.add_argument("--timeline-variant", default=None, choices=["rank-local", "allgather", "allgather-nccl"],
-                   help="variant traced for --timeline (default: allgather under torchrun, else rank-local)")
+                   help="variant traced for --timeline (default: allgather under torchrun, else rank-local; "
+                   "allgather and allgather-nccl need torchrun with 2 or more ranks)")
     return p
 
 
@@ -1148,6 +1156,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") ->
                 if ctx.rank == 0:
                     print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
                 return 2
+        if ctx.rank == 0:  # the run starts: the folders of its outputs are made (_check_args checked them)
+            try:
+                for flag in _OUTPUTS:
+                    if getattr(args, flag) is not None:
+                        output_file(f"--{flag}", getattr(args, flag))
+            except UsageError as exc:
+                return report_usage_error(prog, exc)
         return _run(args, ctx.device, ctx.world_size, ctx.rank, argv)
     finally:
         destroy_dist(ctx)
@@ -1158,6 +1173,12 @@ def _check_args(args: argparse.Namespace) -> None:
     if (args.png or args.timeline) and not _has_matplotlib():
         raise BenchUsageError("--png and --timeline draw with matplotlib, which is not installed: "
                               "pip install -e '.[bench]'")
+    for flag in ("png", "timeline"):  # matplotlib picks the format by the suffix (none: PNG)
+        path = getattr(args, flag)
+        suffix = os.path.splitext(path)[1][1:].lower() if path is not None else ""
+        if suffix and suffix not in (formats := image_formats()):
+            raise BenchUsageError(f"--{flag} {path!r}: matplotlib cannot write a .{suffix} file; end the path "
+                                  f"in one of {', '.join('.' + f for f in formats)}")
     if args.transfer_mib is not None and not torch.cuda.is_available():
         raise BenchUsageError("--transfer-mib times host-to-device copies and needs a CUDA device; "
                               "none is visible")
@@ -1165,6 +1186,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchUsageError("--timeline draws a model forward; leave out --transfer-mib")
     if args.timeline_variant and not args.timeline:
         raise BenchUsageError("--timeline-variant needs --timeline PATH")
+    # One process runs no multi-rank variant: asked for, it would be left out (or, traced, run
+    # rank-local under its name).
+    if _env_world() < 2:
+        if args.timeline_variant in _MULTI_RANK:
+            raise BenchUsageError(f"--timeline-variant {args.timeline_variant} needs torchrun with 2 or more ranks "
+                                  f"(this run has {_env_world()}): leave it out to trace rank-local, or start the "
+                                  "run with NGPU=2 launch/bench.sh")
+        if multi := [v for v in args.variants or () if v in _MULTI_RANK]:
+            raise BenchUsageError(f"--variants {' '.join(multi)}: {'needs' if len(multi) == 1 else 'need'} torchrun "
+                                  f"with 2 or more ranks (this run has {_env_world()}): leave "
+                                  f"{'it' if len(multi) == 1 else 'them'} out, or start the run with NGPU=2 "
+                                  "launch/bench.sh")
     args.budgets = tuple(Budget.parse(b) for b in args.budget or ())
     if len({b.label for b in args.budgets}) != len(args.budgets):
         raise BenchUsageError(f"--budget {args.budget}: each budget once")
@@ -1227,10 +1260,12 @@ def _check_args(args: argparse.Namespace) -> None:
     if not preset.video and any(px % 16 for px in args.px):
         raise BenchUsageError(f"--px {args.px}: every size must be a multiple of 16")
     # Last, once every flag passed: a run must not end and then fail to write what it measured.
+    # Nothing is created yet (a run refused after this, outside torchrun, leaves no folder):
+    # main() makes the folders as the run starts.
     if _env_rank() == 0:  # the rank that writes
-        for flag in ("json", "png", "timeline"):
+        for flag in _OUTPUTS:
             if getattr(args, flag) is not None:
-                output_file(f"--{flag}", getattr(args, flag))
+                check_output_file(f"--{flag}", getattr(args, flag))
 
 
 def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,

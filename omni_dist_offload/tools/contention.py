@@ -48,7 +48,8 @@ PROG = "python -m omni_dist_offload.tools.contention"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    # The docstring's first paragraph, whole: its first sentence runs over two lines.
+    p = OneLineParser(prog=PROG, description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="flux-12b", choices=sorted(PRESETS))
     p.add_argument("--blocks", type=positive_int, default=19)
     p.add_argument("--px", type=positive_int, default=1024, help="image presets")

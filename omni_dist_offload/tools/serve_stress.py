@@ -86,6 +86,7 @@ from ..runtime.proc import exit_with, rss_mib
 from ..runtime.flags import (
     OneLineParser,
     UsageError,
+    non_negative_float,
     non_negative_int,
     output_file,
     positive_int,
@@ -991,18 +992,9 @@ class _Unreachable(RuntimeError):
 PROG = "python -m omni_dist_offload.tools.serve_stress"
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; give 0 or more")
-    return value
-
-
 def _seconds(text: str) -> float:
-    value = _fraction(text)
+    """A finite number above 0 (infinity would overflow a socket's timeout, NaN turn a check off)."""
+    value = non_negative_float(text)
     if value == 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
     return value
@@ -1038,13 +1030,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=positive_int, default=d.in_flight)
     p.add_argument("--steps", type=positive_int, default=d.steps, help="num_inference_steps of each request")
     p.add_argument("--timeout", type=_seconds, default=d.timeout_s, help="seconds one request may take")
-    p.add_argument("--rss-tolerance", type=_fraction, default=d.rss_tolerance,
+    p.add_argument("--rss-tolerance", type=non_negative_float, default=d.rss_tolerance,
                    help="fraction the server's RSS may grow in a phase (default: %(default)s)")
     p.add_argument("--stalled", type=non_negative_int, default=d.stalled, help="stalled uploads to hold open")
     p.add_argument("--hold", type=_seconds, default=d.hold_s, help="seconds to hold them")
     p.add_argument("--probe-interval", type=_seconds, default=d.probe_interval_s,
                    help="seconds between probe requests during the hold")
-    p.add_argument("--settle", type=_fraction, default=d.settle_s,
+    p.add_argument("--settle", type=non_negative_float, default=d.settle_s,
                    help="seconds after closing them before the last RSS reading")
     p.add_argument("--p95-factor", type=_seconds, default=d.p95_factor,
                    help="probe p95 may be this many times the unloaded p95")

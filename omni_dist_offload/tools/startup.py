@@ -20,8 +20,14 @@ files into this rank's host buffer or shard). ``ordinary``: ``from_pretrained`` 
 ``enable_group_offload`` (block_level, one block per group, use_stream) on the DiT, timed alone.
 Every rank prints one JSON line: seconds to ready, the DiT's fill-and-pin seconds and GB/s, peak
 and final RSS, PSS (shared pages counted a share per process: a ``shared`` host copy adds up to
-one copy over the host's ranks) and a digest of one small DiT forward (equal digests: bitwise
-equal weights). ``--share-gpus`` runs more ranks than GPUs (gloo), for the host-side figures.
+one copy over the host's ranks) and two digests. ``weights_digest`` is of the loaded DiT's
+weights (every tensor of its state dict: name, dtype, shape and bytes, in name order; a streamed
+block's as its forward sees it, whole under allgather): equal digests, bitwise equal weights, and
+every mode must give the same. ``digest`` is of one small DiT forward's output: equal on a GPU
+for equal weights, but on the CPU it may differ between modes with equal weights, as CPU matmul
+results depend on the memory alignment of the tensors (``from_pretrained`` leaves the non-block
+tensors at unaligned offsets; cold start aligns them). ``--share-gpus`` runs more ranks than GPUs
+(gloo), for the host-side figures.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +57,14 @@ from ..models import PRESETS
 from ..models.tiny import TINY_TEXT_DIM, tiny_wan_pipeline, wan_transformer_inputs
 from ..plan import module_bytes
 from ..runtime.dist import DistContext, destroy_dist, maybe_init_dist
-from ..runtime.flags import OneLineParser, UsageError, output_file, positive_int, report_usage_error
+from ..runtime.flags import (
+    OneLineParser,
+    UsageError,
+    output_dir_check,
+    output_file,
+    positive_int,
+    report_usage_error,
+)
 from ..runtime.logs import current_rank, rank_prefix
 from ..runtime.proc import exit_with
 
@@ -134,13 +147,48 @@ def _pss() -> int | None:
     return None
 
 
+def _tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (read on the host, one tensor at a time)."""
+    data = t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+    return hashlib.sha256(data.numpy()).hexdigest()
+
+
+def _weights_digest(module: torch.nn.Module, read: Mapping[str, str] | None = None) -> str:
+    """Digest of ``module``'s state dict: every tensor's name, dtype, shape and bytes, in name
+    order; ``read`` gives the bytes' digests already taken (a streamed block's, while it ran)."""
+    read = read or {}
+    whole = hashlib.sha256()
+    for name, t in sorted(module.state_dict(keep_vars=True).items()):
+        digest = read.get(name) or _tensor_digest(t)
+        whole.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\t{digest}\n".encode())
+    return whole.hexdigest()[:16]
+
+
 @torch.no_grad()
-def _digest(transformer: Any, device: torch.device) -> str:
-    """Digest of one small forward of the DiT: equal digests mean equal weights, bitwise."""
-    x = wan_transformer_inputs(transformer, batch=1, num_frames=1, height=8, width=8)
-    x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in x.items()}
-    out = transformer(**x)[0]
-    return hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest()[:16]
+def _digests(transformer: Any, device: torch.device, blocks: Sequence[torch.nn.Module] = ()) -> tuple[str, str]:
+    """(forward, weights): digests of one small forward of the DiT and of its weights
+    (:func:`_weights_digest`). ``blocks``: the streamed blocks, whose tensors hold their values
+    only while they run (under allgather a rank holds a shard of each between forwards): each is
+    read as its forward starts, after the ring's own hook put it on the device, whole. Equal
+    weights digests mean bitwise equal weights; the forward's may differ on the CPU between
+    loads of equal weights (matmul results depend on the tensors' memory alignment there)."""
+    names = {id(m): n for n, m in transformer.named_modules()}
+    read: dict[str, str] = {}
+
+    def take(module: torch.nn.Module, _args: Any) -> None:
+        prefix = names[id(module)] + "."
+        read.update((name, _tensor_digest(t)) for name, t in module.state_dict(prefix=prefix, keep_vars=True).items())
+
+    hooks = [b.register_forward_pre_hook(take) for b in blocks]  # after the ring's: registered later
+    try:
+        x = wan_transformer_inputs(transformer, batch=1, num_frames=1, height=8, width=8)
+        x = {k: v.to(device) if torch.is_tensor(v) else v for k, v in x.items()}
+        out = transformer(**x)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    forward = hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest()[:16]
+    return forward, _weights_digest(transformer, read)
 
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,6 +210,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
                    shared_host_bytes=ring.shared_host_bytes, weight_transfer=ring.weight_transfer,
                    cold_start=loaded.cold_start)
         transformer = loaded.pipeline.transformer
+        rings = loaded.handle.rings if loaded.handle is not None else []
+        blocks = [layout.module for ring in rings for layout in ring.layouts]
     else:
         pipe = DiffusionPipeline.from_pretrained(str(args.folder), **{dtype_kwarg(): dtype})
         loaded = time.perf_counter()
@@ -169,14 +219,15 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
             if isinstance(module, torch.nn.Module) and name != "transformer":
                 module.to(device)
         transformer = pipe.transformer
-        blocks = module_bytes(transformer.blocks)
+        block_bytes = module_bytes(transformer.blocks)
+        blocks = []  # group offloading keeps every block's weights on the host between uses
         begin = time.perf_counter()
         transformer.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                          offload_type="block_level", num_blocks_per_group=1,
                                          use_stream=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.synchronize()
-        row.update(load_s=loaded - start, dit_fill_s=time.perf_counter() - begin, dit_bytes=blocks,
+        row.update(load_s=loaded - start, dit_fill_s=time.perf_counter() - begin, dit_bytes=block_bytes,
                    ready_s=time.perf_counter() - start)
     row["dit_fill_gbps"] = row["dit_bytes"] / row["dit_fill_s"] / 1e9
     if args.mode != "peer":  # this project's host buffers: transparent huge pages asked for or not
@@ -184,7 +235,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     row["peak_rss_gib"], row["rss_gib"] = (v / 2**30 for v in _peak_rss())
     pss = _pss()
     row["pss_gib"] = pss / 2**30 if pss is not None else None
-    row["digest"] = _digest(transformer, device)
+    # "digest" (the forward's) keeps the key of earlier rows.
+    row["digest"], row["weights_digest"] = _digests(transformer, device, blocks)
     return row
 
 
@@ -228,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     anything loads), 1 when the folder does not load (one line, as ``omni-offload generate``)."""
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "write":  # a file in the way would fail only after the pipeline is built
+            output_dir_check("folder", args.folder)
         if args.command == "load":
             if not args.folder.is_dir():
                 raise UsageError(f"{str(args.folder)!r}: no such folder; give a pipeline folder "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["draw_overhead", "draw_timeline"]
+__all__ = ["draw_overhead", "draw_timeline", "image_formats"]
 
 _COLORS = {"peer": "#9e9e9e", "rank-local": "#1f77b4", "allgather": "#2ca02c"}
 #: The other variants' colours, given out in the order they appear (matplotlib's tab20, less the
@@ -34,6 +34,13 @@ def _figure(width: float, height: float):
     except ImportError:
         raise ImportError("drawing benchmark charts needs matplotlib: pip install -e '.[bench]'") from None
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
+
+
+def image_formats() -> list[str]:
+    """The suffixes (no dot, lower case) of the files a chart can be saved as: ``savefig`` picks
+    the format by the path's suffix, and saves a path without one as PNG."""
+    from matplotlib.backend_bases import FigureCanvasBase  # optional: the bench extra
+    return sorted(FigureCanvasBase.get_supported_filetypes())
 
 
 def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> Path:

@@ -30,6 +30,7 @@ from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser, UsageError, output_file, positive_int, report_usage_error
 from ..runtime.logs import current_rank
 from ..runtime.proc import exit_with
+from ._outputs import check_output_file
 
 CONFIGS = {
     "rank-local": {"mode": "layer", "components": ["dit"]},
@@ -62,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     before any model is built)."""
     try:
         args = build_parser().parse_args(argv)
-        if args.json and current_rank() == 0:  # the rank that writes
-            output_file("--json", args.json)
+        if args.json and current_rank() == 0:  # the rank that writes; its folder is made once the run starts
+            check_output_file("--json", args.json)
     except UsageError as exc:
         return report_usage_error(PROG, exc, show=current_rank() == 0)
     ctx = maybe_init_dist()
@@ -71,6 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         destroy_dist(ctx)
         return report_usage_error(PROG, "run it under torchrun with one process per GPU (it compares weight "
                                   "transfers across GPUs)", show=ctx.rank == 0)
+    if args.json and ctx.rank == 0:
+        try:
+            output_file("--json", args.json)
+        except UsageError as exc:
+            destroy_dist(ctx)
+            return report_usage_error(PROG, exc)
     dev = ctx.device
     preset = PRESETS[args.preset]
     model = build_model(preset, args.blocks, dev, torch.bfloat16).eval()

@@ -310,7 +310,8 @@ def no_run(monkeypatch):
 
 
 def test_missing_output_folders_are_made_before_the_run(tmp_path, no_run) -> None:
-    paths = {flag: tmp_path / "out" / flag / f"x.{flag}" for flag in ("json", "png", "timeline")}
+    paths = {flag: tmp_path / "out" / flag / f"x.{suffix}" for flag, suffix in (("json", "json"), ("png", "png"),
+                                                                                  ("timeline", "svg"))}
     argv = [*TINY_WAN, *(a for flag, path in paths.items() for a in (f"--{flag}", str(path)))]
     assert bench.main(argv) == 0
     assert "args" in no_run and all(path.parent.is_dir() and not path.exists() for path in paths.values())
@@ -375,3 +376,42 @@ def test_the_overhead_chart_keeps_its_look_for_the_default_variants(monkeypatch,
     ax, labels, colors = _drawn(monkeypatch, ["peer", "rank-local", "allgather"], tmp_path)
     assert ax.get_legend() is not None and labels == ["peer", "rank-local", "allgather"]
     assert colors == [to_rgba(c) for c in ("#9e9e9e", "#1f77b4", "#2ca02c")]
+
+
+# -- refused before anything runs ------------------------------------------------------------
+@pytest.mark.parametrize("flag, name", [("--png", "chart.txt"), ("--timeline", "tl.dat"), ("--png", "c.jpeg2")])
+def test_a_chart_path_matplotlib_cannot_write_is_refused_before_any_model(flag, name, tmp_path, capsys, no_run) -> None:
+    path = tmp_path / "out" / name
+    assert cli_main(["bench", *TINY_WAN, "--variants", "rank-local", flag, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"omni-offload bench: error: {flag} '{path}': matplotlib cannot write")
+    assert ".png" in err[0] and ".svg" in err[0] and "args" not in no_run and not path.parent.exists()
+    # A suffix matplotlib writes, in any case, or none (matplotlib writes PNG): taken.
+    for good in ("chart", "chart.SVG", "chart.pdf"):
+        assert bench.main([*TINY_WAN, "--variants", "rank-local", flag, str(tmp_path / good)]) == 0
+    assert "args" in no_run
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--timeline", "{tmp}/t.png", "--timeline-variant", "allgather"], "--timeline-variant allgather needs torchrun"),
+    (["--timeline", "{tmp}/t.png", "--timeline-variant", "allgather-nccl"], "--timeline-variant allgather-nccl needs"),
+    (["--variants", "allgather"], "--variants allgather: needs torchrun with 2 or more ranks"),
+    (["--variants", "rank-local", "shared", "fp8-allgather"], "--variants shared fp8-allgather: need torchrun"),
+])
+def test_multi_rank_variants_in_one_process_are_refused_before_any_model(flags, names, tmp_path, capsys, no_run,
+                                                                         monkeypatch) -> None:
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert bench.main([*TINY_WAN, *flags, "--json", str(tmp_path / "out" / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-offload bench: error: ") and names in err[0]
+    assert "args" not in no_run and not (tmp_path / "out").exists()
+    # Under torchrun with two ranks the same flags pass (rank 1: it checks no output path).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    bench._check_args(bench.build_parser().parse_args([*TINY_WAN, *flags]))
+
+
+def test_a_run_refused_outside_torchrun_leaves_no_output_folder(tmp_path, capsys) -> None:
+    out = tmp_path / "left" / "x.json"
+    assert bench.main([*TINY_WAN, "--ulysses-degree", "2", "--json", str(out)]) == 2
+    assert "needs torch.distributed" in capsys.readouterr().err and not out.parent.exists()

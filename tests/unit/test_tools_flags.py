@@ -6,6 +6,8 @@ benchmark's own flags: test_bench.py; serve_stress's: test_serve_stress.py."""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 
 import pytest
@@ -90,10 +92,11 @@ def test_an_output_path_that_cannot_be_written_exits_2_before_the_run(tool, argv
     assert f"{flag} '{tmp_path / 'file'}/x.json" in line and "is a file" in line
 
 
-def test_trace_blocks_creates_its_json_folder_before_refusing_a_run_outside_torchrun(tmp_path, capsys) -> None:
+def test_trace_blocks_refused_outside_torchrun_leaves_no_json_folder(tmp_path, capsys) -> None:
+    # Checked before the run (a file in the way is refused: above), made only once it starts.
     out = tmp_path / "new" / "blocks.json"
     assert trace_blocks.main(["--json", str(out)]) == 2
-    assert out.parent.is_dir()
+    assert not out.parent.exists()
     assert "run it under torchrun with one process per GPU" in one_line_error(capsys, "trace_blocks")
 
 
@@ -148,3 +151,66 @@ def test_help_still_prints_the_whole_usage(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         soak.main(["--help"])
     assert info.value.code == 0 and "--shapes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["{file}", "{file}/x"])
+def test_startup_write_onto_a_file_is_one_line_exit_2_before_anything_is_built(where, tmp_path, capsys,
+                                                                              monkeypatch) -> None:
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a bad folder must be refused before anything is built")
+
+    monkeypatch.setattr(startup, "write_folder", refuse)
+    (tmp_path / "file").write_text("")
+    folder = where.format(file=tmp_path / "file")
+    assert startup.main(["write", folder, "--blocks", "1", "--preset", "tiny-wan"]) == 2
+    line = one_line_error(capsys, "startup")
+    assert f"folder '{folder}'" in line and "a file" in line and "give a folder" in line
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--hold", "--probe-interval", "--p95-factor", "--rss-tolerance",
+                                  "--settle"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_serve_stress_refuses_a_number_that_is_not_finite_before_the_server_starts(flag, value, capsys,
+                                                                                   monkeypatch) -> None:
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a bad flag must be refused before the server starts")
+
+    monkeypatch.setattr(serve_stress, "run_stress", refuse)
+    assert serve_stress.main([flag, value]) == 2
+    assert f"argument {flag}: '{value}' is not a finite number" in one_line_error(capsys, "serve_stress")
+
+
+def test_contention_help_says_its_whole_first_sentence(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        contention.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "copies run beside it: the floor under which no residency plan brings a streamed forward, whatever it hides." in out
+
+
+def test_startup_weights_digest_is_of_the_weights(tmp_path) -> None:
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    # Same bytes at another offset: the same digest.
+    b.weight.data = torch.empty(b.weight.numel() + 1)[1:].view_as(b.weight).copy_(a.weight)
+    assert startup._weights_digest(a) == startup._weights_digest(b)
+    with torch.no_grad():
+        b.weight[0, 0] = torch.nextafter(b.weight[0, 0], torch.tensor(1.0))  # one bit
+    assert startup._weights_digest(a) != startup._weights_digest(b)
+    assert startup._weights_digest(a) != startup._weights_digest(copy.deepcopy(a).double())  # same values
+    # A digest taken earlier (a streamed block's, while it ran) stands for that tensor's bytes.
+    assert startup._weights_digest(b, {"weight": startup._tensor_digest(a.weight)}) == startup._weights_digest(a)
+
+
+def test_startup_modes_give_equal_weights_digests_on_the_cpu(tmp_path, capsys) -> None:
+    # fp32 on the CPU: the forward's digest may differ between cold and ordinary (the matmuls
+    # depend on the tensors' alignment); the weights' must not.
+    folder = tmp_path / "w"
+    assert startup.main(["write", str(folder), "--blocks", "1", "--preset", "tiny-wan", "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    rows = {}
+    for mode in ("cold", "ordinary", "peer"):
+        assert startup.main(["load", str(folder), "--mode", mode, "--run-dtype", "fp32"]) == 0
+        rows[mode] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len({r["weights_digest"] for r in rows.values()}) == 1
+    assert all(len(r["digest"]) == 16 for r in rows.values())  # the forward's, as earlier rows have it
