@@ -248,6 +248,7 @@ class OffloadHandle:
                 # A ring whose blocks all stay resident for good needs no hooks: the model runs
                 # as it would without offloading (where the host is the bottleneck, hooks cost).
                 ring.install_hooks()
+        ringed = {id(ring.component.module) for ring in self.rings}
         for name, mod in self._modules.items():
             setattr(mod, _STATE_ATTR, self)
             # Looked up on the instance when pickling or deep-copying, before anything inside
@@ -255,8 +256,10 @@ class OffloadHandle:
             # under 8-bit storage: the user meets this library's message, not one about a hook.
             for attr in _COPY_ATTRS:
                 setattr(mod, attr, _RefuseCopy(name))
-            # ``to``, ``half``, ``float``, ``cuda``... all call ``_apply``: see _RefuseCast.
-            mod._apply = _RefuseCast(mod, name)
+            # ``to``, ``half``, ``float``, ``cuda``... all call ``_apply``: see _RefuseCast. Only
+            # where blocks were laid out: a VAE kept in float32 beside a bf16 DiT is cast as usual.
+            if id(mod) in ringed:
+                mod._apply = _RefuseCast(mod, name)
         # Adapters loaded or fused after this point reach the device (see tenants.py).
         self._watch = BlockWatch(self.rings)
 
@@ -332,7 +335,7 @@ _COPY_ATTRS = ("__reduce_ex__", "__deepcopy__")
 
 
 class _RefuseCast:
-    """Set on each module of an offloaded target as ``_apply``, which ``to``, ``half``, ``float``,
+    """Set on each streamed component's module as ``_apply``, which ``to``, ``half``, ``float``,
     ``cuda`` and the like call: a change of dtype is refused before any tensor changes. The ring
     streams each block in the dtype it was laid out in, so a cast let through would reach the
     non-block tensors and fail at the next forward, the model left half cast. A move to a device

@@ -135,18 +135,37 @@ class _NoBackward:
     """Autograd's saved-tensor hooks for one streamed block run with autograd on. Its weights
     sit in a device slot that later blocks reuse, so a backward pass would read their weights
     (wrong gradients, no error). What autograd saves in the block is dropped (memory no backward
-    can use) and a backward that reaches it raises."""
+    can use) and a backward that reaches it raises.
 
-    __slots__ = ("_message",)
+    Pushed by the block's pre-forward, popped by its post-forward. An interrupt (Ctrl-C) skips
+    the post-forward, and by then other code may have pushed hooks of its own, so the ring does
+    not pop them later: the ring's next forward, or ``remove()``, turns them off (``active``),
+    and they pass tensors through from then on."""
+
+    __slots__ = ("_message", "active")
 
     def __init__(self, message: str) -> None:
         self._message = message
+        self.active = True
 
-    def pack(self, _tensor: torch.Tensor) -> None:
-        return None
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        return None if self.active else tensor
 
-    def unpack(self, _packed: None) -> torch.Tensor:
-        raise RuntimeError(self._message)
+    def unpack(self, packed: torch.Tensor | None) -> torch.Tensor:
+        if packed is None:
+            raise RuntimeError(self._message)
+        return packed
+
+
+def _on_top(guard: _NoBackward) -> bool:
+    """Whether ``guard``'s hooks are the top of this thread's stack of saved-tensor hooks (then
+    popping them pops nothing else). Asked of a private torch function: without it, no."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        hooks = top(False) if top is not None else None
+    except (RuntimeError, TypeError):
+        return False
+    return hooks is not None and hooks[0] == guard.pack and hooks[1] == guard.unpack
 
 
 class BlockRing:
@@ -239,9 +258,9 @@ class BlockRing:
         self._warm = False
         self._warned_miss = False
         self._warned_grad = False
-        # With autograd on, the running streamed block's saved-tensor hooks (``_NoBackward``)
-        # and the thread that pushed them.
-        self._grad_guard: tuple[Any, threading.Thread] | None = None
+        # With autograd on, the running streamed block's saved-tensor hooks: the context that
+        # pushed them, its ``_NoBackward`` and the thread (whose stack of hooks it is).
+        self._grad_guard: tuple[Any, _NoBackward, threading.Thread] | None = None
         self._hooks: list = []
         self._root_hooks: list = []
         # What the pre-forward checks for CUDA graphs (a user may compile after apply_offload):
@@ -393,6 +412,7 @@ class BlockRing:
                 self._refuse_concurrent(i)
             # The last block's post-forward never ran: torch calls always_call hooks on
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
+            self._unguard_backward(pop=False)
             self._release(self._current, self._current_slot)
             self._disrupted = True
         self._current_thread = threading.current_thread()
@@ -531,6 +551,7 @@ class BlockRing:
             self.tracer.after_compute(i, self._stream())
         if output is None:  # torch passes no output when the block raised
             self._disrupted = True
+        self._unguard_backward(pop=True)
         self._release(i, self._current_slot)
 
     def _release(self, i: int, slot: int) -> None:
@@ -539,8 +560,6 @@ class BlockRing:
         self._current = self._current_slot = _EMPTY
         if slot == _RESIDENT or slot == _SKIPPED:
             return
-        if self._grad_guard is not None:
-            self._unguard_backward()
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         bind(self._moving[i], self._parked_moving[i])
@@ -650,24 +669,30 @@ class BlockRing:
 
     def _guard_backward(self, i: int) -> None:
         """Block ``i`` streams with autograd on: a backward through it raises (``_NoBackward``)."""
-        if self._grad_guard is not None:  # an interrupt skipped the last post-forward
-            self._unguard_backward()
+        self._unguard_backward(pop=False)  # left by an interrupted forward, if any
         name = self.layouts[i].name
         guard = _NoBackward(
             f"{self.component.name}: backward through streamed block {name}. Offloading is for "
             "inference: the block's device slot has since held other blocks' weights, so the "
             "gradients would be wrong. Run the forward under torch.no_grad() or "
-            "torch.inference_mode(), or call remove() on the offload handle to train.")
+            "torch.inference_mode(), or call remove() on the offload handle to train. (A backward "
+            "that does not go through the offloaded model meets this after a forward of it was "
+            "interrupted with autograd on, until its next forward or remove().)")
         hooks = torch.autograd.graph.saved_tensors_hooks(guard.pack, guard.unpack)
         hooks.__enter__()
-        self._grad_guard = (hooks, threading.current_thread())
+        self._grad_guard = (hooks, guard, threading.current_thread())
         if not self._warned_grad:
             self._warn_grad()
 
-    def _unguard_backward(self) -> None:
-        hooks, thread = self._grad_guard
+    def _unguard_backward(self, *, pop: bool) -> None:
+        """The running block's hooks (if any) are done: turned off, and popped where ``pop`` (its
+        own post-forward, in its thread: only then are they the top of that thread's stack)."""
+        if self._grad_guard is None:
+            return
+        hooks, guard, thread = self._grad_guard
         self._grad_guard = None
-        if thread is threading.current_thread():  # the hooks are the thread's own
+        guard.active = False
+        if thread is threading.current_thread() and (pop or _on_top(guard)):
             hooks.__exit__(None, None, None)
 
     def _warn_grad(self) -> None:
@@ -1097,6 +1122,7 @@ class BlockRing:
     def release(self) -> None:
         """Free the slots, device buffers and host buffers. The caller has synchronised the device."""
         self.remove_hooks()
+        self._unguard_backward(pop=False)  # a forward interrupted with autograd on
         self._on_forward = None
         self.slots = []
         self._slot_views = []

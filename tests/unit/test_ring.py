@@ -464,3 +464,40 @@ def test_a_backward_through_streamed_blocks_raises_instead_of_giving_wrong_gradi
     model.zero_grad(set_to_none=True)
     model(x).sum().backward()
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+
+
+def test_a_module_that_streams_nothing_casts_as_usual_and_an_interrupt_leaves_no_guard():
+    """The cast refusal sits on the streamed components only (a VAE kept in float32 beside a bf16
+    DiT is cast after offloading). A Ctrl-C inside a streamed block with autograd on skips its
+    post-forward: the backward guard it pushed is off (and popped) by the ring's next forward or
+    remove(), so unrelated autograd code in the thread works again."""
+    model = ToyDiT(3)
+    pipe = types.SimpleNamespace(transformer=model, vae=torch.nn.Linear(4, 4))
+    handle = apply_offload(pipe, DIT, device="cpu")
+    pipe.vae.to(torch.float64)
+    assert pipe.vae.weight.dtype == torch.float64
+    with pytest.raises(RuntimeError, match=r"casting ToyDiT .* after apply_offload is refused"):
+        model.to(torch.float64)
+
+    def unrelated_backward():
+        a = torch.randn(3, requires_grad=True)
+        (a * a).sum().backward()
+        return torch.equal(a.grad, 2 * a.detach())
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    x = torch.randn(4, 8)
+    for end in ("forward", "remove"):
+        hook = model.blocks[1].lin.register_forward_pre_hook(ctrl_c)
+        with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("ignore", RuntimeWarning)  # autograd on: warned once
+            model(x)
+        hook.remove()
+        if end == "forward":
+            with torch.no_grad():
+                model(x)
+        else:
+            handle.remove()
+        assert unrelated_backward()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
