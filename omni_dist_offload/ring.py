@@ -551,7 +551,8 @@ class BlockRing:
             self.tracer.after_compute(i, self._stream())
         if output is None:  # torch passes no output when the block raised
             self._disrupted = True
-        self._unguard_backward(pop=True)
+        if self._grad_guard is not None:  # rare: autograd on
+            self._unguard_backward(pop=True)
         self._release(i, self._current_slot)
 
     def _release(self, i: int, slot: int) -> None:
