@@ -24,6 +24,7 @@ and ``env``), as for a subprocess.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import json
 import multiprocessing
@@ -34,7 +35,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -133,6 +134,16 @@ def run_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | 
         if problems:
             pytest.fail("\n\n".join(problems), pytrace=False)
         return [outcome["result"] for outcome in outcomes]
+
+
+def shared_copy_mappings(ignore: Sequence[int] = ()) -> list[str]:
+    """This process's descriptors (but ``ignore``) and mappings of shared host copies: empty once
+    every shared copy it held is released."""
+    gc.collect()
+    found = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if int(fd) not in ignore
+             and os.path.exists(f"/proc/self/fd/{fd}") and "omni-offload" in os.readlink(f"/proc/self/fd/{fd}")]
+    found += [line for line in Path("/proc/self/maps").read_text().splitlines() if "omni-offload" in line]
+    return found
 
 
 def proc_status(field: str) -> int:

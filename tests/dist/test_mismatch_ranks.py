@@ -8,13 +8,10 @@ phases])."""
 
 from __future__ import annotations
 
-import gc
-import os
 import sys
 import time
 import types
 from datetime import timedelta
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -23,7 +20,7 @@ import torch.distributed as dist
 from omni_dist_offload import OffloadConfigError, apply_offload
 from omni_dist_offload.layout import layout_block
 from omni_dist_offload.transfer.groups import GroupSession
-from ranks import Rank, run_ranks
+from ranks import Rank, run_ranks, shared_copy_mappings
 from toys import ToyDiT, assert_same, snapshot
 
 AG = {"weight_transfer": "allgather"}
@@ -62,12 +59,7 @@ def _refused(target, config: dict, **kwargs) -> str:
     raise AssertionError(f"applied: {config}")
 
 
-def _mapped() -> list[str]:
-    """This process's descriptors and mappings of shared host copies."""
-    gc.collect()
-    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-           if os.path.exists(f"/proc/self/fd/{fd}") and "omni-offload" in os.readlink(f"/proc/self/fd/{fd}")]
-    return fds + [line for line in Path("/proc/self/maps").read_text().splitlines() if "omni-offload" in line]
+_mapped = shared_copy_mappings
 
 
 def mismatches(rank: Rank) -> dict:

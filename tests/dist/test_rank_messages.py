@@ -5,11 +5,9 @@ the surviving ranks' bare backend error carries a note and their models are as t
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from datetime import timedelta
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -18,7 +16,7 @@ import torch.distributed as dist
 
 import omni_dist_offload.apply as apply_module
 from omni_dist_offload import OffloadConfigError, apply_offload
-from ranks import Rank, run_ranks
+from ranks import Rank, run_ranks, shared_copy_mappings
 from toys import ToyDiT, assert_same, snapshot
 
 TIMEOUT_S = 3
@@ -40,15 +38,7 @@ def _refused(model: ToyDiT, config: dict, **kwargs) -> str:
     raise AssertionError(f"applied: {config}")
 
 
-def _mapped() -> list[str]:
-    """This process's descriptors and mappings of shared host copies."""
-    gc.collect()
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        with_target = os.path.exists(f"/proc/self/fd/{fd}")
-        if with_target and "omni-offload" in (target := os.readlink(f"/proc/self/fd/{fd}")):
-            fds.append(target)
-    return fds + [line for line in Path("/proc/self/maps").read_text().splitlines() if "omni-offload" in line]
+_mapped = shared_copy_mappings
 
 
 def rank_messages(rank: Rank) -> dict:

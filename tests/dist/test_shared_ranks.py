@@ -6,14 +6,12 @@ unit/test_shared.py."""
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import signal
 import time
 import types
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from omni_dist_offload import OffloadConfigError, apply_offload
 from omni_dist_offload import apply as apply_mod
 from omni_dist_offload.hostmem import HostPinner
 from omni_dist_offload.sharedmem import job_name
-from ranks import Rank, run_ranks
+from ranks import Rank, run_ranks, shared_copy_mappings
 from toys import ToyDiT, assert_same, snapshot
 
 
@@ -40,13 +38,7 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def _segments_mapped(ignore: Sequence[int] = ()) -> list[str]:
-    """This process's descriptors (but ``ignore``) and mappings of shared host copies."""
-    gc.collect()
-    found = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if int(fd) not in ignore
-             and os.path.exists(f"/proc/self/fd/{fd}") and "omni-offload" in os.readlink(f"/proc/self/fd/{fd}")]
-    found += [line for line in Path("/proc/self/maps").read_text().splitlines() if "omni-offload" in line]
-    return found
+_segments_mapped = shared_copy_mappings
 
 
 # -- parity, ranks that do not wait ------------------------------------------------------------
