@@ -13,31 +13,8 @@
 #   TORCHRUN     the launcher (default torchrun)
 set -euo pipefail
 
-# NGPU and NNODES are counts: a bad one stops here, naming it, where torchrun would be handed it
-# (NGPU=abc), a failed test would fall through to a one-host run (NNODES=x), or a negative one
-# would quietly become 1.
-count() {  # NAME VALUE WHAT
-    if [[ ! $2 =~ ^[1-9][0-9]*$ ]]; then
-        echo "$(basename "$0"): error: $1='$2' is not a positive integer: give the number of $3, e.g. $1=2." >&2
-        exit 2
-    fi
-}
-
-# The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (a comma-separated list), else
-# every GPU nvidia-smi lists.
-if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-    gpus=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '[^[:space:]]' || true)
-else
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-fi
-if [ -z "${NGPU:-}" ]; then
-    NGPU=${gpus:-0}
-    if [ "$NGPU" -lt 1 ]; then NGPU=1; fi  # no GPU found: one process, on the CPU
-fi
-case "$NGPU" in
-    auto|cpu|gpu|xpu) ;;  # torchrun's own names, passed on
-    *) count NGPU "$NGPU" "processes on this host" ;;
-esac
+# NGPU and count(), shared by the launch scripts.
+source "$(dirname "${BASH_SOURCE[0]}")/ngpu.sh"
 export LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
 count NNODES "$NNODES" "hosts"

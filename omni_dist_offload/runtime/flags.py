@@ -40,12 +40,14 @@ def report_usage_error(prog: str, error: BaseException | str, *, show: bool = Tr
     return 2
 
 
-def output_file(flag: str, path: str | os.PathLike[str]) -> Path:
+def output_file(flag: str, path: str | os.PathLike[str], *, create: bool = True) -> Path:
     """Check, before any work, that a run can write its output file ``path`` (given with
     ``flag``): missing parent folders are created (as ``generate --output-dir`` creates its
     folder); a path that is a folder, a folder that cannot be created, or one not writable (a
     temporary file is written there and removed: :func:`write_error`) is a :class:`UsageError`
-    naming the flag, the path and the reason. Nothing else is written."""
+    naming the flag, the path and the reason. Nothing else is written. ``create=False``: the
+    same checks, no folder made (for a run that may still be refused: call again with
+    ``create=True`` as it starts, so that a refused run leaves nothing behind)."""
     target = Path(path).expanduser()
     where = f"{flag} {str(path)!r}"
     if target.is_dir():
@@ -54,6 +56,11 @@ def output_file(flag: str, path: str | os.PathLike[str]) -> Path:
     existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise UsageError(f"{where}: cannot create its folder, {str(existing)!r} is a file.")
+    if not create and existing != folder:
+        # The first folder that exists is where the missing ones would be made.
+        if existing is not None and (reason := write_error(existing)) is not None:
+            raise UsageError(f"{where}: cannot create its folder {str(folder)!r}: {reason}.")
+        return target
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -149,7 +149,6 @@ from ..storage import cast_tensors, unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
 from ..transfer.groups import ComponentFacts, GroupSession
 from ..transfer.sharding import plan_shards
-from ._outputs import check_output_file
 from .timeline import draw_budget_sweep, draw_overhead, draw_timeline, image_formats
 
 __all__ = ["VARIANTS", "BenchOptions", "CaseResult", "PeerOffload", "floor_ms", "main", "run_case", "schedule"]
@@ -1265,7 +1264,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if _env_rank() == 0:  # the rank that writes
         for flag in _OUTPUTS:
             if getattr(args, flag) is not None:
-                check_output_file(f"--{flag}", getattr(args, flag))
+                output_file(f"--{flag}", getattr(args, flag), create=False)
 
 
 def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,

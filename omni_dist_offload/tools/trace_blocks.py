@@ -30,7 +30,6 @@ from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser, UsageError, output_file, positive_int, report_usage_error
 from ..runtime.logs import current_rank
 from ..runtime.proc import exit_with
-from ._outputs import check_output_file
 
 CONFIGS = {
     "rank-local": {"mode": "layer", "components": ["dit"]},
@@ -64,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.json and current_rank() == 0:  # the rank that writes; its folder is made once the run starts
-            check_output_file("--json", args.json)
+            output_file("--json", args.json, create=False)
     except UsageError as exc:
         return report_usage_error(PROG, exc, show=current_rank() == 0)
     ctx = maybe_init_dist()
