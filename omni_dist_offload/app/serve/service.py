@@ -286,8 +286,7 @@ class ModelLimits:
         params = inspect.signature(pipe.__call__).parameters
         spatial = int(getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8))
         temporal = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
-        defaults = {name: p.default for name, p in params.items() if isinstance(p.default, int)}
-        defaults.update(omni.call_kwargs())  # the project's own defaults for built-in models
+        defaults = call_defaults(omni)
         found = prompt_tokenizer(pipe, defaults.get("max_sequence_length"))
         width, height = defaults.get("width"), defaults.get("height")
         max_side, max_frames = _position_bounds(pipe, spatial, temporal)
@@ -297,6 +296,15 @@ class ModelLimits:
                    default_size=(width, height) if isinstance(width, int) and isinstance(height, int) else None,
                    default_frames=defaults.get("num_frames") if isinstance(defaults.get("num_frames"), int) else None,
                    max_side=max_side, max_frames=max_frames)
+
+
+def call_defaults(omni: Omni) -> dict[str, Any]:
+    """The integer options a request that names none runs with: the pipeline's own defaults,
+    then the project's for built-in models."""
+    params = inspect.signature(omni.pipeline.__call__).parameters
+    defaults = {name: p.default for name, p in params.items() if isinstance(p.default, int)}
+    defaults.update(omni.call_kwargs())
+    return defaults
 
 
 def _position_bounds(pipe: Any, spatial: int, temporal: int) -> tuple[int | None, int | None]:
@@ -545,7 +553,8 @@ class Service:
         self.ctx = ctx
         self.options = options
         self.limits = ModelLimits.of(omni)
-        self.prompts = PromptCounter(omni.pipeline, omni.call_kwargs().get("max_sequence_length"))
+        # The window ModelLimits counts against: the same max_sequence_length.
+        self.prompts = PromptCounter(omni.pipeline, call_defaults(omni).get("max_sequence_length"))
         """Prompt lengths for the HTTP side (never the pipeline's own tokenizer)."""
         self.queue = WaveQueue(options.max_queue)
         self.metrics = metrics
