@@ -317,7 +317,6 @@ class OffloadHandle:
                         t.data = t.data.to(self.device)
 
     def _unmark(self) -> None:
-        self._unguard_casts()
         for mod in self._modules.values():
             if getattr(mod, _STATE_ATTR, None) is self:
                 delattr(mod, _STATE_ATTR)

@@ -669,8 +669,8 @@ class BlockRing:
         return slot
 
     def _guard_backward(self, i: int) -> None:
-        """Block ``i`` streams with autograd on: a backward through it raises (``_NoBackward``)."""
-        self._unguard_backward(pop=False)  # left by an interrupted forward, if any
+        """Block ``i`` streams with autograd on: a backward through it raises (``_NoBackward``).
+        No guard is left from before: an interrupted block's is turned off as its release."""
         name = self.layouts[i].name
         guard = _NoBackward(
             f"{self.component.name}: backward through streamed block {name}. Offloading is for "
