@@ -564,6 +564,12 @@ class BlockRing:
         if self._cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         bind(self._moving[i], self._parked_moving[i])
+        if torch.is_autocast_enabled(self.device.type):
+            # Autocast keeps the low-precision copy of every float32 parameter it casts until
+            # the outermost autocast region ends, keyed by the parameter: for streamed blocks
+            # that would hold a copy of every block's weights on the device, the memory
+            # offloading frees. Dropped after each streamed block; a recast is bitwise the same.
+            torch.clear_autocast_cache()
 
     def _slot_of(self, block: int) -> int:
         for s in range(self.num_slots):

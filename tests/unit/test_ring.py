@@ -1,10 +1,13 @@
 """The ring on the CPU path: block counts, order, several rings, remove and rollback."""
 
+import gc
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omni_dist_offload import OffloadConfigError, apply_offload
 from omni_dist_offload import apply as apply_mod
@@ -501,3 +504,42 @@ def test_a_module_that_streams_nothing_casts_as_usual_and_an_interrupt_leaves_no
             handle.remove()
         assert unrelated_backward()
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+class _Casts(TorchDispatchMode):
+    """Weak references to the low-precision copies autocast makes of the watched tensors."""
+
+    def __init__(self, watched: set[int]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.copies: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.watched:
+            self.copies.append(weakref.ref(out))
+        return out
+
+
+@torch.no_grad()
+def test_autocast_keeps_no_copy_of_streamed_blocks():
+    """Autocast caches its bf16 copy of each float32 parameter until the outermost autocast
+    region ends; for streamed blocks that would keep a copy of every block's weights on the
+    device. The copies of a streamed block's weights go once the block is done; the output is
+    the resident model's, under autocast, bitwise."""
+    model, x = ToyDiT(3), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+    handle = apply_offload(model, DIT, device="cpu")
+    watched: set[int] = set()
+    for block in model.blocks:  # a block's weights live in its slot while it runs
+        block.register_forward_pre_hook(lambda mod, args: watched.update(p.data_ptr() for p in mod.parameters()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _Casts(watched) as casts:
+            out = model(x)
+        gc.collect()
+        assert len(casts.copies) == 6  # each block's linear weight and bias
+        assert all(copy() is None for copy in casts.copies)
+        assert torch.equal(out, want)
+        assert torch.equal(model(x), want)
+    handle.remove()
