@@ -1068,9 +1068,9 @@ def _device_copy(spec: _RingSpec, layout: BlockLayout, setup: _Setup, image: tor
     the source, or from the block's own tensors."""
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=setup.device)
     if image is None and layout.image is not None:  # stored in another dtype: through its image
-        image = _image_from_tensors(layout, torch.empty(layout.image_nbytes, dtype=torch.uint8))
+        image = _image_from_tensors(layout, torch.empty(layout.image_nbytes, dtype=torch.uint8, device="cpu"))
     if image is None and spec.source is not None:
-        image = torch.empty(layout.nbytes, dtype=torch.uint8)
+        image = torch.empty(layout.nbytes, dtype=torch.uint8, device="cpu")
         spec.source.fill(layout, [(0, layout.nbytes, 0)], image)
     if image is not None and layout.image is not None:  # stored in another dtype: upcast once
         upcast(layout.image, image[: layout.image_nbytes].to(setup.device), buf)
@@ -1187,7 +1187,8 @@ def _fill_shards(spec: _RingSpec, setup: _Setup, step: Callable[[int], Any]):
     keep, settled = set(spec.residency.resident) if not spec.stored else set(), spec.residency.settled
     plans = spec.shard_plans()
     # The image of one whole block, cut into this rank's shard; a source reads the shard directly.
-    image = torch.empty(max(l.image_nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8)
+    image = torch.empty(max(l.image_nbytes for l in layouts) if spec.source is None else 0, dtype=torch.uint8,
+                        device="cpu")
     placeholders: dict[torch.dtype, torch.Tensor] = {}
     shards: list[HostBuffer | None] = []
     originals: list[list[torch.Tensor]] = []

@@ -63,7 +63,7 @@ class HostBuffer:
         rounded = -(-nbytes // _PAGE) * _PAGE
         huge = nbytes >= _HUGE_PAGE and huge_pages_wanted()
         align = _HUGE_PAGE if huge else _PAGE
-        raw = torch.empty(rounded + align, dtype=torch.uint8)
+        raw = torch.empty(rounded + align, dtype=torch.uint8, device="cpu")  # whatever the default device
         start = (-raw.data_ptr()) % align
         self.tensor = raw[start : start + nbytes]
         if huge:

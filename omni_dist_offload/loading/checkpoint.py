@@ -180,7 +180,7 @@ class SafetensorsCheckpoint:
     def load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """One whole tensor on the host, in ``dtype``."""
         info = self.info(name)
-        out = torch.empty(info.shape, dtype=dtype)
+        out = torch.empty(info.shape, dtype=dtype, device="cpu")
         self.read_into(name, out)
         return out
 
@@ -212,7 +212,7 @@ class SafetensorsCheckpoint:
         shows up as tens of MB of resident memory that is never given back."""
         buf = getattr(self._local, "scratch", None)
         if buf is None:
-            buf = self._local.scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
+            buf = self._local.scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")
         return buf
 
     def where(self) -> str:
@@ -292,7 +292,7 @@ def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A host tensor of ``shape`` and ``dtype`` backed by one element: what a block tensor is
     before its bytes are read. Floats read NaN, so a placeholder used by mistake shows up."""
     fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
-    return torch.full((), fill, dtype=dtype).expand(tuple(shape))
+    return torch.full((), fill, dtype=dtype, device="cpu").expand(tuple(shape))
 
 
 class CheckpointSource:
@@ -320,7 +320,7 @@ class CheckpointSource:
         key = self.keys.get(id(entry.tensor))
         if key is None:
             return None
-        out = torch.empty(min(count, entry.tensor.numel()), dtype=entry.dtype)
+        out = torch.empty(min(count, entry.tensor.numel()), dtype=entry.dtype, device="cpu")
         self.checkpoint.read_into(key, out)
         return out
 
@@ -380,7 +380,7 @@ def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor, dtype
     ``dtype`` where it is stored in another one)."""
     dtype = dtype or entry.dtype
     nbytes = entry.nbytes // entry.dtype.itemsize * dtype.itemsize
-    image = torch.empty(nbytes, dtype=torch.uint8)
+    image = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     shifted = TensorEntry(entry.name, entry.tensor, 0, nbytes, dtype, entry.shape, entry.stride, entry.origin)
     shifted.view_in(image).copy_(entry.tensor.detach().to(dtype))
     out.copy_(image[start : start + out.numel()])
@@ -389,6 +389,6 @@ def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor, dtype
 def _read_through(checkpoint: SafetensorsCheckpoint, via: torch.dtype, name: str, dst: torch.Tensor,
                   start: int = 0) -> None:
     """``read_into`` converting to ``via`` first, then to ``dst``'s dtype."""
-    staged = torch.empty(dst.numel(), dtype=via)
+    staged = torch.empty(dst.numel(), dtype=via, device="cpu")
     checkpoint.read_into(name, staged, start)
     dst.view(-1).copy_(staged)

@@ -146,9 +146,12 @@ def prepare_cold_start(
             _check_not_quantized(name, class_name, sub)
             checkpoint = SafetensorsCheckpoint.from_folder(sub)
             try:
-                module, dtype_of, fresh_buffers, renamed = builder(class_name, sub, dtype, checkpoint)
-                keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of, fresh_buffers,
-                                    renamed)
+                # Built on the host whatever the caller's default device (torch.set_default_device):
+                # the tensors a constructor computes (rotary tables) are read as host tensors.
+                with torch.device("cpu"):
+                    module, dtype_of, fresh_buffers, renamed = builder(class_name, sub, dtype, checkpoint)
+                    keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of,
+                                        fresh_buffers, renamed)
             except BaseException:
                 checkpoint.close()
                 raise
@@ -193,8 +196,11 @@ def load_offloaded(
         raise CheckpointError(f"cannot cold-start {model!r}: {reason}.")
     cold = prepare_cold_start(folder, config, device=dev, dtype=dtype, plan=plan, threads=threads)
     try:
-        pipe = pipeline_class(folder).from_pretrained(
-            str(folder), **{dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
+        # The other components load on the host too, whatever the default device; apply_offload
+        # places them on ``dev``.
+        with torch.device("cpu"):
+            pipe = pipeline_class(folder).from_pretrained(
+                str(folder), **{dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
         handle = apply_offload(pipe, config, device=dev, plan=plan, process_group=process_group,
                                trace=trace, block_sources=cold.sources)
     finally:

@@ -109,6 +109,6 @@ def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64,
             if first is None:
                 first = e.tensor.detach().reshape(-1)[:k]
             pieces.append(first.contiguous().view(torch.uint8).reshape(-1))
-        sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8)
+        sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8, device="cpu")
         out.append(hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16])
     return out

@@ -462,3 +462,17 @@ def test_load_offloaded_defaults_to_omnis_dtype_and_hides_bars_without_progress(
     with Omni(str(wan_folder), BOTH, device="cpu", progress=False):
         pass
     assert "Loading" not in capfd.readouterr().err
+
+
+def test_a_cold_start_reads_into_host_memory_whatever_the_default_device(wan_folder):
+    """The meta-built components and their computed buffers (rotary tables) are made on the host
+    even under torch.set_default_device: they followed it, and the load failed."""
+    ref = DiffusionPipeline.from_pretrained(wan_folder, dtype=torch.float32, disable_mmap=True)
+    torch.set_default_device("meta")
+    try:
+        pipe, handle = load_offloaded(wan_folder, BOTH, device="cpu", dtype=torch.float32)
+    finally:
+        torch.set_default_device(None)
+    handle.remove()
+    for name in ("transformer", "text_encoder"):
+        _assert_same_module(getattr(pipe, name), getattr(ref, name))

@@ -543,3 +543,24 @@ def test_autocast_keeps_no_copy_of_streamed_blocks():
         assert torch.equal(out, want)
         assert torch.equal(model(x), want)
     handle.remove()
+
+
+@pytest.mark.parametrize("storage", [None, "float8_e4m3fn"])
+@torch.no_grad()
+def test_host_copies_are_host_memory_whatever_the_default_device(storage):
+    """torch.set_default_device (a notebook's "cuda", or "meta") does not move the host copies:
+    they used to follow it, and apply_offload failed (or, with "cuda", put them on the device)."""
+    model, x = OddDiT(3), torch.randn(4, 8)
+    config = {**DIT, "layer_options": {"dit": {"storage_dtype": storage}}} if storage else DIT
+    same = OddDiT(3)
+    handle = apply_offload(same, config, device="cpu")  # an 8-bit ring's output is its own
+    want = same(x)
+    handle.remove()
+    torch.set_default_device("meta")
+    try:
+        handle = apply_offload(model, config, device="cpu")
+    finally:
+        torch.set_default_device(None)
+    assert all(t.device.type == "cpu" for t in model.state_dict(keep_vars=True).values())
+    assert torch.equal(model(x), want)
+    handle.remove()
