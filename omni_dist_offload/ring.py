@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
+from torch.nn.utils import parametrize as _parametrize
 
 from .layout import BlockLayout, bind, restored
 from .plan import StreamedComponent
@@ -157,6 +159,24 @@ class _NoBackward:
         return packed
 
 
+def _running(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is on this thread's stack below the block call whose hook
+    asks (a block called from inside it), rather than cut short (an interrupt that skipped its
+    post-forward). Walks the frames: only on that rare path."""
+    frame = sys._getframe(1)
+    calls = 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            calls += 1  # the first is the call of the block whose pre-forward runs
+            if calls > 1 and frame.f_locals.get("self") is module:
+                return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
 def _on_top(guard: _NoBackward) -> bool:
     """Whether ``guard``'s hooks are the top of this thread's stack of saved-tensor hooks (then
     popping them pops nothing else). Asked of a private torch function: without it, no."""
@@ -258,11 +278,16 @@ class BlockRing:
         self._warm = False
         self._warned_miss = False
         self._warned_grad = False
+        self._warned_adopt = False
         # With autograd on, the running streamed block's saved-tensor hooks: the context that
         # pushed them, its ``_NoBackward`` and the thread (whose stack of hooks it is).
         self._grad_guard: tuple[Any, _NoBackward, threading.Thread] | None = None
         self._hooks: list = []
         self._root_hooks: list = []
+        # Per block, the id of its post-forward hook and how many forward hooks it had when
+        # that hook was last made the final one (see install_hooks).
+        self._post_ids: list[int] = [-1] * len(self.layouts)
+        self._hooks_seen: list[int] = [-1] * len(self.layouts)
         # What the pre-forward checks for CUDA graphs (a user may compile after apply_offload):
         # the block's compiled callable, the entry in its ModuleList (which torch.compile(block)
         # may have replaced with a wrapper) and the component's compiled callable. An identity
@@ -357,12 +382,26 @@ class BlockRing:
     # Every hook is excluded from torch.compile: it swaps storage and records events, which
     # must run eagerly around a compiled block rather than be traced into its graph.
     def install_hooks(self) -> None:
+        # The pre-forward goes first and the post-forward last, so that the block's other hooks
+        # (a user's, registered before or after apply_offload) see the weights it computes with,
+        # as on the resident model. Hooks registered later are appended after the post-forward;
+        # the pre-forward moves it back to the end when their number changes (_hooks_seen).
         for layout in self.layouts:
             self._hooks.append(layout.module.register_forward_pre_hook(
-                _Hook(self, functools.partial(self._pre_forward, layout.index))))
+                _Hook(self, functools.partial(self._pre_forward, layout.index)), prepend=True))
             # always_call: a block that raises (or is interrupted) still releases its slot.
-            self._hooks.append(layout.module.register_forward_hook(
-                _Hook(self, functools.partial(self._post_forward, layout.index)), always_call=True))
+            post = layout.module.register_forward_hook(
+                _Hook(self, functools.partial(self._post_forward, layout.index)), always_call=True)
+            self._hooks.append(post)
+            self._post_ids[layout.index] = post.id
+            self._hooks_seen[layout.index] = len(layout.module._forward_hooks)
+
+    def _keep_post_forward_last(self, i: int, module: torch.nn.Module) -> None:
+        hooks = module._forward_hooks
+        key = self._post_ids[i]
+        if key in hooks:
+            hooks.move_to_end(key)
+        self._hooks_seen[i] = len(hooks)
 
     def watch_forwards(self, callback: Callable[["BlockRing"], bool]) -> None:
         """Call ``callback(ring)`` after every complete forward of the component until it returns
@@ -399,6 +438,10 @@ class BlockRing:
 
     # -- per-block path: no host synchronisation, no allocation -------------------------
     def _pre_forward(self, i: int, module, args) -> None:
+        if torch.jit.is_tracing() or torch.compiler.is_exporting():
+            self._refuse_capture(i)
+        if len(module._forward_hooks) != self._hooks_seen[i]:  # a hook was added (or removed)
+            self._keep_post_forward_last(i, module)
         if self.adopt_pending:
             self.adopt_strays()
         entries, key = self._list_slots[i]
@@ -410,6 +453,8 @@ class BlockRing:
             owner = self._current_thread
             if owner is not threading.current_thread() and owner is not None and owner.is_alive():
                 self._refuse_concurrent(i)
+            if owner is threading.current_thread() and _running(self.layouts[self._current].module):
+                self._refuse_nested(i)
             # The last block's post-forward never ran: torch calls always_call hooks on
             # Exception only, so a KeyboardInterrupt skips it. Release that block now.
             self._unguard_backward(pop=False)
@@ -459,6 +504,27 @@ class BlockRing:
         self._prefetch(i)
         if torch.is_grad_enabled():  # rare: pipelines run under no_grad
             self._guard_backward(i)
+
+    def _refuse_capture(self, i: int) -> None:
+        """Block ``i`` runs under torch.export or torch.jit.trace: the program would keep what
+        the block's tensors point at then (host copies, or placeholders) as its weights, and
+        would not stream. Nothing has changed yet."""
+        how = "torch.jit.trace" if torch.jit.is_tracing() else "torch.export"
+        raise RuntimeError(
+            f"{self.component.name}: block {self.layouts[i].name} ran under {how}. An exported or "
+            "traced program holds every weight as a constant of its own and does not stream, and "
+            "between uses streamed weights point at host copies or placeholders. Export or trace the "
+            "model before apply_offload, or call remove() on the offload handle first.")
+
+    def _refuse_nested(self, i: int) -> None:
+        """Block ``i`` was called from inside the forward of the running block. Nothing has
+        changed yet; the outer block releases its slot as its forward unwinds."""
+        raise RuntimeError(
+            f"{self.component.name}: block {self.layouts[i].name} was called from inside block "
+            f"{self.layouts[self._current].name}'s forward. Streamed blocks run one at a time, each "
+            "from a device slot that the next block reuses, so one block may not run another. Declare "
+            "a block that runs others as one block (list only the outer blocks in "
+            "_layerwise_offload_blocks_attrs), or keep this component resident.")
 
     def _refuse_concurrent(self, i: int) -> None:
         """Block ``i`` starts while another thread's block of this ring is running: the two
@@ -543,6 +609,8 @@ class BlockRing:
     def _post_forward(self, i: int, module, args, output) -> None:
         # The pre-forward did not get as far as binding (or refused this thread): nothing to release.
         if self._current != i or self._current_thread is not threading.current_thread():
+            if output is None and self._current == _EMPTY:  # the block raised before it was bound
+                self._disrupted = True
             return
         if self._current_slot == _SKIPPED:
             self._current = self._current_slot = _EMPTY
@@ -570,6 +638,10 @@ class BlockRing:
             # that would hold a copy of every block's weights on the device, the memory
             # offloading frees. Dropped after each streamed block; a recast is bitwise the same.
             torch.clear_autocast_cache()
+        if getattr(_parametrize, "_cache_enabled", 0):
+            # Likewise parametrize.cached(): it keeps each parametrized weight it computed, which
+            # may be a view of the slot (then later blocks' bytes) or a device copy.
+            _parametrize._cache.clear()
 
     def _slot_of(self, block: int) -> int:
         for s in range(self.num_slots):
@@ -734,13 +806,28 @@ class BlockRing:
         # tensor still on the meta device (peft injects an adapter empty, then un-merges the
         # layers it fused before, an edit, before it loads the values) waits for a later call.
         waiting = False
+        added: dict[int, int] = {}
         with torch.inference_mode(False), torch.no_grad():
-            for _layout, _name, t in strays:
+            for layout, _name, t in strays:
                 if t.is_meta:
                     waiting = True
-                elif t.device != self.device:
+                    continue
+                if t.device != self.device:
                     t.data = t.data.to(self.device)
+                added[layout.index] = added.get(layout.index, 0) + t.numel() * t.element_size()
         self.adopt_pending = waiting
+        big = [i for i, n in added.items() if 2 * n > self.layouts[i].tensor_bytes]
+        if big and not self._warned_adopt:
+            self._warned_adopt = True
+            i = big[0]
+            name = next(f"{self.layouts[i].name}.{n}" for layout, n, t in strays if layout.index == i)
+            warnings.warn(
+                f"{self.component.name}: {added[i] / 2**20:.1f} MiB of tensors added to block "
+                f"{self.layouts[i].name} after apply_offload (such as {name}; {len(big)} blocks in all) "
+                "stay on the device for good, over half of what the block streams: offloading no "
+                "longer spares that memory. Make such changes (weight_norm, new layers) before "
+                "apply_offload, or call remove() on the handle, change the model and apply again. "
+                "Small additions, such as LoRA adapters, are expected.", RuntimeWarning, stacklevel=2)
 
     def edit_block(self, i: int, edit: Callable[[], _T]) -> _T:
         """Run ``edit()`` with block ``i``'s tensors on the device, and keep what it leaves in

@@ -64,10 +64,10 @@ def _ring_program(n: int, resident: set[int], slots: int, forwards: int,
         real_fill(block, slot)
 
     ring._fill = fill
-    # Registered first, so it runs before the ring's pre-forward: the host is there.
-    first = [b.register_forward_pre_hook(lambda m, a, i=i: program.append(("pre", i, -1)))
-             for i, b in enumerate(model.blocks)]
     ring.install_hooks()
+    # Prepended after the ring's, so it runs before the ring's pre-forward: the host is there.
+    first = [b.register_forward_pre_hook(lambda m, a, i=i: program.append(("pre", i, -1)), prepend=True)
+             for i, b in enumerate(model.blocks)]
     hooks = [*first, *[b.register_forward_pre_hook(lambda m, a, i=i: program.append(("run", i, ring._current_slot)))
              for i, b in enumerate(model.blocks)]]
     with torch.no_grad():

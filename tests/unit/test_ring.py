@@ -564,3 +564,109 @@ def test_host_copies_are_host_memory_whatever_the_default_device(storage):
     assert all(t.device.type == "cpu" for t in model.state_dict(keep_vars=True).values())
     assert torch.equal(model(x), want)
     handle.remove()
+
+
+@pytest.mark.parametrize("storage", [None, "float8_e4m3fn"])
+@torch.no_grad()
+def test_a_blocks_own_hooks_see_the_weights_it_computes_with(storage):
+    """A pre-hook registered before apply_offload, and a forward hook registered after it, ran
+    outside the ring's binding (on parked host views, or NaN placeholders on an 8-bit ring)."""
+    model, x = ToyDiT(3), torch.randn(4, 8)
+    config = {**DIT, "layer_options": {"dit": {"storage_dtype": storage}}} if storage else DIT
+    seen: dict[str, list] = {"pre": [], "inside": [], "post": []}
+    block = model.blocks[1]
+    block.register_forward_pre_hook(lambda mod, args: seen["pre"].append(mod.lin.weight.data_ptr()))
+    handle = apply_offload(model, config, device="cpu")
+    block.lin.register_forward_pre_hook(lambda mod, args: seen["inside"].append(mod.weight.data_ptr()))
+    block.register_forward_hook(lambda mod, args, out: seen["post"].append(mod.lin.weight.data_ptr()))
+    block.register_forward_hook(lambda mod, args, out: out + mod.lin.bias)  # as the resident model's
+    want = ToyDiT(3)
+    want.blocks[1].register_forward_hook(lambda mod, args, out: out + mod.lin.bias)
+    if storage:  # the resident model of an 8-bit ring: the ring's own output without the hook
+        handle_want = apply_offload(want, config, device="cpu")
+    for _ in range(2):
+        out = model(x)
+    assert seen["pre"] == seen["inside"] == seen["post"] and len(seen["inside"]) == 2
+    assert torch.equal(out, want(x))
+    handle.remove()
+    if storage:
+        handle_want.remove()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+@torch.no_grad()
+def test_a_block_called_inside_another_is_refused_and_an_export_or_trace_is_refused():
+    """Block 1 calling block 0 in its forward lost its own weights halfway (block 0's pre-forward
+    took it for an interrupted block and released it): refused, naming both. torch.export and
+    torch.jit.trace kept the parked host copies (or placeholders) as the program's weights:
+    refused. Either way the model runs as before afterwards."""
+    model, x = ToyDiT(3), torch.randn(4, 8)
+    want = model(x)
+    handle = apply_offload(model, DIT, device="cpu")
+    inner = model.blocks[0]
+    hook = model.blocks[1].register_forward_pre_hook(lambda mod, args: (inner(args[0]),))
+    with pytest.raises(RuntimeError, match=r"block blocks\.0 was called from inside block blocks\.1's forward"):
+        model(x)
+    hook.remove()
+    with pytest.raises(RuntimeError, match=r"block blocks\.0 ran under torch\.jit\.trace\. .* before apply_offload"):
+        torch.jit.trace(model, (x,), check_trace=False)
+    with pytest.raises(RuntimeError, match=r"block blocks\.0 ran under torch\.export"):
+        torch.export.export(model, (x,), strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an interrupted forward's refetch does not warn
+        assert torch.equal(model(x), want)
+    handle.remove()
+
+
+@torch.no_grad()
+def test_cached_parametrizations_and_a_hook_that_raises_before_the_ring():
+    """parametrize.cached() kept a view parametrization's result over the slot across forwards
+    (later blocks' bytes). A pre-hook that runs before the ring's and raises is an interrupted
+    forward: the next forward's refetch does not warn about the order."""
+    from torch.nn.utils import parametrize
+
+    class Transposed(torch.nn.Module):
+        def forward(self, w):
+            return w.t()
+
+        def right_inverse(self, w):
+            return w.t()
+
+    models = [ToyDiT(3), ToyDiT(3)]
+    for m in models:
+        for block in m.blocks:
+            parametrize.register_parametrization(block.lin, "weight", Transposed())
+    model, resident = models
+    x = torch.randn(4, 8)
+    handle = apply_offload(model, DIT, device="cpu")
+    with parametrize.cached():
+        for _ in range(3):
+            assert torch.equal(model(x), resident(x))
+
+    def fail(mod, args):
+        raise ValueError("a user's hook")
+
+    hook = model.blocks[2].register_forward_pre_hook(fail, prepend=True)
+    with pytest.raises(ValueError, match="a user's hook"):
+        model(x)
+    hook.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model(x), resident(x))
+    handle.remove()
+
+
+@torch.no_grad()
+def test_large_tensors_added_to_blocks_after_offloading_warn():
+    """weight_norm after apply_offload gives each block new tensors the ring cannot stream: they
+    stay on the device, over half the block's bytes, with a warning saying so."""
+    model, x = ToyDiT(3, dim=64), torch.randn(4, 64)
+    handle = apply_offload(model, DIT, device="cpu")
+    for block in model.blocks:
+        torch.nn.utils.parametrizations.weight_norm(block.lin)
+    want = [b.lin.weight.clone() for b in model.blocks]
+    with pytest.warns(RuntimeWarning, match=r"MiB of tensors added to block blocks\.0 after apply_offload \(such "
+                                            r"as blocks\.0\.lin\.parametrizations\.weight\.original0; 3 blocks"):
+        model(x)
+    assert all(torch.equal(b.lin.weight, w) for b, w in zip(model.blocks, want))
+    handle.remove()
