@@ -232,17 +232,11 @@ class BlockWatch:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
                         setattr(root, name, _wrapping(wrapper, getattr(root, name), mine))
             self._roots.append(root)
-        self._hooks = [
-            register_module_module_registration_hook(self._on_module),
-            register_module_parameter_registration_hook(self._on_tensor),
-            register_module_buffer_registration_hook(self._on_tensor),
-        ]
+        _watch(self)
 
     def close(self) -> None:
         """Stop watching; tuner layers get their own ``merge`` and ``unmerge`` back. Idempotent."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        _unwatch(self)
         for layer in list(self._wrapped):
             for name in (*EDITED_METHODS, *READING_METHODS):
                 layer.__dict__.pop(name, None)
@@ -266,8 +260,8 @@ class BlockWatch:
             if names:
                 self._wrapped.add(sub)
 
-    # Global hooks: called for every registration in the process, so they return at once
-    # unless the parent is in a watched block.
+    # Called (through the global hooks below) for every registration in the process, so they
+    # return at once unless the parent is in a watched block.
     def _on_module(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
         owner = self._owner.get(module)
         if owner is None or submodule is None:
@@ -280,3 +274,39 @@ class BlockWatch:
         owner = self._owner.get(module)
         if owner is not None and tensor is not None:
             owner[0].adopt_pending = True
+
+
+# torch's registration hooks are global and live as long as the process: a hook that held a
+# watch would keep its rings, their modules and the whole pipeline alive once the handle is
+# dropped without remove(). One hook per kind, registered while some watch is open, reaches the
+# open watches through a weak set: a dropped handle's watch (and with it the model) is collected.
+_WATCHES: weakref.WeakSet[BlockWatch] = weakref.WeakSet()
+_GLOBAL_HOOKS: list[Any] = []
+
+
+def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    for watch in list(_WATCHES):
+        watch._on_module(module, name, submodule)
+
+
+def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
+    for watch in list(_WATCHES):
+        watch._on_tensor(module, name, tensor)
+
+
+def _watch(watch: BlockWatch) -> None:
+    _WATCHES.add(watch)
+    if not _GLOBAL_HOOKS:
+        _GLOBAL_HOOKS[:] = [
+            register_module_module_registration_hook(_on_module_registered),
+            register_module_parameter_registration_hook(_on_tensor_registered),
+            register_module_buffer_registration_hook(_on_tensor_registered),
+        ]
+
+
+def _unwatch(watch: BlockWatch) -> None:
+    _WATCHES.discard(watch)
+    if not _WATCHES:  # from close(), never from inside a registration (torch iterates the hooks)
+        for hook in _GLOBAL_HOOKS:
+            hook.remove()
+        _GLOBAL_HOOKS.clear()

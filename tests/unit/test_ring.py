@@ -670,3 +670,22 @@ def test_large_tensors_added_to_blocks_after_offloading_warn():
         model(x)
     assert all(torch.equal(b.lin.weight, w) for b, w in zip(model.blocks, want))
     handle.remove()
+
+
+@torch.no_grad()
+def test_a_model_dropped_without_remove_is_freed():
+    """The handle's watch of the blocks listens to torch's process-wide registration hooks; they
+    held it, and through it the rings and the whole model, for the life of the process once a
+    handle was dropped without remove() (a notebook re-running its cell kept every old model)."""
+    model = ToyDiT(3)
+    handle = apply_offload(model, DIT, device="cpu")
+    model(torch.randn(4, 8))
+    other = ToyDiT(3)
+    kept = apply_offload(other, DIT, device="cpu")  # another handle, still watching
+    gone = weakref.ref(model)
+    del model, handle
+    gc.collect()
+    assert gone() is None
+    other.blocks[0].extra = torch.nn.Parameter(torch.ones(2))
+    assert kept.rings[0].adopt_pending  # the watch that is left still sees its blocks change
+    kept.remove()
