@@ -116,7 +116,7 @@ class AllGatherTransfer:
         self.slots = self._allocate_slots(nbytes, count, self._device)
 
     def _allocate_slots(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
-        return plain_slots(nbytes, count, device)
+        return plain_slots(nbytes, count, device, (self._copy_stream, self._comm_stream))
 
     def drop(self, block: int) -> None:
         shard, self.shards[block] = self.shards[block], None

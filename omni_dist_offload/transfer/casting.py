@@ -84,7 +84,7 @@ class CastingTransfer:
         staging = _STAGING if self._copy is not None else 1
         self.inner.allocate_slots(self.staging_nbytes(), staging)
         self._staging = list(self.inner.slots)
-        self.slots = plain_slots(nbytes, count, self._device)
+        self.slots = plain_slots(nbytes, count, self._device, (self._copy, self._cast))
 
     def drop(self, block: int) -> None:
         self.inner.drop(block)

@@ -11,7 +11,7 @@ never waits on the host. The ring decides which block goes into which slot and w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -85,6 +85,16 @@ class WeightTransfer(Protocol):
         """:meth:`close`, then unpin and free the host copy."""
 
 
-def plain_slots(nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
-    """``count`` device slots of ``nbytes`` from PyTorch's allocator."""
-    return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+def plain_slots(nbytes: int, count: int, device: torch.device,
+                writers: Sequence[torch.cuda.Stream | None] = ()) -> list[torch.Tensor]:
+    """``count`` device slots of ``nbytes`` from PyTorch's allocator. ``writers``: the side
+    streams that write into them. Each slot is recorded on those once, here: when a slot is
+    freed (a new plan, ``remove()``, or a model dropped without it while a prefetch is still
+    copying) the allocator then hands its memory out again only after the work queued on them
+    so far, never under a copy in flight. Nothing per block."""
+    slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+    for slot in slots:
+        for stream in writers:
+            if stream is not None:
+                slot.record_stream(stream)
+    return slots

@@ -43,7 +43,7 @@ class RankLocalTransfer:
     def allocate_slots(self, nbytes: int, count: int) -> None:
         # Every block of every step reuses these slots: allocated here, never per block.
         self.slots = []
-        self.slots = plain_slots(nbytes, count, self._device)
+        self.slots = plain_slots(nbytes, count, self._device, (self._copy_stream,))
 
     def drop(self, block: int) -> None:
         buf, self.buffers[block] = self.buffers[block], None
