@@ -1050,6 +1050,67 @@ def test_the_video_store_removes_its_files_when_the_service_stops() -> None:
     assert not folder.exists() and store.get(video.id) is None
 
 
+def test_a_finished_video_job_keeps_its_video_on_disk_only() -> None:
+    """The job's slot future held the encoded video after the store wrote it to disk: every
+    kept job (up to --max-video-jobs, for --video-ttl) held its video in memory as well."""
+    import gc
+    import weakref
+
+    from omni_dist_offload.app.serve.jobs import VideoStore
+    from omni_dist_offload.app.serve.service import Job, SlotResult
+
+    store = VideoStore(max_jobs=2, ttl_s=60)
+    try:
+        job = Job(_slot(1))
+        video = store.add(job, model="m", prompt="p", size="16x16", seconds="1")
+        job.future.set_running_or_notify_cancel()
+        assert video.card()["status"] == "in_progress"
+        class Result(SlotResult):  # one that takes a weak reference
+            pass
+
+        result = Result(media=b"GIF89a" * 1000, suffix=".gif", thumbnail=b"png")
+        held = weakref.ref(result)
+        job.future.set_result(result)
+        del job, result
+        gc.collect()
+        assert held() is None
+        card = store.get(video.id).card()
+        assert card["status"] == "completed" and card["progress"] == 100
+        assert video.media.read_bytes() == b"GIF89a" * 1000
+        assert store.delete(video.id) == "finished" and not video.media.exists()
+    finally:
+        store.close()
+
+
+def test_a_new_video_store_removes_the_folders_of_killed_servers(tmp_path, monkeypatch) -> None:
+    """A server killed outright (SIGKILL, the OOM killer) left its folder of videos in the
+    temporary folder for good. A new store removes those whose server is gone (their lock can be
+    taken), and leaves a live server's and folders it cannot tell."""
+    import fcntl
+    import tempfile
+
+    from omni_dist_offload.app.serve.jobs import VideoStore
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed, live, unknown = (tmp_path / f"omni-serve-videos-{n}" for n in ("killed", "live", "unknown"))
+    for folder in (killed, live, unknown):
+        folder.mkdir()
+        (folder / "video_x.mp4").write_bytes(b"mp4")
+    (killed / ".lock").write_bytes(b"")
+    (live / ".lock").write_bytes(b"")
+    with open(live / ".lock", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running server holds it
+        store = VideoStore(max_jobs=2, ttl_s=60)
+        try:
+            assert not killed.exists() and live.exists() and unknown.exists()
+            second = VideoStore(max_jobs=2, ttl_s=60)  # the first store's folder is in use
+            assert store._folder.exists()
+            second.close()
+        finally:
+            store.close()
+    assert not store._folder.exists()
+
+
 def _slot(seed: int, height: int = 16, steps: int = 2) -> Slot:
     return Slot(kind="image", prompt="p", seed=seed, name=f"s{seed}", height=height, width=16,
                 num_inference_steps=steps)

@@ -9,12 +9,15 @@ bounded twice: by count (``--max-video-jobs``; a new job evicts the oldest finis
 store refuses new jobs only when every kept job is still waiting or running) and by time (a
 finished job expires ``--video-ttl`` seconds after it finished; its file goes with it). Files
 live in a private temporary folder, removed when the service stops, so the server's memory stays
-flat however many videos it keeps.
+flat however many videos it keeps. A server killed outright (SIGKILL, the OOM killer) cannot
+remove its folder; the next store to start removes every such folder left by a server that is
+gone (each holds a lock file its server keeps locked while it lives).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import logging
 import os
 import shutil
@@ -45,7 +48,9 @@ class VideoJob:
     """One ``POST /v1/videos``; read by the HTTP thread, finished by the generation thread."""
 
     id: str
-    job: Job
+    job: Job | None
+    """The queued slot; None once the job finished (its future holds the encoded media, which
+    the store keeps on disk only)."""
     model: str
     prompt: str
     size: str
@@ -59,9 +64,13 @@ class VideoJob:
 
     @property
     def status(self) -> Status:
-        if self.completed_at is not None:
-            return "failed" if self.error is not None else "completed"
-        return "in_progress" if self.job.future.running() else "queued"
+        return self._state()[0]
+
+    def _state(self) -> tuple[Status, float]:
+        job = self.job  # read once: the generation thread clears it as the job finishes
+        if job is None or self.completed_at is not None:
+            return ("failed" if self.error is not None else "completed"), 1.0
+        return ("in_progress" if job.future.running() else "queued"), job.progress
 
     @property
     def finished(self) -> bool:
@@ -69,8 +78,8 @@ class VideoJob:
 
     def card(self) -> dict[str, Any]:
         """The job in OpenAI's ``video`` shape."""
-        status = self.status
-        progress = 100 if status == "completed" else int(99 * self.job.progress) if status == "in_progress" else 0
+        status, done = self._state()
+        progress = 100 if status == "completed" else int(99 * done) if status == "in_progress" else 0
         return {"id": self.id, "object": "video", "model": self.model, "status": status,
                 "progress": progress, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": self.expires_at, "size": self.size, "seconds": self.seconds,
@@ -84,7 +93,12 @@ class VideoStore:
         self.max_jobs, self.ttl_s = max_jobs, ttl_s
         self._jobs: OrderedDict[str, VideoJob] = OrderedDict()
         self._lock = threading.Lock()
-        self._folder = Path(tempfile.mkdtemp(prefix="omni-serve-videos-"))
+        _remove_stale_folders()
+        self._folder = Path(tempfile.mkdtemp(prefix=_PREFIX))
+        # Locked while this store lives (the kernel lets go when the process dies, however it
+        # dies): a folder whose lock can be taken belongs to a server that is gone.
+        self._lock_file = open(self._folder / _LOCK, "wb")  # held until close()
+        fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Called with the number of outputs generated for jobs deleted while they ran.
         self._on_discarded = on_discarded
 
@@ -148,6 +162,7 @@ class VideoStore:
         with self._lock:
             self._jobs.clear()
             shutil.rmtree(self._folder, ignore_errors=True)
+            self._lock_file.close()
 
     # -- internals (lock held) -------------------------------------------------------------
     def _drop(self, video: VideoJob) -> str:
@@ -155,7 +170,7 @@ class VideoStore:
         for path in (video.media, video.thumbnail):
             if path is not None:
                 path.unlink(missing_ok=True)
-        if video.finished:
+        if video.finished or video.job is None:
             return "finished"
         # A queued slot leaves the queue at once (see WaveQueue) and never runs; a running one
         # cannot be stopped.
@@ -194,12 +209,38 @@ class VideoStore:
                 video.media, video.thumbnail, video.error = media, thumbnail, error
                 video.completed_at = int(time.time())
                 video.expires_at = int(video.completed_at + self.ttl_s)
+                # Last: the slot's future holds the encoded video, which is on disk now. Kept,
+                # every finished job would hold its video in memory too.
+                video.job = None
         if not kept:  # deleted while it ran: the output goes
             for path in (media, thumbnail):
                 if path is not None:
                     path.unlink(missing_ok=True)
             if exc is None and self._on_discarded is not None:
                 self._on_discarded(1)
+
+
+_PREFIX = "omni-serve-videos-"
+_LOCK = ".lock"
+
+
+def _remove_stale_folders() -> None:
+    """Remove the video folders of stores whose server is gone: this user's, with a lock file
+    that can be locked. A folder without one, or another user's, is left alone."""
+    try:
+        folders = list(Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"))
+    except OSError:
+        return
+    for folder in folders:
+        try:
+            if not folder.is_dir() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
+            with open(folder / _LOCK, "rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its server lives
+                shutil.rmtree(folder, ignore_errors=True)
+                logger.info("removed %s, left by a server that is gone", folder)
+        except OSError:
+            continue
 
 
 def _write(path: Path, data: bytes) -> None:
