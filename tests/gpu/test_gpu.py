@@ -69,6 +69,38 @@ def test_per_block_path_never_synchronises_nor_allocates():
     handle.remove()
 
 
+@torch.inference_mode()
+def test_per_block_path_under_autocast_never_synchronises_nor_allocates_more():
+    """Under autocast (a float32 model, each forward its own autocast region, as a pipeline
+    call is) a streamed forward makes the resident forward's casts and nothing more."""
+    model = ToyDiT(5, dim=256).cuda()
+    x = torch.randn(16, 256, device="cuda")
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(x)
+
+    want = forward()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    forward()
+    resident_allocs = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    handle = apply_offload(model, DIT)
+    forward()  # cold start
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        for _ in range(3):
+            out = forward()
+        streamed_allocs = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert streamed_allocs == 3 * resident_allocs
+    assert torch.equal(out, want)
+    handle.remove()
+
+
 def test_peak_memory_is_nonblock_plus_two_blocks_plus_activations():
     gc.collect()
     torch.cuda.synchronize()
