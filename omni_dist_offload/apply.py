@@ -264,8 +264,12 @@ class OffloadHandle:
         self._watch = BlockWatch(self.rings)
 
     def _commit(self) -> None:
-        """Setup succeeded everywhere: drop the original storage of allgather blocks."""
+        """Setup succeeded everywhere: drop the original storage of allgather blocks, and the
+        host copies of what moved to the device (kept only to undo a failed setup: held on, they
+        would keep every non-block tensor in host memory too, a text encoder's embedding and the
+        VAE among them, for the handle's life)."""
         self._originals = {}
+        self._undo_moves = []
         for stored in self._stored:
             stored.commit()
         self._groups.close_exchange()

@@ -101,6 +101,19 @@ def test_per_block_path_under_autocast_never_synchronises_nor_allocates_more():
     handle.remove()
 
 
+def test_setup_keeps_no_host_copy_of_what_moved_to_the_device():
+    """A model loaded on the CPU: its non-block tensors move to the device, and their host
+    storage goes (it was kept for the handle's life, to undo a setup that had succeeded)."""
+    model = ToyDiT(3, dim=64)
+    kept = model.proj_in.weight.data  # the only other user of its host storage
+    handle = apply_offload(model, DIT)
+    assert model.proj_in.weight.device.type == "cuda"
+    gc.collect()
+    uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # noqa: E731
+    assert uses(kept) == uses(torch.empty(1))  # as a tensor no one else holds
+    handle.remove()
+
+
 def test_peak_memory_is_nonblock_plus_two_blocks_plus_activations():
     gc.collect()
     torch.cuda.synchronize()
