@@ -260,6 +260,13 @@ class OffloadHandle:
             # where blocks were laid out: a VAE kept in float32 beside a bf16 DiT is cast as usual.
             if id(mod) in ringed:
                 mod._apply = _RefuseCast(mod, name)
+        # A pipeline's to(dtype) casts its modules one by one (diffusers' order): a refusal from
+        # the streamed one would come after the modules before it were cast. Asked first.
+        guards = [mod.__dict__["_apply"] for mod in self._modules.values()
+                  if isinstance(mod.__dict__.get("_apply"), _RefuseCast)]
+        if guards and not isinstance(self.target, nn.Module) and callable(getattr(self.target, "to", None)) \
+                and "to" not in vars(self.target):
+            self.target.to = _RefusePipelineCast(self.target, guards)
         # Adapters loaded or fused after this point reach the device (see tenants.py).
         self._watch = BlockWatch(self.rings)
 
@@ -329,6 +336,8 @@ class OffloadHandle:
                         delattr(mod, attr)
 
     def _unguard_casts(self) -> None:
+        if isinstance(vars(self.target).get("to") if hasattr(self.target, "__dict__") else None, _RefusePipelineCast):
+            del self.target.to
         for mod in self._modules.values():
             if getattr(mod, _STATE_ATTR, None) is self and isinstance(mod.__dict__.get("_apply"), _RefuseCast):
                 del mod._apply
@@ -352,6 +361,11 @@ class _RefuseCast:
         self._name = name
 
     def __call__(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> nn.Module:
+        self.check(fn)
+        return type(self._module)._apply(self._module, fn, recurse)
+
+    def check(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        """Raise if ``fn`` would change the dtype of a tensor of the module; changes nothing."""
         module = self._module
         seen: set[tuple[torch.dtype, torch.device]] = set()
         for t in (*module.parameters(), *module.buffers()):
@@ -365,7 +379,6 @@ class _RefuseCast:
                     "apply_offload is refused, and nothing was changed: streamed blocks stay in the dtype "
                     "they were laid out in. Cast before apply_offload, or call remove() on the handle, "
                     "cast, and apply again.")
-        return type(module)._apply(module, fn, recurse)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise refuse_copy(self._name)
@@ -382,6 +395,31 @@ class _RefuseCopy:
 
     def __call__(self, *args: Any) -> Any:
         raise refuse_copy(self._name)
+
+
+class _RefusePipelineCast:
+    """Set on an offloaded pipeline as ``to``: a dtype in the call is checked against every
+    streamed component before diffusers' ``to`` casts any module, so a refused cast changes
+    nothing (diffusers casts module by module: the text encoders would be cast before the DiT
+    refused). Anything else goes to the class's ``to``."""
+
+    __slots__ = ("_pipeline", "_guards")
+
+    def __init__(self, pipeline: Any, guards: Sequence[_RefuseCast]) -> None:
+        self._pipeline = pipeline
+        self._guards = list(guards)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dtypes = [a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)]
+        for dtype in dtypes:
+            def cast(t: torch.Tensor, dtype: torch.dtype = dtype) -> torch.Tensor:  # as Module.to casts
+                return t.to(dtype) if t.is_floating_point() or t.is_complex() else t
+            for guard in self._guards:
+                guard.check(cast)
+        return type(self._pipeline).to(self._pipeline, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_copy(self._guards[0]._name)
 
 
 def _set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:

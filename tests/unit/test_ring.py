@@ -689,3 +689,26 @@ def test_a_model_dropped_without_remove_is_freed():
     other.blocks[0].extra = torch.nn.Parameter(torch.ones(2))
     assert kept.rings[0].adopt_pending  # the watch that is left still sees its blocks change
     kept.remove()
+
+
+def test_a_pipeline_cast_after_offloading_changes_nothing():
+    """diffusers' pipe.to(dtype) casts module by module: the text encoders (before the DiT in its
+    order) were cast before the streamed DiT refused, so every later Flux call failed on mixed
+    dtypes. The pipeline asks every streamed component first; moves go through, and after
+    remove() the pipeline casts as usual."""
+    import tiny_models as tiny
+
+    pipe = tiny.tiny_flux_pipeline()
+    handle = apply_offload(pipe, DIT, device="cpu")
+    for call in (lambda: pipe.to(torch.bfloat16), lambda: pipe.to(dtype=torch.bfloat16),
+                 lambda: pipe.to("cpu", torch.bfloat16)):
+        with pytest.raises(RuntimeError, match=r"casting FluxTransformer2DModel \(torch.float32 tensors to "
+                                               r"torch.bfloat16\) after apply_offload is refused"):
+            call()
+        assert {p.dtype for m in pipe.components.values() if isinstance(m, torch.nn.Module)
+                for p in m.parameters()} == {torch.float32}
+    assert pipe.to("cpu") is pipe and pipe.to(torch.float32) is pipe  # a move, and no change of dtype
+    handle.remove()
+    assert "to" not in vars(pipe)
+    pipe.to(torch.bfloat16)
+    assert pipe.transformer.dtype == pipe.text_encoder.dtype == torch.bfloat16
