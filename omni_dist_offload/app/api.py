@@ -342,6 +342,12 @@ class Omni:
                 raise GenerationOptionError(
                     f"{key}={value!r}: Omni.generate makes, returns and records one output per call; "
                     f"drop {key} and call generate once per output (seed + i for output i).")
+            if (key.endswith("prompt_embeds") or key.endswith("prompt_embeds_mask")) \
+                    and isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] != 1:
+                raise GenerationOptionError(
+                    f"{key} holds {value.shape[0]} prompts (shape {tuple(value.shape)}): Omni.generate makes, "
+                    "returns and records one output per call; pass one prompt's embeddings (batch size 1) "
+                    "and call generate once per prompt.")
             if key in _POSITIVE_INTS:
                 number = _whole_number(value)
                 if number is None or number < 1:

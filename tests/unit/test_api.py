@@ -394,3 +394,6 @@ def test_no_prompt_with_prompt_embeds_is_taken(wan, wan_reference) -> None:
                                          max_sequence_length=16)  # the built-in default
     out = wan.generate(None, seed=1, prompt_embeds=pe, negative_prompt_embeds=npe)
     assert np.array_equal(out.frames, wan_reference)
+    # Embeddings of two prompts made both and returned the first: refused, as two prompts are.
+    with pytest.raises(GenerationOptionError, match=r"prompt_embeds holds 2 prompts \(shape \(2, 16, "):
+        wan.generate(None, seed=1, prompt_embeds=pe.repeat(2, 1, 1), negative_prompt_embeds=npe.repeat(2, 1, 1))
