@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 #: Attribute set on every module of an offloaded target, pointing at its handle.
 _STATE_ATTR = "_omni_offload_handle"
+#: Attribute set on each streamed component's module: its rings and 8-bit layers, which the
+#: module owns and the handle reaches weakly (see OffloadHandle).
+_OWNED_ATTR = "_omni_offload_owned"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,21 +134,27 @@ class RingSummary:
 
 
 class OffloadHandle:
-    """What :func:`apply_offload` did, and how to undo it."""
+    """What :func:`apply_offload` did, and how to undo it.
+
+    The handle reaches the components weakly. Each component's module owns its rings and 8-bit
+    layers (``_OWNED_ATTR``); the handle holds weak references to the modules and the rings. A
+    component dropped from the pipeline (``pipe.text_encoder = None`` after encoding the prompt,
+    as diffusers suggests) is freed with everything the offload gave it (host copy, slots,
+    device tensors); the handle goes on with the rest."""
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise refuse_copy(", ".join(self._modules) or type(self.target).__name__)
+        raise refuse_copy(", ".join(self._module_refs) or type(self.target).__name__)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise refuse_copy(", ".join(self._modules) or type(self.target).__name__)
+        raise refuse_copy(", ".join(self._module_refs) or type(self.target).__name__)
 
     def __init__(self, target: Any, modules: Mapping[str, nn.Module], device: torch.device,
                  config: OffloadConfig, groups: GroupSession) -> None:
         self.target = target
         self.device = device
         self.config = config
-        self.rings: list[BlockRing] = []
-        self._modules = dict(modules)
+        self._ring_refs: list[weakref.ref[BlockRing]] = []
+        self._module_refs = {name: weakref.ref(mod) for name, mod in modules.items()}
         # The process groups setup created; released with the handle.
         self._groups = groups
         # allgather rings keep their blocks' original storage until setup has succeeded, so a
@@ -153,9 +163,26 @@ class OffloadHandle:
         self._undo_moves: list[Callable[[], None]] = []
         # What remove() and an undo put back besides the blocks (layers outside the blocks that
         # storage_dtype stores in 8 bits).
-        self._stored: list[StoredLayers | LayerUpcasts] = []
         self._removed = False
         self._watch: BlockWatch | None = None
+
+    @property
+    def rings(self) -> list[BlockRing]:
+        """The streamed rings, in setup order; a dropped component's are gone."""
+        return [ring for ring in (ref() for ref in self._ring_refs) if ring is not None]
+
+    @property
+    def _modules(self) -> dict[str, nn.Module]:
+        return {name: mod for name, ref in self._module_refs.items() if (mod := ref()) is not None}
+
+    @property
+    def _stored(self) -> list[StoredLayers | LayerUpcasts]:
+        """What remove() and an undo put back besides the blocks (layers outside the blocks that
+        storage_dtype stores in 8 bits)."""
+        return [stored for mod in self._modules.values() for stored in _owned(mod)["stored"]]
+
+    def _keep_stored(self, module: nn.Module, stored: StoredLayers | LayerUpcasts) -> None:
+        _owned(module)["stored"].append(stored)
 
     def summary_rows(self) -> list[RingSummary]:
         """One typed row per streamed ring."""
@@ -224,8 +251,7 @@ class OffloadHandle:
             ring.release()
         for stored in self._stored:
             stored.unstore()
-        self._stored = []
-        self.rings = []
+        self._ring_refs = []
         self._undo_moves = []
         self._groups.close()
         self._unmark()
@@ -233,7 +259,8 @@ class OffloadHandle:
 
     # -- setup helpers -----------------------------------------------------------------
     def _add_ring(self, ring: BlockRing, originals: list[list[torch.Tensor]] | None) -> None:
-        self.rings.append(ring)
+        _owned(ring.component.module)["rings"].append(ring)
+        self._ring_refs.append(weakref.ref(ring))
         if originals is not None:
             self._originals[id(ring)] = originals
 
@@ -288,7 +315,6 @@ class OffloadHandle:
         self._close_watch()
         for stored in self._stored:
             stored.undo()
-        self._stored = []
         for undo in reversed(self._undo_moves):
             undo()
         self._undo_moves = []
@@ -301,7 +327,7 @@ class OffloadHandle:
                 for layout, data in zip(ring.layouts, originals):
                     bind(layout.entries, data)
             ring.release()
-        self.rings = []
+        self._ring_refs = []
         self._originals = {}
         self._unmark()
         self._removed = True
@@ -329,6 +355,7 @@ class OffloadHandle:
 
     def _unmark(self) -> None:
         for mod in self._modules.values():
+            mod.__dict__.pop(_OWNED_ATTR, None)
             if getattr(mod, _STATE_ATTR, None) is self:
                 delattr(mod, _STATE_ATTR)
                 for attr in _COPY_ATTRS:
@@ -354,7 +381,7 @@ class _RefuseCast:
     (``pipe.to("cuda")``) goes through as before. Which dtypes ``fn`` makes is found by calling
     it on an empty tensor of each dtype and device the module holds."""
 
-    __slots__ = ("_module", "_name")
+    __slots__ = ("_module", "_name", "__weakref__")
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self._module = module
@@ -403,23 +430,35 @@ class _RefusePipelineCast:
     nothing (diffusers casts module by module: the text encoders would be cast before the DiT
     refused). Anything else goes to the class's ``to``."""
 
-    __slots__ = ("_pipeline", "_guards")
+    __slots__ = ("_pipeline", "_guards", "_names")
 
     def __init__(self, pipeline: Any, guards: Sequence[_RefuseCast]) -> None:
         self._pipeline = pipeline
-        self._guards = list(guards)
+        # Weak: each guard lives on its component's module, which the pipeline may drop.
+        self._guards = [weakref.ref(guard) for guard in guards]
+        self._names = [guard._name for guard in guards]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         dtypes = [a for a in (*args, kwargs.get("dtype")) if isinstance(a, torch.dtype)]
         for dtype in dtypes:
             def cast(t: torch.Tensor, dtype: torch.dtype = dtype) -> torch.Tensor:  # as Module.to casts
                 return t.to(dtype) if t.is_floating_point() or t.is_complex() else t
-            for guard in self._guards:
-                guard.check(cast)
+            for ref in self._guards:
+                guard = ref()
+                if guard is not None:
+                    guard.check(cast)
         return type(self._pipeline).to(self._pipeline, *args, **kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise refuse_copy(self._guards[0]._name)
+        raise refuse_copy(self._names[0])
+
+
+def _owned(module: nn.Module) -> dict[str, list]:
+    """What ``module`` owns of an offload: its rings and 8-bit layers (see OffloadHandle)."""
+    owned = module.__dict__.get(_OWNED_ATTR)
+    if owned is None:
+        owned = module.__dict__[_OWNED_ATTR] = {"rings": [], "stored": []}
+    return owned
 
 
 def _set_data(tensor: torch.Tensor, data: torch.Tensor) -> None:
@@ -526,7 +565,7 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
         for c in components:
             if c.name in per_layer:  # before the rings point the tensors at their 8-bit bytes
                 upcasts[c.name] = upcast_per_layer(c.module, casts[c.name], in_blocks, dev)
-                handle._stored.append(upcasts[c.name])
+                handle._keep_stored(c.module, upcasts[c.name])
         for spec in specs:
             ring, originals = _build_ring(spec, setup)
             if spec.component.name in upcasts:
@@ -535,7 +574,7 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
         handle._move_resident(in_blocks)
         for c in components:
             if c.name in casts:
-                handle._stored.append(store_outside_blocks(c.module, casts[c.name], in_blocks))
+                handle._keep_stored(c.module, store_outside_blocks(c.module, casts[c.name], in_blocks))
         handle._install(trace_enabled(trace), specs)
     except BaseException as exc:
         _undo_setup(handle, groups, specs, exc)

@@ -215,8 +215,10 @@ class BlockWatch:
 
     def __init__(self, rings: Sequence[BlockRing]) -> None:
         # Weak: a module dropped from a block (an unloaded LoRA layer) leaves no entry behind,
-        # and a new module at a reused address is never mistaken for it.
-        self._owner: weakref.WeakKeyDictionary[nn.Module, tuple[BlockRing, int]] = weakref.WeakKeyDictionary()
+        # and a new module at a reused address is never mistaken for it. The ring is weak too:
+        # it holds the module, which would keep its own entry (and component) alive for good.
+        self._owner: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[BlockRing], int]] = \
+            weakref.WeakKeyDictionary()
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         for ring in rings:
             ring.skip_probe = skipped_by_hooks
@@ -224,14 +226,15 @@ class BlockWatch:
             for layout in ring.layouts:
                 self._follow(layout.module, ring, layout.index)
         # Components by root module (a component may have several rings: one per block list).
-        self._roots: list[nn.Module] = []
+        # Weak: a component the pipeline drops goes, wrappers and all.
+        self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         for root in {id(r.component.module): r.component.module for r in rings}.values():
             mine = [r for r in rings if r.component.module is root]
             for names, wrapper in ((REWRITING_METHODS, _rewriting), (SAVING_METHODS, _saving)):
                 for name in names:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
                         setattr(root, name, _wrapping(wrapper, getattr(root, name), mine))
-            self._roots.append(root)
+            self._roots.add(root)
         _watch(self)
 
     def close(self) -> None:
@@ -241,15 +244,15 @@ class BlockWatch:
             for name in (*EDITED_METHODS, *READING_METHODS):
                 layer.__dict__.pop(name, None)
         self._wrapped = weakref.WeakSet()
-        for root in self._roots:
+        for root in list(self._roots):
             for name in (*REWRITING_METHODS, *SAVING_METHODS):
                 root.__dict__.pop(name, None)
-        self._roots = []
+        self._roots = weakref.WeakSet()
         self._owner = weakref.WeakKeyDictionary()
 
     def _follow(self, module: nn.Module, ring: BlockRing, index: int) -> None:
         for sub in module.modules():
-            self._owner[sub] = (ring, index)
+            self._owner[sub] = (weakref.ref(ring), index)
             if sub in self._wrapped:
                 continue
             names = [*(EDITED_METHODS if _is_tuner_layer(sub) else ()),
@@ -264,16 +267,17 @@ class BlockWatch:
     # return at once unless the parent is in a watched block.
     def _on_module(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
         owner = self._owner.get(module)
-        if owner is None or submodule is None:
+        ring = owner[0]() if owner is not None else None
+        if ring is None or submodule is None:
             return
-        ring, index = owner
         ring.adopt_pending = True
-        self._follow(submodule, ring, index)
+        self._follow(submodule, ring, owner[1])
 
     def _on_tensor(self, module: nn.Module, name: str, tensor: Any) -> None:
         owner = self._owner.get(module)
-        if owner is not None and tensor is not None:
-            owner[0].adopt_pending = True
+        ring = owner[0]() if owner is not None else None
+        if ring is not None and tensor is not None:
+            ring.adopt_pending = True
 
 
 # torch's registration hooks are global and live as long as the process: a hook that held a

@@ -712,3 +712,34 @@ def test_a_pipeline_cast_after_offloading_changes_nothing():
     assert "to" not in vars(pipe)
     pipe.to(torch.bfloat16)
     assert pipe.transformer.dtype == pipe.text_encoder.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("options", [{}, {"storage_dtype": "float8_e4m3fn"}])
+@torch.no_grad()
+def test_a_component_dropped_from_the_pipeline_is_freed(options):
+    """diffusers' recipe: encode the prompt, then `pipe.text_encoder = None` to free it. The
+    handle held the module (and its rings, host copies and device tensors) until remove(), which
+    then even restored the dropped encoder. It goes now; the rest runs, reports and removes."""
+    import tiny_models as tiny
+
+    config = {"mode": "layer", "components": ["dit", "text_encoder"],
+              "layer_options": {"text_encoder": options, "dit": options}}
+    reference = tiny.tiny_wan_pipeline()
+    pipe = tiny.tiny_wan_pipeline()
+    handle = apply_offload(pipe, config, device="cpu")
+    embeds = [pipe.encode_prompt(prompt="a red fox", negative_prompt="blurry", max_sequence_length=16,
+                                 device=torch.device("cpu")) for pipe in (reference, pipe)]
+    assert options or all(torch.equal(a, b) for a, b in zip(*embeds))  # 8 bits: the ring's own
+    gone = weakref.ref(pipe.text_encoder)
+    pipe.text_encoder = None
+    reference.text_encoder = None
+    gc.collect()
+    assert gone() is None
+    assert [row["component"] for row in handle.summary()] == ["transformer"]
+    run = lambda p, e: p(prompt_embeds=e[0], negative_prompt_embeds=e[1], output_type="pt",  # noqa: E731
+                         generator=torch.Generator().manual_seed(0), **tiny.TINY_WAN_DEFAULTS).frames
+    want = run(reference, embeds[0]) if not options else None
+    got = run(pipe, embeds[1])
+    assert want is None or torch.equal(got, want)
+    handle.remove()
+    assert "to" not in vars(pipe) and not hasattr(pipe.transformer, "_omni_offload_handle")
