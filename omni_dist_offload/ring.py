@@ -440,7 +440,8 @@ class BlockRing:
     def _pre_forward(self, i: int, module, args) -> None:
         if torch.jit.is_tracing() or torch.compiler.is_exporting():
             self._refuse_capture(i)
-        if len(module._forward_hooks) != self._hooks_seen[i]:  # a hook was added (or removed)
+        hooks = module._forward_hooks
+        if len(hooks) != self._hooks_seen[i] or (hooks and next(reversed(hooks)) != self._post_ids[i]):
             self._keep_post_forward_last(i, module)
         if self.adopt_pending:
             self.adopt_strays()

@@ -573,7 +573,7 @@ def test_a_blocks_own_hooks_see_the_weights_it_computes_with(storage):
     outside the ring's binding (on parked host views, or NaN placeholders on an 8-bit ring)."""
     model, x = ToyDiT(3), torch.randn(4, 8)
     config = {**DIT, "layer_options": {"dit": {"storage_dtype": storage}}} if storage else DIT
-    seen: dict[str, list] = {"pre": [], "inside": [], "post": []}
+    seen: dict[str, list] = {"pre": [], "inside": [], "post": [], "once": []}
     block = model.blocks[1]
     block.register_forward_pre_hook(lambda mod, args: seen["pre"].append(mod.lin.weight.data_ptr()))
     handle = apply_offload(model, config, device="cpu")
@@ -587,6 +587,11 @@ def test_a_blocks_own_hooks_see_the_weights_it_computes_with(storage):
     for _ in range(2):
         out = model(x)
     assert seen["pre"] == seen["inside"] == seen["post"] and len(seen["inside"]) == 2
+    for _ in range(2):  # registered and removed around each call: the count comes back the same
+        once = block.register_forward_hook(lambda mod, args, out: seen["once"].append(mod.lin.weight.data_ptr()))
+        model(x)
+        once.remove()
+    assert seen["once"] == seen["inside"][-2:]
     assert torch.equal(out, want(x))
     handle.remove()
     if storage:
