@@ -180,7 +180,8 @@ class OffloadHandle:
     def _stored(self) -> list[StoredLayers | LayerUpcasts]:
         """What remove() and an undo put back besides the blocks (layers outside the blocks that
         storage_dtype stores in 8 bits)."""
-        return [stored for mod in self._modules.values() for stored in _owned(mod)["stored"]]
+        unique = {id(mod): mod for mod in self._modules.values()}  # a module under two names owns once
+        return [stored for mod in unique.values() for stored in _owned(mod)["stored"]]
 
     def _keep_stored(self, module: nn.Module, stored: StoredLayers | LayerUpcasts) -> None:
         _owned(module)["stored"].append(stored)
@@ -370,7 +371,7 @@ class OffloadHandle:
                         delattr(mod, attr)
 
     def _unguard_casts(self) -> None:
-        if isinstance(vars(self.target).get("to") if hasattr(self.target, "__dict__") else None, _RefusePipelineCast):
+        if isinstance(getattr(self.target, "__dict__", {}).get("to"), _RefusePipelineCast):
             del self.target.to
         for mod in self._modules.values():
             if getattr(mod, _STATE_ATTR, None) is self and isinstance(mod.__dict__.get("_apply"), _RefuseCast):
