@@ -1309,3 +1309,82 @@ def test_an_output_that_cannot_be_written_gets_an_openai_shaped_500(flux) -> Non
     assert status == 500 and body["error"]["code"] == "output_write_failed", body
     assert "writing its output on the server failed" in body["error"]["message"]
     assert call(flux.port, IMAGES, {"prompt": "a cat", "response_format": "path"})[0] == 200
+
+
+def test_a_store_starting_at_the_same_instant_never_removes_a_live_stores_folder(tmp_path, monkeypatch) -> None:
+    """Two servers starting together: the second's sweep could open the first's lock file after
+    it was created and before it was locked, take it for a dead server's and remove the live
+    folder (its jobs then stayed "queued" for good). Here the sweep runs in exactly that window."""
+    import fcntl
+    import tempfile
+
+    from omni_dist_offload.app.serve import jobs
+    from omni_dist_offload.app.serve.service import Job, SlotResult
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_flock, swept = fcntl.flock, []
+
+    def flock_after_a_sweep(file, op):
+        if not swept:  # the store's own lock, about to be taken: another store sweeps first
+            swept.append(True)
+            jobs._remove_stale_folders()
+        return real_flock(file, op)
+
+    monkeypatch.setattr(jobs.fcntl, "flock", flock_after_a_sweep)
+    store = jobs.VideoStore(max_jobs=2, ttl_s=60)
+    try:
+        assert swept and store._folder.is_dir() and (store._folder / ".lock").exists()
+        jobs._remove_stale_folders()  # and after: the lock is held
+        assert store._folder.is_dir()
+        job = Job(_slot(1))
+        video = store.add(job, model="m", prompt="p", size="16x16", seconds="1")
+        job.future.set_running_or_notify_cancel()
+        job.future.set_result(SlotResult(media=b"GIF89a", suffix=".gif", thumbnail=b""))
+        assert video.status == "completed" and video.media.read_bytes() == b"GIF89a"
+    finally:
+        store.close()
+
+
+def test_a_video_that_cannot_be_stored_fails_its_job(monkeypatch, caplog) -> None:
+    """Writing the finished video raised in the future's callback: the job stayed "queued"."""
+    import errno
+
+    from omni_dist_offload.app.serve import jobs
+    from omni_dist_offload.app.serve.service import Job, SlotResult
+
+    store = jobs.VideoStore(max_jobs=2, ttl_s=60)
+    real_write = jobs._write
+
+    def full_disk(path, data):
+        if path.suffix == ".png":  # the video is written, its thumbnail is not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(jobs, "_write", full_disk)
+    try:
+        job = Job(_slot(1))
+        video = store.add(job, model="m", prompt="p", size="16x16", seconds="1")
+        job.future.set_running_or_notify_cancel()
+        job.future.set_result(SlotResult(media=b"GIF89a", suffix=".gif", thumbnail=b"png"))
+        card = store.get(video.id).card()
+        assert card["status"] == "failed" and card["error"]["code"] == "output_write_failed", card
+        assert "No space" not in card["error"]["message"] and "No space left" in caplog.text
+        assert video.media is None and sorted(p.name for p in store._folder.iterdir()) == [".lock"]
+    finally:
+        store.close()
+
+
+def test_a_write_that_fails_leaves_no_part_file(tmp_path, monkeypatch) -> None:
+    import pathlib
+
+    from omni_dist_offload.app.serve import jobs
+
+    def half_then_full(self, data):  # the disk fills half way through
+        with open(self, "wb") as file:
+            file.write(data[:2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", half_then_full)
+    with pytest.raises(OSError, match="No space"):
+        jobs._write(tmp_path / "video.gif", b"GIF89a")
+    assert list(tmp_path.iterdir()) == []

@@ -96,9 +96,12 @@ class VideoStore:
         _remove_stale_folders()
         self._folder = Path(tempfile.mkdtemp(prefix=_PREFIX))
         # Locked while this store lives (the kernel lets go when the process dies, however it
-        # dies): a folder whose lock can be taken belongs to a server that is gone.
-        self._lock_file = open(self._folder / _LOCK, "wb")  # held until close()
+        # dies): a folder whose lock can be taken belongs to a server that is gone. The lock is
+        # taken under another name and then renamed to _LOCK, so a store starting at the same
+        # instant never finds this folder's _LOCK unlocked (it would take it for a dead server's).
+        self._lock_file = open(self._folder / f"{_LOCK}.new", "xb")  # held until close()
         fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(self._folder / f"{_LOCK}.new", self._folder / _LOCK)
         # Called with the number of outputs generated for jobs deleted while they ran.
         self._on_discarded = on_discarded
 
@@ -190,11 +193,22 @@ class VideoStore:
         exc = future.exception()
         if exc is None:
             result: SlotResult = future.result()
-            media = self._folder / f"{video.id}{result.suffix}"
-            _write(media, result.media)
-            if result.thumbnail:
-                thumbnail = self._folder / f"{video.id}.png"
-                _write(thumbnail, result.thumbnail)
+            try:
+                media = self._folder / f"{video.id}{result.suffix}"
+                _write(media, result.media)
+                if result.thumbnail:
+                    thumbnail = self._folder / f"{video.id}.png"
+                    _write(thumbnail, result.thumbnail)
+            except OSError as write_error:  # a full disk, a folder removed under the server
+                # The job fails (it stayed "queued" for good when this raised in the callback).
+                logger.warning("video job %s: storing its video failed: %s", video.id, write_error)
+                for path in (media, thumbnail):
+                    if path is not None:
+                        path.unlink(missing_ok=True)
+                media = thumbnail = None
+                error = {"code": "output_write_failed",
+                         "message": f"the video of {video.id} was generated but storing it on the server "
+                                    f"failed; the server's log has the reason."}
         elif isinstance(exc, ServiceUnavailable):
             error = {"code": "shutting_down", "message": str(exc)}
         else:
@@ -246,5 +260,9 @@ def _remove_stale_folders() -> None:
 def _write(path: Path, data: bytes) -> None:
     # Written whole under a temporary name, then renamed: a download never sees half a file.
     tmp = path.with_name(f".{path.name}.part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # half a file would stay until the service stops
+        raise
