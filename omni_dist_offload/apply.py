@@ -154,7 +154,6 @@ class OffloadHandle:
         self.device = device
         self.config = config
         self._ring_refs: list[weakref.ref[BlockRing]] = []
-        self._kept_rings: list[BlockRing] = []
         self._module_refs = {name: weakref.ref(mod) for name, mod in modules.items()}
         # The process groups setup created; released with the handle.
         self._groups = groups
@@ -254,7 +253,6 @@ class OffloadHandle:
         for stored in self._stored:
             stored.unstore()
         self._ring_refs = []
-        self._kept_rings = []
         self._undo_moves = []
         self._groups.close()
         self._unmark()
@@ -264,10 +262,6 @@ class OffloadHandle:
     def _add_ring(self, ring: BlockRing, originals: list[list[torch.Tensor]] | None) -> None:
         _owned(ring.component.module)["rings"].append(ring)
         self._ring_refs.append(weakref.ref(ring))
-        if _shared_of(ring.transfer) is not None:
-            # A shared copy's segments close in remove() only (no finalizer closes them): the
-            # handle keeps such rings, so a dropped component's shared copy goes at remove().
-            self._kept_rings.append(ring)
         if originals is not None:
             self._originals[id(ring)] = originals
 
@@ -335,7 +329,6 @@ class OffloadHandle:
                     bind(layout.entries, data)
             ring.release()
         self._ring_refs = []
-        self._kept_rings = []
         self._originals = {}
         self._unmark()
         self._removed = True

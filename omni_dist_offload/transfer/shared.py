@@ -4,6 +4,7 @@ does, never waiting for another rank."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -36,6 +37,13 @@ class SharedTransfer(RankLocalTransfer):
         self._pinner = pinner
         self._component = component
         self._names = list(block_names)
+        # A component dropped from its pipeline (``pipe.text_encoder = None``) takes its ring and
+        # this transfer with it, without release(): this rank then leaves the shared copy (its
+        # pages go once no rank reads them) and closes the descriptors, as release() does. Host
+        # work only; each pinned buffer unregisters itself first (HostBuffer's own finalizer, or
+        # here). Not at exit: the process's end unmaps and closes everything.
+        self._finalizer = weakref.finalize(self, _leave, self.buffers, blocks)
+        self._finalizer.atexit = False
 
     @property
     def host_ranks(self) -> int:
@@ -79,4 +87,11 @@ class SharedTransfer(RankLocalTransfer):
 
     def release(self) -> None:
         super().release()
-        self.blocks.close()
+        self._finalizer()
+
+
+def _leave(buffers: list[HostBuffer | None], blocks: SharedBlocks) -> None:
+    for buf in buffers:  # unregister this rank's pages before leaving them (as drop() does)
+        if buf is not None:
+            buf.release()
+    blocks.close()
