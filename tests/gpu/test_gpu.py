@@ -1,5 +1,6 @@
 """CUDA path: parity, no host synchronisation, no per-block allocation, the memory bound."""
 
+import copy
 import gc
 
 import pytest
@@ -111,6 +112,35 @@ def test_setup_keeps_no_host_copy_of_what_moved_to_the_device():
     gc.collect()
     uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # noqa: E731
     assert uses(kept) == uses(torch.empty(1))  # as a tensor no one else holds
+    handle.remove()
+
+
+@pytest.mark.parametrize("options", [{}, {"storage_dtype": "float8_e4m3fn"}])
+@torch.no_grad()
+def test_a_dropped_text_encoder_gives_its_device_memory_back(options):
+    """pipe.text_encoder = None after encoding: its slots and the tensors it kept on the device
+    (embedding, norms) go; the DiT streams on, bitwise equal."""
+    pipe = tiny.tiny_wan_pipeline()
+    ref = copy.deepcopy(pipe.transformer).cuda()
+    gc.collect()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    config = {"mode": "layer", "components": ["dit", "text_encoder"],
+              "layer_options": {"text_encoder": options}}
+    handle = apply_offload(pipe, config)
+    embeds = pipe.encode_prompt(prompt="a red fox", max_sequence_length=16, device=torch.device("cuda"))[0]
+    torch.cuda.synchronize()
+    with_encoder = torch.cuda.memory_allocated() - start
+    encoder_row = next(r for r in handle.summary() if r["component"] == "text_encoder")
+    pipe.text_encoder = None
+    gc.collect()
+    torch.cuda.synchronize()
+    freed = with_encoder - (torch.cuda.memory_allocated() - start)
+    assert freed >= encoder_row["device_slot_bytes"] + 0.9 * sum(
+        p.numel() * p.element_size() for p in tiny.tiny_umt5_encoder().shared.parameters()), (freed, encoder_row)
+    x = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tiny.wan_transformer_inputs(ref).items()}
+    assert torch.equal(pipe.transformer(**x)[0], ref(**x)[0])
+    assert embeds.isfinite().all()
     handle.remove()
 
 
