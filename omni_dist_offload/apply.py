@@ -240,15 +240,26 @@ class OffloadHandle:
         remove the hooks, free the slots and pinned host memory, and release the process groups
         setup created. Calling it again does nothing.
 
-        With allgather rings this is collective: every rank of the weight group calls it."""
+        With allgather rings this is collective: every rank of the weight group calls it, at
+        the same point. If a rank is missing or out of step, it raises and changes nothing: the
+        model stays offloaded (its streamed blocks are gathered into storage of their own before
+        anything is bound)."""
         if self._removed:
             return
-        self._unguard_casts()  # what undoing the storage does may cast
         self._synchronize()
+        rings = self.rings
+        try:
+            for ring in rings:
+                if ring._lockstep:
+                    ring.agree_in_step("remove()")
+            streamed = [ring.restored_streamed(self.device) for ring in rings]
+        except RuntimeError as exc:
+            raise RuntimeError(f"remove() changed nothing; the model is still offloaded: {exc}") from exc
+        self._unguard_casts()  # what undoing the storage does may cast
         self._close_watch()
-        for ring in self.rings:
+        for ring, tensors in zip(rings, streamed):
             ring.remove_hooks()
-            ring.restore(self.device)
+            ring.bind_restored(tensors, self.device)
             ring.release()
         for stored in self._stored:
             stored.unstore()

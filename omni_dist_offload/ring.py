@@ -18,6 +18,7 @@ import itertools
 import sys
 import threading
 import warnings
+import zlib
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
@@ -27,12 +28,14 @@ from .layout import BlockLayout, bind, restored
 from .plan import StreamedComponent
 from .residency import ResidencyPlan, RingCosts, image_slot_bytes
 from .trace import RingTracer
+from .transfer.allgather import _all_gather
 from .transfer.protocol import WeightTransfer
 
 __all__ = ["NUM_SLOTS", "BlockRing", "check_not_cuda_graphs"]
 
 _T = TypeVar("_T")
 _EMPTY = -1
+_AGREE = 0x0FF10AD  # marks agree_in_step's payload
 _RESIDENT = -2
 _SKIPPED = -3  # the running "block" was skipped by a hook: it holds no slot
 #: Device slots of a ring without a residency plan: the block that runs, and the next one arriving.
@@ -284,6 +287,7 @@ class BlockRing:
         self._grad_guard: tuple[Any, _NoBackward, threading.Thread] | None = None
         self._hooks: list = []
         self._root_hooks: list = []
+        self._lockstep_hooks: list = []
         # Per block, the id of its post-forward hook and how many forward hooks it had when
         # that hook was last made the final one (see install_hooks).
         self._post_ids: list[int] = [-1] * len(self.layouts)
@@ -312,6 +316,15 @@ class BlockRing:
         # Whether every rank must move the same blocks in the same order (the fill is a
         # collective): then a skipped block's fills still happen, only its wait is dropped.
         self._lockstep = transfer.gather is not None
+        # Lockstep only ([Note: a forward cut short in lockstep]): whether a forward of the
+        # component is under way, how far its fills have got (the position in ``streamed`` of
+        # the next block whose pre-forward has not finished), and why the weight group can no
+        # longer be used (a fill, i.e. a collective, failed), if it cannot.
+        self._fills = 0  # fills made (lockstep: the same count on every rank; see agree_in_step)
+        self._in_forward = False
+        self._nested = 0  # the component's forward called from inside itself (rare)
+        self._reached = 0
+        self._broken: str | None = None
         self._on_forward: Callable[[BlockRing], bool] | None = None
         self.tracer: RingTracer | None = None
         self.setup_s: float | None = None
@@ -369,6 +382,8 @@ class BlockRing:
         # The streamed block after streamed block i (wrapping), and the first one (see _skip).
         self._after = [self.streamed[(position[i] + 1) % m] if i in position else _EMPTY for i in range(n)]
         self._first = self.streamed[0] if self.streamed else _EMPTY
+        self._position = [position.get(i, -1) for i in range(n)]
+        self._reached = len(self.streamed)  # no forward under way owes fills (a re-plan ends one)
 
     def enable_trace(self) -> None:
         """Record per-block timing marks from now on (see ``trace.py``), framed by the
@@ -395,6 +410,12 @@ class BlockRing:
             self._hooks.append(post)
             self._post_ids[layout.index] = post.id
             self._hooks_seen[layout.index] = len(layout.module._forward_hooks)
+        if self._lockstep and not self._lockstep_hooks:
+            root = self.component.module
+            self._lockstep_hooks = [
+                root.register_forward_pre_hook(_Hook(self, self._lockstep_pre)),
+                # always_call: on an exception too, when the forward's fills must be completed.
+                root.register_forward_hook(_Hook(self, self._lockstep_post), always_call=True)]
 
     def _keep_post_forward_last(self, i: int, module: torch.nn.Module) -> None:
         hooks = module._forward_hooks
@@ -416,10 +437,66 @@ class BlockRing:
                                 root.register_forward_hook(_Hook(self, self._root_post))]
 
     def remove_hooks(self) -> None:
-        for h in [*self._hooks, *self._root_hooks]:
+        for h in [*self._hooks, *self._root_hooks, *self._lockstep_hooks]:
             h.remove()
         self._hooks = []
         self._root_hooks = []
+        self._lockstep_hooks = []
+
+    # -- lockstep: a forward cut short on one rank ---------------------------------------
+    # [Note: a forward cut short in lockstep] Under a lockstep transfer every fill is a
+    # collective, paired with the other ranks' fills by order only. A forward that raises on
+    # one rank (a bad input, an out-of-memory in one block) and is caught there (a server
+    # answering one request with an error) would leave that rank's fills behind the others':
+    # from its next forward on, its gathers would pair with other blocks' gathers and rebuild
+    # blocks from mixed shards, silently, wherever the blocks are the same size. So the forward
+    # is completed: the fills it had still to make are made (no block runs), in the order a
+    # complete forward makes them, and the exception goes on. Every rank that raises does the
+    # same, so a deterministic error on every rank leaves them in step as well. Per forward (the
+    # component's hooks), never per block. A failed fill (a collective that timed out, a peer
+    # gone) cannot be completed: the ring refuses to run from then on, with the reason.
+    def _lockstep_pre(self, module, args) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        if self._in_forward:
+            if _running(module):
+                self._nested += 1
+                return
+            # The last forward never reached its post-forward: torch skips even always_call
+            # hooks on a KeyboardInterrupt. Its fills are completed now, before this one's.
+            self._release_interrupted()
+            self._complete_forward()
+        self._in_forward = True
+        self._nested = 0
+        self._reached = 0
+
+    def _lockstep_post(self, module, args, output) -> None:
+        if self._nested:
+            self._nested -= 1
+            return
+        if not self._in_forward:
+            return
+        self._release_interrupted()
+        if self._broken is None and self._reached < len(self.streamed):
+            self._complete_forward()
+        self._in_forward = False
+
+    def _release_interrupted(self) -> None:
+        if self._current != _EMPTY and self._current_thread is threading.current_thread():
+            self._unguard_backward(pop=False)
+            self._release(self._current, self._current_slot)
+
+    def _complete_forward(self) -> None:
+        """Make the fills the current forward has still to make, without running a block."""
+        self._in_forward = False
+        self._disrupted = True
+        with torch.no_grad():
+            for k in range(self._reached, len(self.streamed)):
+                b = self.streamed[k]
+                if self._slot_of(b) == _EMPTY:
+                    self._fetch_missing(b)
+                self._prefetch(b)
+                self._reached = k + 1
 
     def _root_pre(self, module, args) -> None:
         if self.tracer is not None:
@@ -464,6 +541,8 @@ class BlockRing:
         self._current_thread = threading.current_thread()
         if self.skip_probe is not None and i not in self.resident and self.skip_probe(module):
             self._skip(i)
+            if self._lockstep:
+                self._reached = self._position[i] + 1
             return
         tracer = self.tracer
         if i in self.resident:
@@ -503,6 +582,8 @@ class BlockRing:
         bind(self._moving[i], self._slot_views[slot][i])
         self._current, self._current_slot = i, slot
         self._prefetch(i)
+        if self._lockstep:
+            self._reached = self._position[i] + 1
         if torch.is_grad_enabled():  # rare: pipelines run under no_grad
             self._guard_backward(i)
 
@@ -674,14 +755,22 @@ class BlockRing:
             self.transfer.fill(block, self._fill_views[slot][block], self._free[slot], self._ready[slot], marks,
                                start=self._base[block])
         except RuntimeError as exc:  # e.g. a gloo collective timed out: say which ring and block
-            raise RuntimeError(
+            failed = (
                 f"{self.component.name}: moving block {self.layouts[block].name} with the "
                 f"{self.transfer.name} transfer failed: {exc}. With allgather, a rank that died, "
                 "called remove() on its handle, or ran other blocks or another number of forwards, "
                 "stalls the others: every rank must run the same steps in lockstep (and remove() "
                 "together)."
-            ) from exc
+            )
+            if self._lockstep:
+                # The other ranks' collectives no longer pair with this rank's: nothing the ring
+                # moves from now on could be trusted.
+                self._broken = (f"{self.component.name}: an earlier fill of this ring failed, so its "
+                                "weight group can no longer move blocks in lockstep; end the job on "
+                                f"every rank and start it again. The failure: {failed}")
+            raise RuntimeError(failed) from exc
         self._slot_block[slot] = block
+        self._fills += 1
         if self._versioned:
             versions = self._fill_versions[slot]
             for k, t in enumerate(self._moving_tensors[block]):
@@ -1176,28 +1265,82 @@ class BlockRing:
         """Give every block tensor ordinary storage again, on ``device`` (None: where it was
         before offloading), bitwise equal to the streamed bytes. Streamed blocks go through slot
         0, so it is collective under allgather: every rank of the weight group calls it."""
-        slot = 0
+        self.bind_restored(self.restored_streamed(device), device)
+
+    def restored_streamed(self, device: torch.device | None) -> dict[int, list[torch.Tensor]]:
+        """The first half of :meth:`restore`: the streamed blocks' tensors in storage of their own
+        (collective under allgather), bound to nothing yet, so that a failure (a peer gone) leaves
+        the ring as it was, streaming."""
+        slot, out = 0, {}
+        for i in self.streamed:
+            layout = self.layouts[i]
+            given = self._given_storage(i)
+            self._slot_block[slot] = _EMPTY
+            with torch.inference_mode(self._inference or torch.is_inference_mode_enabled()):
+                self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
+                                   start=self._base[i])
+            if self._cuda:
+                self._ready[slot].synchronize()  # teardown, not the per-block path
+            views = [*self._kept_views(i), *self._slot_views[slot][i]]
+            out[i] = [restored(e, v, device) if id(e) not in given
+                      else given[id(e)].to(device if device is not None else e.origin)
+                      for e, v in zip(layout.entries, views)]
+            if self._cuda:  # the next fill of slot 0 must wait for these copies
+                self._free[slot].record(torch.cuda.current_stream(self.device))
+        return out
+
+    def bind_restored(self, streamed: dict[int, list[torch.Tensor]], device: torch.device | None) -> None:
+        """The second half of :meth:`restore`: bind what :meth:`restored_streamed` made, and
+        give the blocks kept on the device storage of their own, one block at a time (no
+        collective; each device buffer goes as its block is done)."""
         for layout in self.layouts:
             i = layout.index
+            if i in streamed:
+                bind(layout.entries, streamed[i])
+                continue
             given = self._given_storage(i)
-            if i in self.resident:
-                views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
-            else:
-                self._slot_block[slot] = _EMPTY
-                with torch.inference_mode(self._inference or torch.is_inference_mode_enabled()):
-                    self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
-                                       start=self._base[i])
-                if self._cuda:
-                    self._ready[slot].synchronize()  # teardown, not the per-block path
-                views = [*self._kept_views(i), *self._slot_views[slot][i]]
+            views = [e.view_in(self._device_blocks[i]) for e in layout.entries]
             bind(layout.entries, [restored(e, v, device) if id(e) not in given
                                   else given[id(e)].to(device if device is not None else e.origin)
                                   for e, v in zip(layout.entries, views)])
-            if self._cuda and i not in self.resident:  # the next fill of slot 0 must wait for these copies
-                self._free[slot].record(torch.cuda.current_stream(self.device))
             self._device_blocks.pop(i, None)
+        self._device_blocks = {}
         self.resident = frozenset()
         self._kept, self._kept_bufs, self._kept_off_host = {}, {}, set()
+
+    def agree_in_step(self, what: str) -> None:
+        """Lockstep only, between forwards; collective and synchronising. Every rank of the weight
+        group checks that all of them are here, for ``what``, having made the same number of
+        fills: a rank still in a forward, or one that made more, is named, rather than the
+        fills that follow (``what``'s) pairing with other blocks' and rebuilding blocks from
+        mixed shards. A payload of 3 x int64 (24 bytes, never a shard chunk's size, which is a
+        multiple of ``ALIGNMENT``): against a rank in a fill, gloo refuses the sizes and NCCL
+        does not complete, so a rank out of step is never taken for one in step."""
+        group = getattr(self.transfer, "inner", self.transfer).group
+        device = self.device if "nccl" in group.backend else torch.device("cpu")
+        mine = torch.tensor([_AGREE, self._fills, zlib.crc32(what.encode())], dtype=torch.int64, device=device)
+        every = torch.empty(group.size * 3, dtype=torch.int64, device=device)
+        try:
+            _all_gather(every, mine, group=group.group)
+        except RuntimeError as exc:
+            self._broken = (f"{self.component.name}: the ranks of the weight group did not all come to "
+                            f"{what} ({exc}); the group can no longer move blocks in lockstep: end the job "
+                            "on every rank and start it again.")
+            raise RuntimeError(
+                f"{self.component.name}: the ranks of the weight group did not all come to {what} "
+                f"({exc}); with allgather, every rank calls it at the same point (after the same "
+                "forwards).") from exc
+        rows = every.view(group.size, 3).tolist()
+        if any(row != rows[group.rank] for row in rows):
+            seen = ", ".join(f"rank {r}: {row[1] if row[0] == _AGREE and row[2] == mine[2].item() else 'elsewhere'}"
+                             for r, row in zip(group.ranks, rows))
+            self._broken = (f"{self.component.name}: the ranks of the weight group were found out of step "
+                            f"at {what} (fills made: {seen}): end the job on every rank and start it again.")
+            raise RuntimeError(
+                f"{self.component.name}: the ranks of the weight group are out of step at {what}: fills "
+                f"made so far ({seen}). With allgather every rank must run the same forwards (a rank "
+                f"that skipped or added some has rebuilt blocks from mixed shards). Nothing was changed; "
+                "end the job on every rank and start it again.")
 
     def _given_storage(self, i: int) -> dict[int, torch.Tensor]:
         """``id(entry)`` -> the storage a caller gave block ``i``'s tensor since the ring last

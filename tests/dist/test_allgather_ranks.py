@@ -310,12 +310,95 @@ def diverge(rank: Rank) -> str:
         result = "no error"
     except Exception as exc:  # gloo raises RuntimeError on timeout
         result = f"{type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}"[:400]
+    # From then on the ring refuses at once (its fills no longer pair with the others'), and a
+    # remove() that cannot gather changes nothing: the model stays offloaded, hooks and all.
+    t0 = time.monotonic()
+    after = []
+    for call in (lambda: model(x), handle.remove):
+        try:
+            with torch.no_grad():
+                call()
+            after.append("no error")
+        except RuntimeError as exc:
+            after.append(str(exc)[:300])
+    refused_in = time.monotonic() - t0
+    still_offloaded = bool(handle.rings) and len(model.blocks[0]._forward_hooks) > 0
     store.set("rank0 done", "1")
     del handle
-    return result
+    return {"first": result, "after": after, "refused_in": refused_in, "still_offloaded": still_offloaded}
 
 
 def test_a_diverging_rank_raises_within_the_timeout():
-    msg = run_ranks(diverge, 2, broken_group=True, timeout=60)[0]
+    r = run_ranks(diverge, 2, broken_group=True, timeout=60)[0]
+    msg = r["first"]
     assert msg.startswith("RuntimeError") and "transformer: moving block blocks." in msg, msg
     assert float(msg.split(" after ")[1].split("s")[0]) < 15
+    forward, remove = r["after"]
+    assert "an earlier fill of this ring failed" in forward and "end the job on every rank" in forward, forward
+    assert remove.startswith("remove() changed nothing; the model is still offloaded"), remove
+    assert r["refused_in"] < 2 and r["still_offloaded"]
+
+
+@torch.no_grad()
+def one_rank_raises(rank: Rank) -> dict:
+    """Rank 1's forward raises (inside block 3, before block 0, and a Ctrl-C in block 2) and
+    rank 1 goes on, as a server answering one bad request does; rank 0 runs every forward. Its
+    fills used to stay behind rank 0's: later gathers paired with other blocks' and rebuilt
+    blocks from mixed shards (same sizes: no error, wrong outputs on both ranks)."""
+    model, ref = ToyDiT(6), ToyDiT(6)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    want = ref(x)
+    handle = apply_offload(model, AG_DIT)
+    equal = [torch.equal(model(x), want)]
+    for fault in ("in block", "before the blocks", "interrupt"):
+        if rank.rank == 1:
+            if fault == "before the blocks":
+                bad = (lambda: model(torch.randn(2, 7)))  # noqa: E731 - proj_in refuses the width
+            else:
+                def boom(mod, args, fault=fault):
+                    raise KeyboardInterrupt if fault == "interrupt" else RuntimeError("simulated out of memory")
+                hook = model.blocks[2 if fault == "interrupt" else 3].register_forward_pre_hook(boom)
+                bad = (lambda: model(x))  # noqa: E731
+            try:
+                bad()
+            except (RuntimeError, KeyboardInterrupt):
+                pass
+            else:
+                raise AssertionError("the fault did not raise")
+            finally:
+                if fault != "before the blocks":
+                    hook.remove()
+        else:
+            equal.append(torch.equal(model(x), want))
+        equal += [torch.equal(model(x), want) for _ in range(2)]
+    handle.remove()
+    return {"equal": equal, "after_remove": torch.equal(model(x), want)}
+
+
+def test_a_forward_that_raises_on_one_rank_leaves_the_ranks_in_step():
+    for r in run_ranks(one_rank_raises, 2):
+        assert all(r["equal"]) and r["after_remove"], r
+
+
+@torch.no_grad()
+def uneven_counts(rank: Rank) -> dict:
+    """The ranks made different numbers of fills (here: rank 1's count is bumped, as if it had
+    moved a block the others did not): remove() says so on every rank and changes nothing."""
+    model = ToyDiT(4)
+    x = torch.randn(2, 8)
+    handle = apply_offload(model, AG_DIT)
+    model(x)
+    if rank.rank == 1:
+        handle.rings[0]._fills += 1
+    try:
+        handle.remove()
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    return {"message": message, "hooks": len(model.blocks[0]._forward_hooks)}
+
+
+def test_remove_names_ranks_out_of_step_and_changes_nothing():
+    for r in run_ranks(uneven_counts, 2):
+        assert "out of step at remove()" in r["message"] and "rank 0: " in r["message"], r
+        assert r["message"].startswith("remove() changed nothing") and r["hooks"] > 0
