@@ -37,14 +37,22 @@ from ..loading.parallel import ContextParallel, ContextParallelError, check_cach
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser as _Parser
-from ..runtime.flags import UsageError, finite_float, non_negative_int, output_dir_check, positive_int
+from ..runtime.flags import (
+    UsageError,
+    expand_home,
+    finite_float,
+    non_negative_int,
+    output_dir_check,
+    positive_int,
+    user_path,
+)
 from ..runtime.logs import rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
 from .api import MAX_SEED, GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage, with_upcast
 from .dp import check_same_run, run_prompts
-from .outputs import VIDEO_FORMATS, resolve_video_format
+from .outputs import VIDEO_FORMATS, OutputWriteError, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
 
 __all__ = ["DEFAULT_OFFLOAD_CONFIG", "DEFAULT_PROMPT", "UsageError", "build_parser", "main"]
@@ -141,7 +149,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", nargs="?", const="regional", default=None, choices=list(COMPILE_MODES),
                         help="torch.compile the DiT: regional (each block; the default when the flag "
                         "is given alone) or model (whole); compile time is reported apart")
-    parser.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+    # Path flags expand ~ as they are parsed (the shell leaves --flag=~/x alone), so what is
+    # checked before the model loads is what is read or written after (serve's --output-dir,
+    # declared type=Path, gets the same from the parser).
+    parser.add_argument("--lora", type=expand_home, action="append", default=[], metavar="PATH[:SCALE]",
                         help="load a LoRA (.safetensors file, or a folder holding "
                         "pytorch_lora_weights.safetensors) at SCALE (default 1); repeatable")
     parser.add_argument("--cache", default=None, metavar="SPEC",
@@ -156,7 +167,7 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", action="append", default=None,
                          help=f"a prompt; repeat for several (default: {DEFAULT_PROMPT!r})")
-    prompts.add_argument("--prompts-file", type=Path, default=None, metavar="FILE",
+    prompts.add_argument("--prompts-file", type=user_path, default=None, metavar="FILE",
                          help="one prompt per line (UTF-8, with or without a BOM; a line ends at \\n or "
                          "\\r\\n only, as wc -l counts); blank lines and lines starting with # are skipped")
     parser.add_argument("--negative-prompt", default=None)
@@ -168,7 +179,7 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guidance-scale", type=finite_float, default=None, metavar="G")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of prompt 0; prompt k uses seed + k, at most 2**64 - 1 (default: %(default)s)")
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
+    parser.add_argument("--output-dir", type=user_path, default=Path("outputs"),
                         help="where outputs and their JSON sidecars go, checked writable before the model "
                         "loads; output k replaces an earlier run's k, in whatever format (default: %(default)s)")
     parser.add_argument("--video-format", default="auto", choices=VIDEO_FORMATS,
@@ -196,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 2
     except (ModelLoadError, CheckpointError) as exc:
+        _report(f"{PROG} {plan.command}: error: {exc}")
+        return 1
+    except OutputWriteError as exc:  # a full disk mid-run: the file and the reason, not a traceback
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 1
 

@@ -3,14 +3,20 @@ JSON sidecar holding the prompt, seed, model, offload config, sizes, timings and
 
 MP4 needs the optional ``video`` extra (``imageio`` with ``imageio-ffmpeg``); without it videos
 are written as GIF through Pillow, which comes with diffusers.
+
+Both files are written under hidden temporary names in the same folder and renamed into place,
+so an earlier output of the same name stays whole until the new one is complete (a re-run into
+the same folder, interrupted or out of disk space).
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +29,7 @@ __all__ = [
     "MEDIA_SUFFIXES",
     "VIDEO_FORMATS",
     "GenerationResult",
+    "OutputWriteError",
     "SavedOutput",
     "mp4_available",
     "numbered_outputs",
@@ -43,6 +50,12 @@ MEDIA_SUFFIXES: tuple[str, ...] = (".png", ".mp4", ".gif")
 # What the runner writes for prompt k (``dp``): ``<k:05d>`` and one of the media suffixes or the
 # JSON sidecar.
 _NUMBERED = re.compile(r"(\d{5,})(?:%s)" % "|".join(re.escape(suffix) for suffix in (*MEDIA_SUFFIXES, ".json")))
+
+
+class OutputWriteError(OSError):
+    """An output file that could not be written (a full disk, a folder made read-only or removed
+    since the run started): the message names the file and the reason, ``errno`` is the
+    failure's. An earlier output of that name is left as it was."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +89,14 @@ class GenerationResult:
         ``replace``: also remove ``<name>`` in the other media formats (a GIF an earlier run of
         a video model wrote where this writes a PNG), which the new sidecar no longer
         describes; nothing else is touched. Off by default: a caller may save one result in
-        two formats on purpose."""
+        two formats on purpose.
+
+        Each file is written under a hidden temporary name (``.<name>.part.png``) and renamed
+        into place, the media first and the sidecar last, once both are complete: an
+        interruption or a failed write leaves an earlier ``<name>`` pair whole (only the two
+        renames lie between the old pair and the new one), and no temporary file behind (a
+        process killed outright may leave a hidden one, which the next save overwrites). A
+        write that fails raises :class:`OutputWriteError` naming the file."""
         out_dir = Path(directory)
         if self.kind == "image":
             suffix, write = ".png", lambda path: _write_png(path, self.frames)
@@ -89,10 +109,32 @@ class GenerationResult:
         # Strict JSON (no bare NaN or Infinity), made before anything is written: a value that
         # cannot be written leaves the folder as it was.
         text = _sidecar_text({**self.metadata, "file": media.name})
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write(media)
         sidecar = out_dir / f"{self.name}.json"
-        sidecar.write_text(text)
+        # Opened "wb" on its own name, a file is empty at once: an interruption or a full disk
+        # then left an earlier run's good output 0 bytes beside its sidecar. The suffix stays
+        # last (Pillow and ffmpeg pick the format by it); the leading dot hides the file, and
+        # numbered_outputs() does not count it.
+        parts = {media: _part(media), sidecar: _part(sidecar)}
+        target = media
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write(parts[media])
+            target = sidecar
+            parts[sidecar].write_text(text)
+            for target, part in parts.items():
+                os.replace(part, target)
+        except BaseException as exc:
+            # Ctrl-C (KeyboardInterrupt) too: half a file must not stay in the folder. A signal
+            # that ends the process at once (SIGTERM, SIGKILL) can leave a hidden part, never a
+            # damaged output; the next save of this name writes over it.
+            for part in parts.values():
+                try:
+                    part.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            if isinstance(exc, OSError):
+                raise _write_error(target, exc) from exc
+            raise
         if replace:
             # Only once the new pair is written: a failure before it leaves the old media its sidecar.
             for other in MEDIA_SUFFIXES:
@@ -142,6 +184,21 @@ def to_uint8(pixels: Any) -> np.ndarray:
     if array.dtype == np.uint8:
         return array
     return (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def _part(path: Path) -> Path:
+    """The hidden temporary name ``path`` is written under before it is renamed into place."""
+    return path.with_name(f".{path.stem}.part{path.suffix}")
+
+
+def _write_error(path: Path, exc: OSError) -> OutputWriteError:
+    reason = exc.strerror or str(exc)
+    fix = ("free some space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+           else "check that its folder exists and can be written")
+    error = OutputWriteError(f"cannot write {str(path)!r} ({reason}); an earlier output of that name is left as it "
+                             f"was: {fix}, or write to another folder.")
+    error.errno = exc.errno
+    return error
 
 
 def _write_png(path: Path, frame: np.ndarray) -> None:

@@ -3,7 +3,9 @@
 The tools' command lines also share how a bad flag is reported: :class:`OneLineParser` raises
 :class:`UsageError` where argparse would print its usage block, and :func:`report_usage_error`
 prints the one line (``prog: error: ...``) with exit status 2, as ``omni-offload`` does.
-:func:`output_file` checks an output path before any work starts."""
+:func:`output_file` checks an output path before any work starts. Path flags take
+:func:`user_path` (``~`` expanded once, as they are parsed), so a path is checked and later
+written as the same file."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-__all__ = ["OneLineParser", "UsageError", "finite_float", "non_negative_float", "non_negative_int", "output_dir_check",
-           "output_file", "port", "positive_float", "positive_int", "report_usage_error", "write_error"]
+__all__ = ["OneLineParser", "UsageError", "expand_home", "finite_float", "non_negative_float", "non_negative_int",
+           "output_dir_check", "output_file", "port", "positive_float", "positive_int", "report_usage_error",
+           "user_path", "write_error"]
 
 
 class UsageError(Exception):
@@ -26,7 +29,14 @@ class UsageError(Exception):
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that raises :class:`UsageError` on a bad flag: argparse would print
     the usage block and exit; one line that names the problem is enough (its subcommands'
-    parsers are of this class too). ``--help`` prints and exits as usual."""
+    parsers are of this class too). ``--help`` prints and exits as usual. A flag declared
+    ``type=Path`` gets :func:`user_path`, ``~`` expanded, also where the code that adds it does
+    not import it (``serve``'s ``--output-dir``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse looks each flag's type up in this registry before it calls it.
+        self.register("type", Path, user_path)
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         raise UsageError(message)
@@ -48,7 +58,7 @@ def output_file(flag: str, path: str | os.PathLike[str], *, create: bool = True)
     naming the flag, the path and the reason. Nothing else is written. ``create=False``: the
     same checks, no folder made (for a run that may still be refused: call again with
     ``create=True`` as it starts, so that a refused run leaves nothing behind)."""
-    target = Path(path).expanduser()
+    target = Path(os.path.expanduser(path))  # also called with paths no flag parsed
     where = f"{flag} {str(path)!r}"
     if target.is_dir():
         raise UsageError(f"{where} is a folder: give a file path.")
@@ -118,6 +128,26 @@ def write_error(folder: str | os.PathLike[str]) -> str | None:
             os.unlink(name)
         except OSError:
             pass
+
+
+def expand_home(text: str) -> str:
+    """``text`` with a leading ``~`` or ``~user`` expanded, as the shell expands it where it sees
+    one (not in ``--flag=~/x``, nor in a quoted ``'~/x'``). Path flags expand it once, as they
+    are parsed: a run checks its output path before its work and writes it after, and both
+    must be the same file (a literal ``~`` is a ``./~`` folder, or a file that cannot be opened
+    once the work is done). A ``~user`` that names no user known here is refused."""
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        head = text.split("/", 1)[0]
+        where = repr(head) if head == text else f"{head!r} (in {text!r})"
+        raise argparse.ArgumentTypeError(f"{where} names no home folder known here (no such user, or HOME is not "
+                                         f"set): give the path in full, or ./{text} for a folder named {head!r}")
+    return expanded
+
+
+def user_path(text: str) -> Path:
+    """A path flag's value, ``~`` expanded (:func:`expand_home`)."""
+    return Path(expand_home(text))
 
 
 def _int(text: str) -> int:

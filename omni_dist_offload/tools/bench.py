@@ -142,6 +142,7 @@ from ..runtime.flags import (
     positive_float,
     positive_int,
     report_usage_error,
+    user_path,
 )
 from ..runtime.logs import current_rank
 from ..runtime.proc import exit_with
@@ -1123,11 +1124,13 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="hold every variant at once (a copy of the model each) and time one forward of each "
                    "per round, --repeats rounds; ratios are medians of per-round ratios (for forwards bound "
                    "by the host, whose speed varies)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results here (rank 0)")
-    p.add_argument("--png", default=None, metavar="PATH",
+    # user_path: ~ expanded as the flag is parsed, so the path checked before the run is the one
+    # written after it (the shell leaves --json=~/x alone).
+    p.add_argument("--json", type=user_path, default=None, metavar="PATH", help="write the results here (rank 0)")
+    p.add_argument("--png", type=user_path, default=None, metavar="PATH",
                    help="draw the overhead chart here (rank 0); the suffix picks the format (.png, .svg, .pdf, "
                    "...; none: PNG)")
-    p.add_argument("--timeline", default=None, metavar="PATH",
+    p.add_argument("--timeline", type=user_path, default=None, metavar="PATH",
                    help="draw one traced forward of the first case here (rank 0)")
     p.add_argument("--timeline-variant", default=None, choices=["rank-local", "allgather", "allgather-nccl"],
                    help="variant traced for --timeline (default: allgather under torchrun, else rank-local; "
@@ -1176,7 +1179,7 @@ def _check_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         suffix = os.path.splitext(path)[1][1:].lower() if path is not None else ""
         if suffix and suffix not in (formats := image_formats()):
-            raise BenchUsageError(f"--{flag} {path!r}: matplotlib cannot write a .{suffix} file; end the path "
+            raise BenchUsageError(f"--{flag} {str(path)!r}: matplotlib cannot write a .{suffix} file; end the path "
                                   f"in one of {', '.join('.' + f for f in formats)}")
     if args.transfer_mib is not None and not torch.cuda.is_available():
         raise BenchUsageError("--transfer-mib times host-to-device copies and needs a CUDA device; "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..apply import apply_offload
 from ..models import PRESETS, build_model, wan_inputs
 from ..runtime.dist import destroy_dist, maybe_init_dist
-from ..runtime.flags import OneLineParser, UsageError, output_file, positive_int, report_usage_error
+from ..runtime.flags import OneLineParser, UsageError, expand_home, output_file, positive_int, report_usage_error
 from ..runtime.logs import current_rank
 from ..runtime.proc import exit_with
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=positive_int, default=480)
     p.add_argument("--width", type=positive_int, default=832)
     p.add_argument("--forwards", type=positive_int, default=4, help="traced forwards per pass")
-    p.add_argument("--json", default=None, metavar="PATH", help="write every traced forward here (rank 0)")
+    p.add_argument("--json", type=expand_home, default=None, metavar="PATH", help="write every traced forward here (rank 0)")
     return p
 
 

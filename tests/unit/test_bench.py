@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -325,6 +326,35 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_model(flag,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"omni-offload bench: error: {flag} '{path}': cannot create its folder")
     assert f"'{tmp_path / 'file'}' is a file" in err[0] and "args" not in no_run
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """HOME in tmp_path, run from another folder there: a literal ~ would be a ./~ folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return tmp_path / "home"
+
+
+@pytest.mark.parametrize("form", ["--{flag}=~/{path}", "--{flag} ~/{path}"])
+def test_output_paths_expand_a_tilde_as_they_are_parsed(form, home) -> None:
+    paths = {"json": "r/x.json", "png": "r/x.png", "timeline": "r/t.svg"}
+    args = bench.build_parser().parse_args([a for flag, path in paths.items()
+                                            for a in form.format(flag=flag, path=path).split(" ")])
+    assert {flag: getattr(args, flag) for flag in paths} == {flag: home / path for flag, path in paths.items()}
+
+
+def test_the_json_lands_where_a_tilde_points_after_the_run(home, monkeypatch, capsys) -> None:
+    """Checked expanded before the run, --json=~/x.json was written as given after it: the
+    whole run, then FileNotFoundError '~/x.json' and the results lost."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(bench, "measure_case", lambda *_args: bench.CaseRun(results=[]))  # no model: the write is what counts
+    assert cli_main(["bench", *TINY_WAN, "--json=~/res/x.json"]) == 0
+    data = json.loads((home / "res" / "x.json").read_text())
+    assert data["results"] == [] and data["meta"]["argv"][-1] == "--json=~/res/x.json"
+    assert list(Path.cwd().iterdir()) == []  # no ./~ folder
 
 
 def test_bad_flags_create_no_output_folder(tmp_path, capsys, no_run) -> None:

@@ -412,3 +412,141 @@ def test_an_output_file_check_leaves_no_file_behind(tmp_path) -> None:
     assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["sub"]  # the folder, as before
     target.write_text("kept")
     assert output_file("--json", target) == target and target.read_text() == "kept"  # opened, not written
+
+
+# -- a save that is interrupted or runs out of disk -------------------------------------------
+def _result(kind: str, value: int):
+    from omni_dist_offload.app.outputs import GenerationResult
+
+    shape = (8, 8, 3) if kind == "image" else (3, 8, 8, 3)
+    return GenerationResult(prompt=f"run {value}", seed=value, kind=kind, frames=np.full(shape, value, np.uint8),
+                            name="00000", metadata={"run": value})
+
+
+def _half_then(error: BaseException):
+    """A media writer that writes part of the file, then fails (Ctrl-C, a full disk)."""
+    def write(path, *_args):
+        Path(path).write_bytes(b"\x89PNG\r\n\x1a\n half")
+        raise error
+
+    return write
+
+
+INTERRUPTIONS = {
+    "Ctrl-C in the media": ("media", KeyboardInterrupt()),
+    "full disk in the media": ("media", OSError(28, "No space left on device")),
+    "full disk in the sidecar": ("sidecar", OSError(28, "No space left on device")),
+}
+
+
+@pytest.mark.parametrize("case", INTERRUPTIONS)
+def test_an_interrupted_save_leaves_the_earlier_output_whole(case, tmp_path, monkeypatch) -> None:
+    """Written in place, media and sidecar were emptied at once: a 0-byte 00000.png beside the
+    earlier run's 00000.json, the good output gone."""
+    from omni_dist_offload.app import outputs
+
+    saved = _result("image", 1).save(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["00000.json", "00000.png"] and all(before.values())
+    where, error = INTERRUPTIONS[case]
+    if where == "media":
+        monkeypatch.setattr(outputs, "_write_png", _half_then(error))
+    else:
+        write_text = Path.write_text
+
+        def failing(path, *args, **kwargs):
+            if path.name.endswith(".json"):
+                path.write_bytes(b'{"run": ')
+                raise error
+            return write_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", failing)
+    expected = KeyboardInterrupt if isinstance(error, KeyboardInterrupt) else outputs.OutputWriteError
+    with pytest.raises(expected) as info:
+        _result("image", 2).save(tmp_path, replace=True)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no part left behind either
+    assert read_frames(saved.media).max() == 1 and sidecar(saved.media) == {"run": 1, "file": "00000.png"}
+    if expected is outputs.OutputWriteError:
+        target = saved.media if where == "media" else saved.sidecar
+        assert str(info.value).startswith(f"cannot write {str(target)!r} (No space left on device); an earlier "
+                                          "output of that name is left as it was: free some space there")
+        assert info.value.errno == 28 and isinstance(info.value, OSError)
+    # Written again with nothing in the way: the new pair replaces the old one whole.
+    _result("image", 3).save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00000.json", "00000.png"]
+    assert read_frames(saved.media).max() == 3 and sidecar(saved.media)["run"] == 3
+
+
+def test_a_video_save_writes_its_format_under_the_temporary_name(tmp_path) -> None:
+    # Pillow (and ffmpeg) pick the format by the suffix: the temporary name keeps it last.
+    result = _result("video", 4)
+    result.frames = result.frames * np.arange(1, 4, dtype=np.uint8)[:, None, None, None]  # GIF merges equal frames
+    saved = result.save(tmp_path, video_format="gif")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00000.gif", "00000.json"]
+    assert read_frames(saved.media).shape == (3, 8, 8, 3)
+
+
+def test_a_full_disk_during_generate_is_one_line_exit_1(tmp_path, monkeypatch, capsys) -> None:
+    from omni_dist_offload.app import outputs
+
+    out_dir = tmp_path / "out"
+    monkeypatch.setattr(outputs, "_write_png", _half_then(OSError(28, "No space left on device")))
+    assert main(["--model", "tiny-flux", "--prompt", "a", "--num-inference-steps", "1", "--no-progress",
+                 "--output-dir", str(out_dir)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == [f"omni-offload generate: error: cannot write {str(out_dir / '00000.png')!r} (No space left on "
+                      "device); an earlier output of that name is left as it was: free some space there, or write "
+                      "to another folder."], err
+    assert "Traceback" not in err and list(out_dir.iterdir()) == []
+
+
+# -- ~ in path flags ---------------------------------------------------------------------------
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """HOME in tmp_path, run from another folder there: a literal ~ would be a ./~ folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return tmp_path / "home"
+
+
+@pytest.mark.parametrize("command", ["generate", "inspect", "serve"])
+@pytest.mark.parametrize("form", ["--{flag}=~/{path}", "--{flag} ~/{path}"])
+def test_every_path_flag_expands_a_tilde_as_it_is_parsed(command, form, home) -> None:
+    """The shell expands neither --output-dir=~/x nor a quoted '~/x': generate made a literal
+    ./~/renders folder and found no ~/p.txt."""
+    from omni_dist_offload.app.cli import build_parser
+
+    flags = {"lora": ("l.safetensors:0.5", "lora", [f"{home}/l.safetensors:0.5"])}
+    if command == "generate":
+        flags.update({"output-dir": ("renders", "output_dir", home / "renders"),
+                      "prompts-file": ("p.txt", "prompts_file", home / "p.txt")})
+    if command == "serve":
+        flags["output-dir"] = ("served", "output_dir", home / "served")
+    argv = [command]
+    for flag, (path, _, _) in flags.items():
+        argv += form.format(flag=flag, path=path).split(" ")
+    ns = build_parser().parse_args(argv)
+    for _, dest, expected in flags.values():
+        assert getattr(ns, dest) == expected
+
+
+def test_a_generate_run_reads_and_checks_the_expanded_paths(home) -> None:
+    from omni_dist_offload.app.cli import _validate, build_parser
+
+    (home / "p.txt").write_text("a red fox\n")
+    plan = _validate(build_parser().parse_args(["generate", "--prompts-file=~/p.txt", "--output-dir=~/renders"]))
+    assert plan.prompts == ["a red fox"] and plan.output_dir == home / "renders"
+    assert list(Path.cwd().iterdir()) == []  # no ./~ folder
+
+
+def test_a_tilde_naming_no_user_is_refused_in_one_line(home, capsys) -> None:
+    assert main(["generate", "--output-dir=~no-such-user-here/renders"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("omni-offload generate: error: argument --output-dir: "
+                                                   "'~no-such-user-here' (in '~no-such-user-here/renders') names "
+                                                   "no home folder known here"), lines
+    assert list(Path.cwd().iterdir()) == []

@@ -1353,14 +1353,14 @@ def test_a_video_that_cannot_be_stored_fails_its_job(monkeypatch, caplog) -> Non
     from omni_dist_offload.app.serve.service import Job, SlotResult
 
     store = jobs.VideoStore(max_jobs=2, ttl_s=60)
-    real_write = jobs._write
+    real_write = jobs.write_whole
 
     def full_disk(path, data):
         if path.suffix == ".png":  # the video is written, its thumbnail is not
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, data)
 
-    monkeypatch.setattr(jobs, "_write", full_disk)
+    monkeypatch.setattr(jobs, "write_whole", full_disk)
     try:
         job = Job(_slot(1))
         video = store.add(job, model="m", prompt="p", size="16x16", seconds="1")
@@ -1386,5 +1386,5 @@ def test_a_write_that_fails_leaves_no_part_file(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(pathlib.Path, "write_bytes", half_then_full)
     with pytest.raises(OSError, match="No space"):
-        jobs._write(tmp_path / "video.gif", b"GIF89a")
+        jobs.write_whole(tmp_path / "video.gif", b"GIF89a")
     assert list(tmp_path.iterdir()) == []

@@ -6,14 +6,23 @@ benchmark's own flags: test_bench.py; serve_stress's: test_serve_stress.py."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from omni_dist_offload.runtime.flags import UsageError, non_negative_float, output_file
+from omni_dist_offload.runtime.flags import (
+    OneLineParser,
+    UsageError,
+    expand_home,
+    non_negative_float,
+    output_file,
+    user_path,
+)
 from omni_dist_offload.tools import contention, hostfill, serve_stress, soak, startup, trace_blocks
 
 
@@ -66,6 +75,32 @@ def test_output_file_refuses_a_folder_it_cannot_write(tmp_path) -> None:
         output_file("--json", locked / "x.json")
     with pytest.raises(UsageError, match="cannot create its folder"):
         output_file("--json", locked / "sub" / "x.json")
+
+
+def test_user_path_expands_a_tilde_and_refuses_one_naming_no_user(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert user_path("~/out/x.json") == tmp_path / "out" / "x.json" and user_path("~") == tmp_path
+    assert user_path("out/~x") == Path("out/~x")  # only a leading ~ is the home folder
+    assert expand_home("~/l.safetensors:0.5") == f"{tmp_path}/l.safetensors:0.5"  # the text kept as given
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'~no-such-user-here' \(in '~no-such-user-here/x.json'\) "
+                                                         "names no home folder known here"):
+        user_path("~no-such-user-here/x.json")
+    assert user_path("./~no-such-user-here/x.json") == Path("~no-such-user-here/x.json")  # the way to mean it
+
+
+def test_a_type_path_flag_expands_a_tilde_in_every_one_line_parser(tmp_path, monkeypatch) -> None:
+    """Flags declared ``type=Path`` (serve's --output-dir, these tools') get user_path from the
+    parser: the shell leaves ``--json=~/x`` alone."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = OneLineParser(prog="p")
+    parser.add_argument("--out", type=Path)
+    parser.add_subparsers(dest="command").add_parser("sub").add_argument("--out", type=Path)
+    assert parser.parse_args(["--out=~/a"]).out == tmp_path / "a"
+    assert parser.parse_args(["sub", "--out=~/b"]).out == tmp_path / "b"
+    assert serve_stress.build_parser().parse_args(["--json=~/s.json"]).json == tmp_path / "s.json"
+    assert startup.build_parser().parse_args(["write", "~/w"]).folder == tmp_path / "w"
+    with pytest.raises(UsageError, match="argument --out: '~no-such-user-here' names no home folder"):
+        parser.parse_args(["--out", "~no-such-user-here"])
 
 
 def test_non_negative_float_refuses_what_would_turn_a_check_off() -> None:

@@ -53,7 +53,7 @@ from .guards import (
     is_loopback,
     throttle_server_logs,
 )
-from .jobs import StoreFull, VideoStore
+from .jobs import StoreFull, VideoStore, write_whole
 from .metrics import ServeMetrics
 from .service import (
     GenerationFailed,
@@ -739,8 +739,10 @@ def _write(output_dir: Path, name: str, result: Any) -> Path:
     """The media and its sidecar, as ``omni-offload generate`` writes them; returns the media."""
     output_dir.mkdir(parents=True, exist_ok=True)
     media = (output_dir / name).with_suffix(result.suffix)
-    media.write_bytes(result.media)
-    media.with_suffix(".json").write_bytes(result.sidecar)
+    # Each whole under a temporary name, then renamed (jobs._write): a full disk leaves no
+    # truncated file in the folder.
+    write_whole(media, result.media)
+    write_whole(media.with_suffix(".json"), result.sidecar)
     return media.resolve()
 
 

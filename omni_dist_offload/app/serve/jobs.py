@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from .service import GenerationFailed, Job, ServiceUnavailable, SlotResult
 
-__all__ = ["StoreFull", "VideoJob", "VideoStore"]
+__all__ = ["StoreFull", "VideoJob", "VideoStore", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +195,10 @@ class VideoStore:
             result: SlotResult = future.result()
             try:
                 media = self._folder / f"{video.id}{result.suffix}"
-                _write(media, result.media)
+                write_whole(media, result.media)
                 if result.thumbnail:
                     thumbnail = self._folder / f"{video.id}.png"
-                    _write(thumbnail, result.thumbnail)
+                    write_whole(thumbnail, result.thumbnail)
             except OSError as write_error:  # a full disk, a folder removed under the server
                 # The job fails (it stayed "queued" for good when this raised in the callback).
                 logger.warning("video job %s: storing its video failed: %s", video.id, write_error)
@@ -257,12 +257,14 @@ def _remove_stale_folders() -> None:
             continue
 
 
-def _write(path: Path, data: bytes) -> None:
-    # Written whole under a temporary name, then renamed: a download never sees half a file.
+def write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole under a temporary name, then rename it: a download never
+    sees half a file, and a failure (a full disk) leaves none."""
     tmp = path.with_name(f".{path.name}.part")
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # half a file would stay until the service stops
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
+
