@@ -27,11 +27,15 @@ peft or diffusers. See ``docs/design.md``, [Note: tenants].
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
+import sys
+import types
 import weakref
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
@@ -41,10 +45,16 @@ from torch.nn.modules.module import (
 
 from .ring import BlockRing
 
-__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "READING_METHODS", "REWRITING_METHODS", "SAVING_METHODS", "SKIPPING_HOOKS", "BlockWatch", "skipped_by_hooks"]
+__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "PEFT_FUNCTIONS", "READING_METHODS", "REFUSED_METHODS", "REWRITING_METHODS",
+           "SAVING_METHODS", "SKIPPING_HOOKS", "TOGGLING_METHODS", "BlockWatch", "skipped_by_hooks"]
 
 #: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
 EDITED_METHODS = ("merge", "unmerge")
+
+#: The tuner-layer methods after which a layer may be merged with its adapters disabled: peft's
+#: forward then unmerges it, inside the block's forward, where no edit can run. The watch does that
+#: unmerge itself as the component's next forward starts (:meth:`BlockWatch._unmerge_disabled`).
+TOGGLING_METHODS = ("enable_adapters", "merge")
 
 #: Methods of any module in a block that read the block's weights to build new ones, run inside
 #: ``edit_block`` too, so they read the weights on the device (where the parked copy holds
@@ -131,7 +141,8 @@ def _wrapping(wrapper: Callable[..., Any], method: Callable[..., Any], *bound: A
 #: seeing it (peft's hotswap copies a new adapter into the old one's tensors with
 #: ``.data.copy_``, which bumps no version counter): after one, the slots are copied again. A
 #: hotswap into adapters that park placeholders (loaded before offloading, on an allgather or
-#: 8-bit ``"block"`` ring) is refused before it starts (:func:`_check_hotswap`).
+#: 8-bit ``"block"`` ring) is refused before it starts (:func:`_check_hotswap`). peft's own
+#: entry point, called directly, is followed too (:data:`PEFT_FUNCTIONS`).
 REWRITING_METHODS = ("load_lora_adapter",)
 
 
@@ -167,23 +178,33 @@ def _adapter_entries(ring: BlockRing, adapter: str) -> list[str]:
     return found
 
 
+def _placeholder_reason(ring: BlockRing) -> tuple[str, bool]:
+    """Why ``ring``'s streamed tensors hold placeholders between forwards, and whether it is
+    8-bit storage (where upcast ``"layer"`` keeps real tensors)."""
+    eight_bit = ring.storage_dtype is not None and ring.transfer.gather is None
+    why = (f"stored in 8 bits ({ring.storage_dtype}, upcast \"block\")" if eight_bit else
+           f"sharded over the ranks ({ring.transfer.name}): the block exists whole on no rank")
+    return why, eight_bit
+
+
 def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    adapter = _hotswapped(method, args, kwargs)
+    if adapter is not None:
+        _refuse_placeholder_hotswap(rings, adapter)
+
+
+def _refuse_placeholder_hotswap(rings: Sequence[BlockRing], adapter: str) -> None:
     """A hotswap copies the new adapter into the old one's tensors in place. An adapter loaded
     before ``apply_offload`` streams with its block; where the ring parks placeholders between
     forwards (allgather, 8-bit ``"block"`` storage) torch refuses that copy part way, and
-    diffusers' cleanup then deletes the adapter. Refused here, before diffusers changes anything."""
-    adapter = _hotswapped(method, args, kwargs)
-    if adapter is None:
-        return
+    diffusers' cleanup then deletes the adapter. Refused here, before anything changes."""
     for ring in rings:
         if not ring.parks_placeholders:
             continue
         found = _adapter_entries(ring, adapter)
         if not found:
             continue  # loaded after apply_offload: adopted on the device, where the copy lands
-        eight_bit = ring.storage_dtype is not None and ring.transfer.gather is None
-        why = (f"stored in 8 bits ({ring.storage_dtype}, upcast \"block\")" if eight_bit else
-               f"sharded over the ranks ({ring.transfer.name}): the block exists whole on no rank")
+        why, eight_bit = _placeholder_reason(ring)
         raise RuntimeError(
             f"{ring.component.name}: hotswapping adapter '{adapter}' would write into {found[0]} ({len(found)} "
             f"tensors in all): it was loaded before apply_offload, so it streams with its block, {why}, and "
@@ -193,13 +214,140 @@ def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args:
             + ("; or use upcast 'layer'." if eight_bit else "."))
 
 
+def _refuse_placeholder_export(rings: Sequence[BlockRing], adapter: str, what: str) -> None:
+    """Exporting an adapter reads its tensors between forwards: one loaded before
+    ``apply_offload`` on a ring that parks placeholders would be written as NaN (safetensors
+    refuses the placeholders' shared storage; other formats write them). Refused, naming what
+    works; an adapter loaded after ``apply_offload`` lives on the device and exports as usual."""
+    for ring in rings:
+        if not ring.parks_placeholders:
+            continue
+        found = _adapter_entries(ring, adapter)
+        if not found:
+            continue
+        why, eight_bit = _placeholder_reason(ring)
+        raise RuntimeError(
+            f"{ring.component.name}: {what} would read adapter '{adapter}' from placeholders ({found[0]}, "
+            f"{len(found)} tensors in all): it was loaded before apply_offload, so it streams with its block, "
+            f"{why}, and between forwards its tensors hold no values. Nothing was written. Export the adapter "
+            "from the file it was loaded from, or before apply_offload; or call handle.remove() first"
+            f"{' (on every rank)' if not eight_bit else ''}, export, then apply_offload again"
+            + ("; or use upcast 'layer', whose adapters hold their values." if eight_bit else "."))
+
+
+#: peft functions that reach streamed blocks without a method of the component to wrap, each
+#: with its check. peft's hotswap writes with ``.data.copy_`` (no version counter sees it): after
+#: it the slots are copied again, as after :data:`REWRITING_METHODS`; an export reads placeholders.
+#: Callers bind these functions by name (``from peft.utils.hotswap import ...``), often before
+#: ``apply_offload``, so the function objects themselves are diverted while a watch is open
+#: (:func:`_divert_peft`), and given back when the last one closes.
+PEFT_FUNCTIONS = {
+    ("peft.utils.hotswap", "hotswap_adapter_from_state_dict"): "hotswap",
+    ("peft.utils.save_and_load", "get_peft_model_state_dict"): "export",
+}
+
+
+def _rings_in(model: Any) -> list[BlockRing]:
+    """The watched rings whose component is ``model`` or inside it (a PeftModel, a compiled
+    wrapper's ``_orig_mod``)."""
+    if not isinstance(model, nn.Module) or not _WATCHES:
+        return []
+    rings: list[BlockRing] = []
+    for sub in model.modules():
+        for watch in list(_WATCHES):
+            rings.extend(r for ref in watch._rings_of.get(sub, ()) if (r := ref()) is not None)
+    return rings
+
+
+def _peft_call(kind: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)  # peft names what is wrong
+    bound.apply_defaults()
+    arguments = bound.arguments
+    rings = _rings_in(arguments.get("model"))
+    adapter = arguments.get("adapter_name")
+    if not rings or not isinstance(adapter, str):
+        return original(*args, **kwargs)
+    if kind == "export":
+        if arguments.get("state_dict") is None:  # the model's own tensors are read
+            _refuse_placeholder_export(rings, adapter, "get_peft_model_state_dict")
+        return original(*args, **kwargs)
+    _refuse_placeholder_hotswap(rings, adapter)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        for ring in rings:
+            ring.forget_slots()
+
+
+_NAME = "<diverted function>"
+
+
+def _peft_trampoline(*args: Any, **kwargs: Any) -> Any:
+    # Only its code is used: it becomes the diverted function's (the name constant replaced by
+    # that function's name), run in peft's module globals, where _divert_peft put the call.
+    return globals()["_omni_dist_offload_diverted"]["<diverted function>"](*args, **kwargs)
+
+
+# (function, its own code, defaults, keyword defaults) of each diverted peft function.
+_DIVERTED: list[tuple[types.FunctionType, types.CodeType, Any, Any]] = []
+
+
+def _divert_peft() -> None:
+    """Route calls of :data:`PEFT_FUNCTIONS` through :func:`_peft_call`. Only once peft is
+    imported: an adapter that streams with its block was loaded through peft before
+    ``apply_offload``; one loaded after stays on the device, where neither a hotswap nor an
+    export needs the ring."""
+    if _DIVERTED or "peft" not in sys.modules:
+        return
+    for (module_name, name), kind in PEFT_FUNCTIONS.items():
+        try:
+            fn = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            continue  # another peft: nothing of its own to divert
+        if not isinstance(fn, types.FunctionType) or fn.__closure__ is not None:
+            continue
+        original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, None)
+        original.__kwdefaults__ = fn.__kwdefaults__
+        # The trampoline's code looks its target up by the function's name, in peft's globals.
+        trampoline = _peft_trampoline.__code__
+        names = {"co_name": name, **({"co_qualname": name} if hasattr(trampoline, "co_qualname") else {})}
+        code = trampoline.replace(co_consts=tuple(name if c == _NAME else c for c in trampoline.co_consts), **names)
+        table = fn.__globals__.setdefault("_omni_dist_offload_diverted", {})
+        table[name] = functools.partial(_peft_call, kind, original)
+        _DIVERTED.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
+        fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, None, None
+        fn.__wrapped__ = original  # inspect.signature shows peft's own
+
+
+def _restore_peft() -> None:
+    for fn, code, defaults, kwdefaults in _DIVERTED:
+        fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
+        fn.__dict__.pop("__wrapped__", None)
+        fn.__globals__.pop("_omni_dist_offload_diverted", None)
+    _DIVERTED.clear()
+
+
 #: Methods of a component that write its weights out: refused while its blocks' tensors hold
 #: placeholders between forwards (allgather: the block exists whole on no rank; 8-bit blocks:
-#: the host holds the 8-bit image), which they would write as the weights.
-SAVING_METHODS = ("save_pretrained",)
+#: the host holds the 8-bit image), which they would write as the weights. ``save_lora_adapter``
+#: (diffusers) only for an adapter that streams with its block.
+SAVING_METHODS = ("save_pretrained", "save_lora_adapter")
 
 
 def _saving(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if method.__name__ == "save_lora_adapter":
+        try:
+            bound = inspect.signature(method).bind(*args, **kwargs)
+        except TypeError:
+            return method(*args, **kwargs)  # diffusers names what is wrong
+        bound.apply_defaults()
+        adapter = bound.arguments.get("adapter_name")
+        if isinstance(adapter, str):
+            _refuse_placeholder_export(rings, adapter, "save_lora_adapter")
+        return method(*args, **kwargs)
     for ring in rings:
         if ring.parks_placeholders:
             raise RuntimeError(
@@ -208,6 +356,23 @@ def _saving(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, 
                 f"{', stored in 8 bits' if ring.storage_dtype else ''}). Call handle.remove() first (on every "
                 "rank under allgather: it gathers the blocks back), then save; or save before apply_offload.")
     return method(*args, **kwargs)
+
+
+#: Methods of a component refused outright after ``apply_offload``: diffusers'
+#: ``enable_layerwise_casting`` recasts the block weights in place to a dtype the ring did not lay
+#: them out in, so every later forward would fail.
+REFUSED_METHODS = ("enable_layerwise_casting",)
+
+
+def _refused(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    name = rings[0].component.name
+    raise RuntimeError(
+        f"{name}: {method.__name__}() after apply_offload is refused, and nothing was changed: it would "
+        "cast the streamed blocks' weights in place to a dtype their host copy and slots were not laid "
+        "out in, and every later forward would fail. For 8-bit storage while offloading, set "
+        f"layer_options.{rings[0].component.category}.storage_dtype (\"float8_e4m3fn\" or \"float8_e5m2\"; "
+        "CLI --storage-dtype) in the offload config; or call handle.remove() first, then "
+        f"{method.__name__}(), then apply_offload without storage_dtype.")
 
 
 class BlockWatch:
@@ -220,6 +385,9 @@ class BlockWatch:
         self._owner: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[BlockRing], int]] = \
             weakref.WeakKeyDictionary()
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Per component root, the pre-forward hook that unmerges its disabled merged layers,
+        # while one is due (see _unmerge_disabled).
+        self._unmerge_hooks: dict[int, Any] = {}
         for ring in rings:
             ring.skip_probe = skipped_by_hooks
             ring.skip_ahead_probe = functools.partial(skipped_by_hooks, fixed_only=True)
@@ -228,9 +396,13 @@ class BlockWatch:
         # Components by root module (a component may have several rings: one per block list).
         # Weak: a component the pipeline drops goes, wrappers and all.
         self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._rings_of: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref[BlockRing]]] = \
+            weakref.WeakKeyDictionary()
         for root in {id(r.component.module): r.component.module for r in rings}.values():
             mine = [r for r in rings if r.component.module is root]
-            for names, wrapper in ((REWRITING_METHODS, _rewriting), (SAVING_METHODS, _saving)):
+            self._rings_of[root] = [weakref.ref(r) for r in mine]
+            for names, wrapper in ((REWRITING_METHODS, _rewriting), (SAVING_METHODS, _saving),
+                                   (REFUSED_METHODS, _refused)):
                 for name in names:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
                         setattr(root, name, _wrapping(wrapper, getattr(root, name), mine))
@@ -238,16 +410,22 @@ class BlockWatch:
         _watch(self)
 
     def close(self) -> None:
-        """Stop watching; tuner layers get their own ``merge`` and ``unmerge`` back. Idempotent."""
+        """Stop watching; tuner layers get their own ``merge`` and ``unmerge`` back. Idempotent.
+        A layer left merged with its adapters disabled is unmerged by peft's own forward, as on a
+        model never offloaded."""
         _unwatch(self)
+        for hook in self._unmerge_hooks.values():
+            hook.remove()
+        self._unmerge_hooks = {}
         for layer in list(self._wrapped):
-            for name in (*EDITED_METHODS, *READING_METHODS):
+            for name in (*EDITED_METHODS, *TOGGLING_METHODS, *READING_METHODS):
                 layer.__dict__.pop(name, None)
         self._wrapped = weakref.WeakSet()
         for root in list(self._roots):
-            for name in (*REWRITING_METHODS, *SAVING_METHODS):
+            for name in (*REWRITING_METHODS, *SAVING_METHODS, *REFUSED_METHODS):
                 root.__dict__.pop(name, None)
         self._roots = weakref.WeakSet()
+        self._rings_of = weakref.WeakKeyDictionary()
         self._owner = weakref.WeakKeyDictionary()
 
     def _follow(self, module: nn.Module, ring: BlockRing, index: int) -> None:
@@ -260,8 +438,42 @@ class BlockWatch:
             for name in names:
                 # An instance attribute shadows the class's method; close() deletes it.
                 setattr(sub, name, _wrapping(_edited, getattr(sub, name), ring, index))
+            if _is_tuner_layer(sub):
+                # After these, the layer may be merged with its adapters disabled (see
+                # TOGGLING_METHODS): merge here is the edit just set, wrapped once more.
+                for name in TOGGLING_METHODS:
+                    if callable(getattr(sub, name, None)):
+                        setattr(sub, name, _wrapping(_toggled, getattr(sub, name), weakref.ref(self),
+                                                     weakref.ref(sub), weakref.ref(ring)))
             if names:
                 self._wrapped.add(sub)
+
+    # peft's LoRA forward unmerges a merged layer whose adapters are disabled (``disable_lora``
+    # or ``disable_adapter_layers`` after ``fuse_lora``/``merge_adapter``, or in the other
+    # order), inside the block's forward, where the ring cannot edit the block. The resident
+    # model unmerges it in that forward; here it is unmerged as the component's forward starts,
+    # between forwards, through the same edit as ``unfuse_lora`` (so the bits match). Not
+    # earlier: enabling the adapters again before a forward leaves the layer merged, as peft does.
+    def _schedule_unmerge(self, layer: nn.Module, ring: BlockRing) -> None:
+        if not (getattr(layer, "disable_adapters", False) and getattr(layer, "merged", False)):
+            return
+        root = ring.component.module
+        if id(root) in self._unmerge_hooks:
+            return
+        # First among the root's pre-forward hooks: before the ring's own mark a forward's start.
+        self._unmerge_hooks[id(root)] = root.register_forward_pre_hook(
+            _UnmergeDisabled(weakref.ref(self), weakref.ref(root)), prepend=True)
+
+    def _unmerge_disabled(self, root: nn.Module) -> None:
+        """Unmerge the watched tuner layers of ``root`` that are merged with their adapters
+        disabled, in module order (the same on every rank: an edit is collective under
+        allgather), then drop the hook that called this."""
+        for sub in root.modules():
+            if sub in self._wrapped and getattr(sub, "disable_adapters", False) and getattr(sub, "merged", False):
+                sub.unmerge()  # the edit set by _follow
+        hook = self._unmerge_hooks.pop(id(root), None)
+        if hook is not None:
+            hook.remove()  # torch iterates a copy of the hooks: safe inside one
 
     # Called (through the global hooks below) for every registration in the process, so they
     # return at once unless the parent is in a watched block.
@@ -278,6 +490,33 @@ class BlockWatch:
         ring = owner[0]() if owner is not None else None
         if ring is not None and tensor is not None:
             ring.adopt_pending = True
+
+
+def _toggled(watch: "weakref.ref[BlockWatch]", layer: "weakref.ref[nn.Module]", ring: "weakref.ref[BlockRing]",
+             method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    result = method(*args, **kwargs)
+    w, module, r = watch(), layer(), ring()
+    if w is not None and module is not None and r is not None:
+        w._schedule_unmerge(module, r)
+    return result
+
+
+class _UnmergeDisabled:
+    """A component root's forward pre-hook while some layer of its blocks is merged with its
+    adapters disabled (:meth:`BlockWatch._schedule_unmerge`). Weak: the root holds the hook."""
+
+    __slots__ = ("_watch", "_root")
+
+    def __init__(self, watch: "weakref.ref[BlockWatch]", root: "weakref.ref[nn.Module]") -> None:
+        self._watch = watch
+        self._root = root
+
+    # Run eagerly: an edit synchronises and rebinds tensors, which no compiled graph may hold.
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        watch, root = self._watch(), self._root()
+        if watch is not None and root is not None:
+            watch._unmerge_disabled(root)
 
 
 # torch's registration hooks are global and live as long as the process: a hook that held a
@@ -300,6 +539,7 @@ def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
 
 def _watch(watch: BlockWatch) -> None:
     _WATCHES.add(watch)
+    _divert_peft()
     if not _GLOBAL_HOOKS:
         _GLOBAL_HOOKS[:] = [
             register_module_module_registration_hook(_on_module_registered),
@@ -314,3 +554,4 @@ def _unwatch(watch: BlockWatch) -> None:
         for hook in _GLOBAL_HOOKS:
             hook.remove()
         _GLOBAL_HOOKS.clear()
+        _restore_peft()

@@ -667,3 +667,52 @@ def test_save_pretrained_under_upcast_layer_writes_what_layerwise_casting_writes
         for k, t in want.items():
             assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
     handle.remove()
+
+
+@pytest.mark.parametrize("upcast_at", ["block", "layer"])
+def test_exporting_an_adapter_that_streams_in_8_bit_blocks_is_refused(upcast_at, tmp_path):
+    """Under 8-bit ``"block"`` storage an adapter loaded before ``apply_offload`` holds placeholders
+    between forwards: peft's export (and diffusers' save_lora_adapter, which calls it) would read
+    NaN. Refused, naming the routes that work; under ``"layer"`` its tensors hold their values, and
+    after remove() the adapter (never stored in 8 bits) is given back as it was loaded."""
+    peft = pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+
+    model = tiny.tiny_wan_transformer(num_layers=2, dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"], init_lora_weights=False))
+    want = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    handle = apply_offload(model, stored(upcast=upcast_at), device="cpu")
+    if upcast_at == "block":
+        with pytest.raises(RuntimeError, match=r"get_peft_model_state_dict would read adapter 'default' from "
+                                               r"placeholders .*Export the adapter from the file.*remove\(\) first"):
+            get_peft_model_state_dict(model)
+        with pytest.raises(RuntimeError, match=r"save_lora_adapter would read adapter 'default' from placeholders"):
+            model.save_lora_adapter(tmp_path / "lora")
+        assert not (tmp_path / "lora").exists()
+        handle.remove()
+        assert "save_lora_adapter" not in model.__dict__
+    got = get_peft_model_state_dict(model)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model.save_lora_adapter(tmp_path / "lora")
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
+    if upcast_at == "layer":
+        handle.remove()
+
+
+def test_enable_layerwise_casting_after_offloading_is_refused_changing_nothing():
+    model = tiny.tiny_wan_transformer(num_layers=2)
+    x = tiny.wan_transformer_inputs(model)
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    with torch.no_grad():
+        want = model(**x)[0]
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"enable_layerwise_casting\(\) after apply_offload is refused, and nothing "
+                                           r"was changed.*storage_dtype.*handle\.remove\(\) first"):
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == dtypes
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], want)
+    handle.remove()
+    assert "enable_layerwise_casting" not in model.__dict__
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)  # what it says
