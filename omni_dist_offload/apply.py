@@ -185,6 +185,14 @@ class OffloadHandle:
     def _keep_stored(self, module: nn.Module, stored: StoredLayers | LayerUpcasts) -> None:
         _owned(module)["stored"].append(stored)
 
+    def lockstep_status(self) -> tuple[int, str | None]:
+        """The fills this rank's lockstep (allgather) rings have made, and why one of them can no
+        longer be used, if one cannot. Every rank of a weight group that ran the same forwards
+        reports the same count: a front-end that runs ranks in lockstep (``serve``'s waves)
+        compares them after each wave, and stops rather than serve on out of step."""
+        rings = [ring for ring in self.rings if ring._lockstep]
+        return sum(ring._fills for ring in rings), next((r._broken for r in rings if r._broken), None)
+
     def summary_rows(self) -> list[RingSummary]:
         """One typed row per streamed ring."""
         return [self._row(ring, _shared_of(ring.transfer)) for ring in self.rings]

@@ -1388,3 +1388,29 @@ def test_a_write_that_fails_leaves_no_part_file(tmp_path, monkeypatch) -> None:
     with pytest.raises(OSError, match="No space"):
         jobs.write_whole(tmp_path / "video.gif", b"GIF89a")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lockstep_wave_whose_ranks_fell_out_of_step_stops_the_service() -> None:
+    """A slot that failed on one rank part way through its forwards leaves that rank's weight
+    gathers behind the others': the service served on, and every later wave stalled for
+    collective_timeout_s or failed. Each rank reports its fills with its result; rank 0 stops
+    the service (after answering the wave) when they differ or a ring has failed."""
+    from omni_dist_offload.app.serve.service import OutOfStep, SlotResult, _check_in_step
+
+    _check_in_step([SlotResult(in_step=(12, None)), SlotResult(error="x", in_step=(12, None))])
+    _check_in_step([SlotResult(), SlotResult()])  # rank-local rings: nothing to compare
+    with pytest.raises(OutOfStep, match=r"fills made: rank 0: 12, rank 1: 7\): stopping the service"):
+        _check_in_step([SlotResult(in_step=(12, None)), SlotResult(error="x", in_step=(7, None))])
+    with pytest.raises(OutOfStep, match=r"an earlier fill of this ring failed"):
+        _check_in_step([SlotResult(in_step=(12, "dit: an earlier fill of this ring failed")),
+                        SlotResult(in_step=(12, None))])
+
+
+def test_the_handle_reports_its_lockstep_fills() -> None:
+    from omni_dist_offload import apply_offload
+    from toys import ToyDiT
+
+    model = ToyDiT(3)
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    assert handle.lockstep_status() == (0, None)  # rank-local: no lockstep ring
+    handle.remove()

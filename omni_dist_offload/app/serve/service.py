@@ -426,6 +426,8 @@ class SlotResult:
     thumbnail: bytes = b""
     """Videos: the first frame as a PNG (``GET /v1/videos/{id}/content?variant=thumbnail``)."""
     error: str | None = None
+    in_step: tuple[int, str | None] | None = None
+    """Lockstep waves: the rank's ``OffloadHandle.lockstep_status()`` after its slot."""
 
 
 @dataclass(slots=True, eq=False)
@@ -661,6 +663,7 @@ class Service:
         first = wave[0].slot
         self._answer(wave, results, len(padding), time.perf_counter() - start,
                      f"wave of {len(wave)} {first.kind}(s) + {len(padding)} padding", own=True)
+        _check_in_step(results)
 
     def _exchange(self, slots: list[Slot], on_step: Callable[[float], None]) -> list[SlotResult]:
         """Send the wave to the ranks, run rank 0's slot, gather every rank's result."""
@@ -668,6 +671,7 @@ class Service:
             return [run_slot(self.omni, slots[0], self.ctx, self.options.video_format, on_step)]
         dist.broadcast_object_list([slots], src=0, group=self._group)
         own = run_slot(self.omni, slots[0], self.ctx, self.options.video_format, on_step)
+        own = dataclasses.replace(own, in_step=_lockstep_status(self.omni))
         results: list[Any] = [None] * self.ctx.world_size
         dist.gather_object(own, results, dst=0, group=self._group)
         return results
@@ -748,7 +752,35 @@ class Service:
                 logger.info("stopped")
                 return
             result = run_slot(self.omni, box[0][self.ctx.rank], self.ctx, self.options.video_format)
+            result = dataclasses.replace(result, in_step=_lockstep_status(self.omni))
             dist.gather_object(result, None, dst=0, group=self._group)
+
+
+def _lockstep_status(omni: Omni) -> tuple[int, str | None] | None:
+    return omni.handle.lockstep_status() if omni.handle is not None else None
+
+
+class OutOfStep(RuntimeError):
+    """The ranks' weight gathers no longer pair (a slot failed on some ranks part way through
+    its forwards): the service stops rather than serve on."""
+
+
+def _check_in_step(results: Sequence[SlotResult]) -> None:
+    """After a lockstep wave (answered already): every rank's allgather rings must have made the
+    same number of fills, and none may have failed. A slot that fails on one rank part way
+    through its forwards leaves that rank's fills behind the others' (the ranks meet again only
+    once the others' fills time out, ``collective_timeout_s``); served on, every later wave
+    would stall the same way or fail. The service stops, so whatever restarts it starts clean."""
+    statuses = [r.in_step for r in results if r.in_step is not None]
+    broken = next((why for _, why in statuses if why), None)
+    if broken is None and len({fills for fills, _ in statuses}) <= 1:
+        return
+    counts = ", ".join(f"rank {r}: {s[0] if s else '?'}" for r, s in enumerate(r.in_step for r in results))
+    message = (f"the ranks' weight gathers are out of step after this wave (fills made: {counts})"
+               + (f"; {broken}" if broken else "") + ": stopping the service. A slot failed on some ranks "
+               "part way through its denoising steps (see the warnings above); restart the service.")
+    logger.error("%s", message)
+    raise OutOfStep(message)
 
 
 class _StepReport:
