@@ -17,7 +17,7 @@ from ...runtime.dist import DistContext, destroy_dist, maybe_init_dist
 from ..api import Omni
 from .http import HttpServer
 from .metrics import ServeMetrics
-from .service import _WAVE_GROUP_TIMEOUT, RankLink, ServeOptions, Service, redact_prompts_in_logs
+from .service import _WAVE_GROUP_TIMEOUT, OutOfStep, RankLink, ServeOptions, Service, redact_prompts_in_logs
 
 __all__ = ["run_serve"]
 
@@ -81,7 +81,10 @@ def _serve_rank0(service: Service) -> int:
             # Tools and tests read the port from this line (tools/serve_stress.py: SERVING_LINE).
             logger.info("serving %s (%ss) on http://%s:%d with %d rank(s)%s", omni.model,
                         service.limits.kind, options.host, server.port, service.ctx.world_size, how)
-            service.run()
+            try:
+                service.run()
+            except OutOfStep:  # logged where found; the other ranks were told to stop
+                return 1
         finally:
             server.stop()
     logger.info("stopped")
