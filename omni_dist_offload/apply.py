@@ -255,11 +255,25 @@ class OffloadHandle:
         if self._removed:
             return
         self._synchronize()
+        for stored in self._stored:
+            if isinstance(stored, LayerUpcasts):
+                stored.settle()  # a layer a Ctrl-C left on the upcast buffer: its 8-bit tensors again
         rings = self.rings
+        lockstep = [ring for ring in rings if ring._lockstep]
         try:
-            for ring in rings:
-                if ring._lockstep:
-                    ring.agree_in_step("remove()")
+            broken = next((ring._broken for ring in lockstep if ring._broken), None)
+            if broken is not None:  # its blocks cannot be gathered
+                raise RuntimeError(broken)
+            for ring in lockstep:
+                ring.finish_interrupted()  # a forward a Ctrl-C cut short: its fills, as every rank's
+            if lockstep and self._groups.group is not None:
+                try:
+                    self._groups.agree_in_step("remove()", {ring.component.name: ring._fills for ring in lockstep})
+                except RuntimeError as exc:
+                    if "out of step" in str(exc):
+                        for ring in lockstep:
+                            ring._broken = f"{ring.component.name}: {exc}"
+                    raise
             streamed = [ring.restored_streamed(self.device) for ring in rings]
         except RuntimeError as exc:
             raise RuntimeError(f"remove() changed nothing; the model is still offloaded: {exc}") from exc
@@ -326,7 +340,8 @@ class OffloadHandle:
         self._undo_moves = []
         for stored in self._stored:
             stored.commit()
-        self._groups.close_exchange()
+        if self._groups.group is None:  # a weight group keeps it: remove() agrees over it
+            self._groups.close_exchange()
 
     def _rollback(self) -> None:
         """Undo a partial setup: blocks and resident tensors go back where they were."""

@@ -18,7 +18,6 @@ import itertools
 import sys
 import threading
 import warnings
-import zlib
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
@@ -28,14 +27,12 @@ from .layout import BlockLayout, bind, restored
 from .plan import StreamedComponent
 from .residency import ResidencyPlan, RingCosts, image_slot_bytes
 from .trace import RingTracer
-from .transfer.allgather import _all_gather
 from .transfer.protocol import WeightTransfer
 
 __all__ = ["NUM_SLOTS", "BlockRing", "check_not_cuda_graphs"]
 
 _T = TypeVar("_T")
 _EMPTY = -1
-_AGREE = 0x0FF10AD  # marks agree_in_step's payload
 _RESIDENT = -2
 _SKIPPED = -3  # the running "block" was skipped by a hook: it holds no slot
 #: Device slots of a ring without a residency plan: the block that runs, and the next one arriving.
@@ -320,8 +317,9 @@ class BlockRing:
         # component is under way, how far its fills have got (the position in ``streamed`` of
         # the next block whose pre-forward has not finished), and why the weight group can no
         # longer be used (a fill, i.e. a collective, failed), if it cannot.
-        self._fills = 0  # fills made (lockstep: the same count on every rank; see agree_in_step)
+        self._fills = 0  # fills made (lockstep: the same count on every rank; remove() compares)
         self._in_forward = False
+        self._post_ran = False  # _root_post ran for the forward under way
         self._nested = 0  # the component's forward called from inside itself (rare)
         self._reached = 0
         self._broken: str | None = None
@@ -464,9 +462,9 @@ class BlockRing:
                 return
             # The last forward never reached its post-forward: torch skips even always_call
             # hooks on a KeyboardInterrupt. Its fills are completed now, before this one's.
-            self._release_interrupted()
-            self._complete_forward()
+            self._finish_cut_short(module, args)
         self._in_forward = True
+        self._post_ran = False
         self._nested = 0
         self._reached = 0
 
@@ -476,10 +474,18 @@ class BlockRing:
             return
         if not self._in_forward:
             return
+        self._finish_cut_short(module, args)
+
+    def _finish_cut_short(self, module, args) -> None:
+        """End the forward under way as the other ranks end theirs: its remaining fills, and the
+        per-forward callback (the residency planner's, whose agreement is a collective too), which
+        ``_root_post`` runs only after a forward that returned."""
         self._release_interrupted()
         if self._broken is None and self._reached < len(self.streamed):
             self._complete_forward()
         self._in_forward = False
+        if not self._post_ran and self._root_hooks:
+            self._root_post(module, args, None)
 
     def _release_interrupted(self) -> None:
         if self._current != _EMPTY and self._current_thread is threading.current_thread():
@@ -505,6 +511,7 @@ class BlockRing:
     def _root_post(self, module, args, output) -> None:
         # Hooks stay installed (removing one while torch iterates them is not safe); once the
         # callback is done they only mark the forward for a tracer, if any.
+        self._post_ran = True
         if self.tracer is not None:
             self.tracer.forward_end(self._stream())
         if self._on_forward is not None and self._on_forward(self):
@@ -1308,39 +1315,14 @@ class BlockRing:
         self.resident = frozenset()
         self._kept, self._kept_bufs, self._kept_off_host = {}, {}, set()
 
-    def agree_in_step(self, what: str) -> None:
-        """Lockstep only, between forwards; collective and synchronising. Every rank of the weight
-        group checks that all of them are here, for ``what``, having made the same number of
-        fills: a rank still in a forward, or one that made more, is named, rather than the
-        fills that follow (``what``'s) pairing with other blocks' and rebuilding blocks from
-        mixed shards. A payload of 3 x int64 (24 bytes, never a shard chunk's size, which is a
-        multiple of ``ALIGNMENT``): against a rank in a fill, gloo refuses the sizes and NCCL
-        does not complete, so a rank out of step is never taken for one in step."""
-        group = getattr(self.transfer, "inner", self.transfer).group
-        device = self.device if "nccl" in group.backend else torch.device("cpu")
-        mine = torch.tensor([_AGREE, self._fills, zlib.crc32(what.encode())], dtype=torch.int64, device=device)
-        every = torch.empty(group.size * 3, dtype=torch.int64, device=device)
-        try:
-            _all_gather(every, mine, group=group.group)
-        except RuntimeError as exc:
-            self._broken = (f"{self.component.name}: the ranks of the weight group did not all come to "
-                            f"{what} ({exc}); the group can no longer move blocks in lockstep: end the job "
-                            "on every rank and start it again.")
-            raise RuntimeError(
-                f"{self.component.name}: the ranks of the weight group did not all come to {what} "
-                f"({exc}); with allgather, every rank calls it at the same point (after the same "
-                "forwards).") from exc
-        rows = every.view(group.size, 3).tolist()
-        if any(row != rows[group.rank] for row in rows):
-            seen = ", ".join(f"rank {r}: {row[1] if row[0] == _AGREE and row[2] == mine[2].item() else 'elsewhere'}"
-                             for r, row in zip(group.ranks, rows))
-            self._broken = (f"{self.component.name}: the ranks of the weight group were found out of step "
-                            f"at {what} (fills made: {seen}): end the job on every rank and start it again.")
-            raise RuntimeError(
-                f"{self.component.name}: the ranks of the weight group are out of step at {what}: fills "
-                f"made so far ({seen}). With allgather every rank must run the same forwards (a rank "
-                f"that skipped or added some has rebuilt blocks from mixed shards). Nothing was changed; "
-                "end the job on every rank and start it again.")
+    def finish_interrupted(self) -> None:
+        """Lockstep, between forwards: make the fills of a forward a ``KeyboardInterrupt`` cut
+        short (the next forward would make them first; ``remove()`` calls this before it agrees)."""
+        if self._in_forward and self._broken is None:
+            self._release_interrupted()
+            if self._reached < len(self.streamed):
+                self._complete_forward()
+            self._in_forward = False
 
     def _given_storage(self, i: int) -> dict[int, torch.Tensor]:
         """``id(entry)`` -> the storage a caller gave block ``i``'s tensor since the ring last

@@ -5,8 +5,9 @@ so it works whatever the main backend and even when ranks share a GPU), then app
 rules to them: all ranks reach the same decision, or all raise the same error.
 
 The process groups this creates belong to a :class:`GroupSession`, which ``apply_offload``'s
-handle owns: the side group is released once setup is agreed, the weight group with the handle,
-so nothing outlives the job's ``destroy_process_group()``.
+handle owns: the side group is released once setup is agreed (kept with a weight group, for
+``remove()`` to agree over), the weight group with the handle, so nothing outlives the job's
+``destroy_process_group()``.
 
 The default weight group is the ranks of one host (one group per host, created with
 ``new_group`` over the same ranks, so weight collectives never interleave with the
@@ -324,6 +325,31 @@ class GroupSession:
         failures, the same list on every rank."""
         gathered = self.all_gather(error, "agree that setup succeeded")
         return [(rank, err) for rank, err in enumerate(gathered) if err is not None]
+
+    def agree_in_step(self, what: str, fills: dict[str, int]) -> None:
+        """Every rank checks that all of them have come to ``what`` (``remove()``), and that the
+        ranks of this weight group have made the same number of fills per ring. Over the side
+        group, kept open for this while a weight group exists: a rank still in a fill never pairs
+        with it (on the weight group it would: gloo aborts the process on the sizes, NCCL
+        rebuilds nothing). Raises ``RuntimeError`` naming what it found."""
+        assert self.group is not None
+        try:
+            gathered = self.all_gather({"ranks": self.group.ranks, "fills": fills}, what)
+        except OffloadConfigError as exc:  # another rank is elsewhere in this side group's exchanges
+            raise RuntimeError(str(exc)) from exc
+        except RuntimeError as exc:  # a timeout, a peer gone
+            raise RuntimeError(
+                f"the ranks did not all come to {what} within collective_timeout_s ({self.timeout_s:g} s): "
+                f"{exc}. With allgather, every rank calls it at the same point (after the same forwards, "
+                "for the same models in the same order).") from exc
+        mine = [g["fills"] for g in gathered if g["ranks"] == self.group.ranks]
+        if any(f != fills for f in mine):
+            counts = {r: g["fills"] for r, g in enumerate(gathered) if g["ranks"] == self.group.ranks}
+            raise RuntimeError(
+                f"the ranks of the weight group are out of step at {what}: fills made so far "
+                f"({_by_rank(counts)}). With allgather every rank must run the same forwards (a rank "
+                "that skipped or added some has rebuilt blocks from mixed shards): end the job on every "
+                "rank and start it again.")
 
     def close_exchange(self) -> None:
         """Release the side group: setup is agreed, nothing more is exchanged."""
