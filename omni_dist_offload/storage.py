@@ -250,9 +250,18 @@ class LayerUpcasts:
     """The per-layer upcast hooks of ``upcast: "layer"`` ([Note: upcast per layer]) on the layers
     inside streamed blocks; the blocks' 8-bit tensors themselves belong to the ring."""
 
-    def __init__(self, hooks: list, tensors: list[tuple[torch.Tensor, torch.dtype]]) -> None:
+    def __init__(self, hooks: list, tensors: list[tuple[torch.Tensor, torch.dtype]],
+                 layers: list[tuple[nn.Module, _UpcastHook]] | None = None) -> None:
         self._hooks = hooks
         self._tensors = tensors
+        self._layers = layers or []
+
+    def settle(self) -> None:
+        """Point a layer whose forward a ``KeyboardInterrupt`` cut short (its post-forward never
+        ran) at its 8-bit tensors again, before anything reads them (``remove()``)."""
+        for layer, hook in self._layers:
+            if hook.stored:
+                hook.post(layer, (), None)
 
     def commit(self) -> None:
         """Setup succeeded: nothing to let go (the ring keeps the originals until then)."""
@@ -278,6 +287,7 @@ class LayerUpcasts:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._layers = []
 
 
 def _upcast(t: torch.Tensor, compute: torch.dtype, inference: bool) -> None:
@@ -306,11 +316,13 @@ def upcast_per_layer(root: nn.Module, cast: Mapping[int, torch.dtype], in_blocks
     # whichever runs: the next layer's upcast is ordered after this one's kernels, and nothing
     # is allocated per layer.
     scratch = torch.empty(max((size for *_, size in layers), default=0), dtype=torch.uint8, device=device)
-    hooks = []
+    hooks: list = []
+    pending: list[tuple[nn.Module, _UpcastHook]] = []
     for layer, names, compute, _size in layers:
         hook = _UpcastHook(names, compute, scratch)
         hooks += [layer.register_forward_pre_hook(hook.pre), layer.register_forward_hook(hook.post, always_call=True)]
-    return LayerUpcasts(hooks, tensors)
+        pending.append((layer, hook))
+    return LayerUpcasts(hooks, tensors, pending)
 
 
 def _aligned(n: int) -> int:
@@ -329,6 +341,12 @@ class _UpcastHook:
         self.stored: list[torch.Tensor] = []
 
     def pre(self, module: nn.Module, args: object) -> None:
+        if self.stored:
+            # The last forward was cut short by a KeyboardInterrupt, which skips even always_call
+            # hooks: the layer still points at the shared upcast buffer, which later layers have
+            # overwritten since. Its 8-bit tensors first (a streamed block is rebound by the ring
+            # anyway; a block kept on the device is not).
+            self.post(module, args, None)
         stored = self.stored = []
         at = 0
         for name in self.names:

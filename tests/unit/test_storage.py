@@ -716,3 +716,35 @@ def test_enable_layerwise_casting_after_offloading_is_refused_changing_nothing()
     handle.remove()
     assert "enable_layerwise_casting" not in model.__dict__
     model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)  # what it says
+
+
+@pytest.mark.parametrize("resident", [[0, 1], []])
+@torch.no_grad()
+def test_a_ctrl_c_inside_an_upcast_layer_leaves_no_layer_on_the_upcast_buffer(resident):
+    """torch skips even always_call hooks on a KeyboardInterrupt: an upcast layer of a block kept
+    on the device stayed pointed at the buffer every layer's upcast is written to, so each later
+    forward read another layer's weights there (no error), and remove() kept them."""
+    build, inputs = DITS["wan"]
+    model = build(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    x = inputs(model, seed=0)
+    want = reference(**x)[0]
+    handle = apply_offload(model, stored(upcast="layer", resident_blocks=resident), device="cpu")
+    layer = model.blocks[0].ffn.net[0].proj
+
+    def interrupt(mod, args):  # after the upcast pre-hook: the layer points at the buffer
+        raise KeyboardInterrupt
+
+    hook = layer.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**x)
+    hook.remove()
+    assert torch.equal(model(**x)[0], want)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    hook = layer.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**x)
+    hook.remove()
+    handle.remove()  # the interrupted layer's 8-bit bytes, upcast for good
+    assert torch.equal(model(**x)[0], want)
