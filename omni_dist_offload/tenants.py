@@ -31,6 +31,7 @@ import importlib
 import inspect
 import math
 import sys
+import threading
 import types
 import weakref
 from typing import Any, Callable, Sequence
@@ -250,11 +251,12 @@ PEFT_FUNCTIONS = {
 def _rings_in(model: Any) -> list[BlockRing]:
     """The watched rings whose component is ``model`` or inside it (a PeftModel, a compiled
     wrapper's ``_orig_mod``)."""
-    if not isinstance(model, nn.Module) or not _WATCHES:
+    watches = _open_watches()
+    if not isinstance(model, nn.Module) or not watches:
         return []
     rings: list[BlockRing] = []
     for sub in model.modules():
-        for watch in list(_WATCHES):
+        for watch in watches:
             rings.extend(r for ref in watch._rings_of.get(sub, ()) if (r := ref()) is not None)
     return rings
 
@@ -311,6 +313,8 @@ def _divert_peft() -> None:
             continue
         original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, None)
         original.__kwdefaults__ = fn.__kwdefaults__
+        for attr in ("__annotations__", "__qualname__", "__doc__", "__module__"):  # inspect shows peft's own
+            setattr(original, attr, getattr(fn, attr))
         # The trampoline's code looks its target up by the function's name, in peft's globals.
         trampoline = _peft_trampoline.__code__
         names = {"co_name": name, **({"co_qualname": name} if hasattr(trampoline, "co_qualname") else {})}
@@ -525,33 +529,44 @@ class _UnmergeDisabled:
 # open watches through a weak set: a dropped handle's watch (and with it the model) is collected.
 _WATCHES: weakref.WeakSet[BlockWatch] = weakref.WeakSet()
 _GLOBAL_HOOKS: list[Any] = []
+# Watches open and close in one thread while another iterates them (a registration, a diverted
+# peft call on a model of its own): a set that changes size under an iteration raises. Changed
+# and copied under this lock; collection of a dropped watch is deferred by the WeakSet itself.
+_WATCHES_LOCK = threading.Lock()
+
+
+def _open_watches() -> list[BlockWatch]:
+    with _WATCHES_LOCK:
+        return list(_WATCHES)
 
 
 def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    for watch in list(_WATCHES):
+    for watch in _open_watches():
         watch._on_module(module, name, submodule)
 
 
 def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
-    for watch in list(_WATCHES):
+    for watch in _open_watches():
         watch._on_tensor(module, name, tensor)
 
 
 def _watch(watch: BlockWatch) -> None:
-    _WATCHES.add(watch)
-    _divert_peft()
-    if not _GLOBAL_HOOKS:
-        _GLOBAL_HOOKS[:] = [
-            register_module_module_registration_hook(_on_module_registered),
-            register_module_parameter_registration_hook(_on_tensor_registered),
-            register_module_buffer_registration_hook(_on_tensor_registered),
-        ]
+    with _WATCHES_LOCK:
+        _WATCHES.add(watch)
+        _divert_peft()
+        if not _GLOBAL_HOOKS:
+            _GLOBAL_HOOKS[:] = [
+                register_module_module_registration_hook(_on_module_registered),
+                register_module_parameter_registration_hook(_on_tensor_registered),
+                register_module_buffer_registration_hook(_on_tensor_registered),
+            ]
 
 
 def _unwatch(watch: BlockWatch) -> None:
-    _WATCHES.discard(watch)
-    if not _WATCHES:  # from close(), never from inside a registration (torch iterates the hooks)
-        for hook in _GLOBAL_HOOKS:
-            hook.remove()
-        _GLOBAL_HOOKS.clear()
-        _restore_peft()
+    with _WATCHES_LOCK:
+        _WATCHES.discard(watch)
+        if not _WATCHES:  # from close(), never from inside a registration (torch iterates the hooks)
+            for hook in _GLOBAL_HOOKS:
+                hook.remove()
+            _GLOBAL_HOOKS.clear()
+            _restore_peft()
