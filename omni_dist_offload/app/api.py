@@ -228,6 +228,7 @@ class Omni:
         # One generation (or teardown) at a time; reentrant, so a pipeline callback that calls
         # back into this object is not deadlocked.
         self._lock = threading.RLock()
+        self._generating = False
         split = ContextParallel.parse(context_parallel)
         self.cache = CacheSpec.parse(cache) if cache is not None else None
         if split is not None:  # before anything loads
@@ -400,7 +401,18 @@ class Omni:
                                             f"as an integer of 1 or more (or None for {DEFAULT_FPS}).")
             fps = number
         with self._lock:
-            return self._generate(prompt, seed, name, fps, options)
+            if self._generating:
+                # The lock is reentrant so that a step callback may read summary() or close();
+                # a generation inside one would reset the scheduler the outer one is stepping.
+                raise RuntimeError(
+                    "Omni.generate was called from inside a generation on the same Omni (a step "
+                    "callback?): generations run one at a time. Generate after this one returns, or "
+                    "from another thread (it waits its turn), or with another Omni.")
+            self._generating = True
+            try:
+                return self._generate(prompt, seed, name, fps, options)
+            finally:
+                self._generating = False
 
     def _generate(self, prompt: str, seed: int, name: str | None, fps: int | None,
                   options: Mapping[str, Any]) -> GenerationResult:
@@ -453,7 +465,7 @@ class Omni:
             "fps": result.fps if result.kind == "video" else None,
             "num_inference_steps": effective("num_inference_steps"),
             "guidance_scale": effective("guidance_scale"),
-            "pipeline_kwargs": {k: v for k, v in call.items() if _is_json_scalar(v)},
+            "pipeline_kwargs": {k: _scalar(v) for k, v in call.items() if _is_json_scalar(_scalar(v))},
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
             # After close() nothing streams any more: neither the config nor a summary applies.

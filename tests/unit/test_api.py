@@ -397,3 +397,25 @@ def test_no_prompt_with_prompt_embeds_is_taken(wan, wan_reference) -> None:
     # Embeddings of two prompts made both and returned the first: refused, as two prompts are.
     with pytest.raises(GenerationOptionError, match=r"prompt_embeds holds 2 prompts \(shape \(2, 16, "):
         wan.generate(None, seed=1, prompt_embeds=pe.repeat(2, 1, 1), negative_prompt_embeds=npe.repeat(2, 1, 1))
+
+
+def test_a_generation_inside_a_step_callback_is_refused_and_the_next_is_right(wan, wan_reference) -> None:
+    """The lock is reentrant (a callback may read summary()); a generate() from a step callback
+    on the same Omni reset the scheduler the outer call was stepping (AssertionError in UniPC)."""
+    def nested(pipe, step, timestep, kwargs):
+        wan.generate("a dog", seed=2, num_inference_steps=1)
+        return {}
+
+    with pytest.raises(RuntimeError, match="called from inside a generation on the same Omni"):
+        wan.generate("a cat", seed=1, callback_on_step_end=nested)
+    assert np.array_equal(wan.generate("a cat", seed=1).frames, wan_reference)
+
+
+def test_numpy_and_tensor_numbers_are_recorded_in_the_sidecar() -> None:
+    """Taken by the pipeline (the README allows numpy and 0-d tensor numbers) but left out of
+    metadata['pipeline_kwargs']: the sidecar could not reproduce the output."""
+    with Omni("tiny-flux", progress=False) as flux:
+        for value in (np.float32(2.0), torch.tensor(2.0), 2.0):
+            kwargs = flux.generate("a cat", seed=1, negative_prompt="blurry", true_cfg_scale=value,
+                                   num_inference_steps=1).metadata["pipeline_kwargs"]
+            assert kwargs["true_cfg_scale"] == 2.0 and type(kwargs["true_cfg_scale"]) is float, kwargs
