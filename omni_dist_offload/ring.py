@@ -462,7 +462,7 @@ class BlockRing:
                 return
             # The last forward never reached its post-forward: torch skips even always_call
             # hooks on a KeyboardInterrupt. Its fills are completed now, before this one's.
-            self._finish_cut_short(module, args)
+            self._finish_cut_short(module, args, next_started=True)
         self._in_forward = True
         self._post_ran = False
         self._nested = 0
@@ -476,7 +476,7 @@ class BlockRing:
             return
         self._finish_cut_short(module, args)
 
-    def _finish_cut_short(self, module, args) -> None:
+    def _finish_cut_short(self, module, args, next_started: bool = False) -> None:
         """End the forward under way as the other ranks end theirs: its remaining fills, and the
         per-forward callback (the residency planner's, whose agreement is a collective too), which
         ``_root_post`` runs only after a forward that returned."""
@@ -484,8 +484,12 @@ class BlockRing:
         if self._broken is None and self._reached < len(self.streamed):
             self._complete_forward()
         self._in_forward = False
-        if not self._post_ran and self._root_hooks:
+        if self._post_ran or not self._root_hooks:
+            return
+        if not next_started:
             self._root_post(module, args, None)
+        elif self._on_forward is not None and self._on_forward(self):  # the tracer has begun the next one
+            self._on_forward = None
 
     def _release_interrupted(self) -> None:
         if self._current != _EMPTY and self._current_thread is threading.current_thread():

@@ -261,7 +261,7 @@ class LayerUpcasts:
         ran) at its 8-bit tensors again, before anything reads them (``remove()``)."""
         for layer, hook in self._layers:
             if hook.stored:
-                hook.post(layer, (), None)
+                hook.settle(layer)
 
     def commit(self) -> None:
         """Setup succeeded: nothing to let go (the ring keeps the originals until then)."""
@@ -343,10 +343,8 @@ class _UpcastHook:
     def pre(self, module: nn.Module, args: object) -> None:
         if self.stored:
             # The last forward was cut short by a KeyboardInterrupt, which skips even always_call
-            # hooks: the layer still points at the shared upcast buffer, which later layers have
-            # overwritten since. Its 8-bit tensors first (a streamed block is rebound by the ring
-            # anyway; a block kept on the device is not).
-            self.post(module, args, None)
+            # hooks (see settle).
+            self.settle(module)
         stored = self.stored = []
         at = 0
         for name in self.names:
@@ -364,6 +362,18 @@ class _UpcastHook:
     def post(self, module: nn.Module, args: object, output: object) -> None:
         for name, data in zip(self.names, self.stored):
             getattr(module, name).data = data
+        self.stored = []
+
+    def settle(self, module: nn.Module) -> None:
+        """After a forward cut short between :meth:`pre` and :meth:`post`: a tensor still on the
+        upcast buffer (which later layers overwrite) goes back to its 8-bit tensor, which is
+        where it was in a block kept on the device. A streamed block's tensors the ring has
+        rebound since (to their parked views, or a slot): those stay, and the stale views go."""
+        start, end = self.scratch.data_ptr(), self.scratch.data_ptr() + self.scratch.numel()
+        for name, data in zip(self.names, self.stored):
+            t = getattr(module, name)
+            if start <= t.data_ptr() < end:
+                t.data = data
         self.stored = []
 
 

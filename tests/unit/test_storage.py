@@ -742,9 +742,19 @@ def test_a_ctrl_c_inside_an_upcast_layer_leaves_no_layer_on_the_upcast_buffer(re
     hook.remove()
     assert torch.equal(model(**x)[0], want)
     assert layer.weight.dtype == torch.float8_e4m3fn
-    hook = layer.register_forward_pre_hook(interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        model(**x)
-    hook.remove()
-    handle.remove()  # the interrupted layer's 8-bit bytes, upcast for good
+    # Cut short in a later block, then in block 0 (the later block never runs again): its
+    # layer's saved views are of a slot other blocks have filled since.
+    later = model.blocks[2].ffn.net[0].proj
+    for where in (later, layer):
+        hook = where.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(**x)
+        hook.remove()
+    assert torch.equal(model(**x)[0], want)
+    for where in (later, layer):
+        hook = where.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(**x)
+        hook.remove()
+    handle.remove()  # the interrupted layers' 8-bit bytes, upcast for good
     assert torch.equal(model(**x)[0], want)
