@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -266,7 +267,7 @@ class OffloadHandle:
                 raise RuntimeError(broken)
             for ring in lockstep:
                 ring.finish_interrupted()  # a forward a Ctrl-C cut short: its fills, as every rank's
-            if lockstep and self._groups.group is not None:
+            if lockstep and self._groups.group is not None and dist.is_initialized():  # (a job may tear down first)
                 try:
                     self._groups.agree_in_step("remove()", {ring.component.name: ring._fills for ring in lockstep})
                 except RuntimeError as exc:
@@ -340,8 +341,7 @@ class OffloadHandle:
         self._undo_moves = []
         for stored in self._stored:
             stored.commit()
-        if self._groups.group is None:  # a weight group keeps it: remove() agrees over it
-            self._groups.close_exchange()
+        self._groups.close_exchange()
 
     def _rollback(self) -> None:
         """Undo a partial setup: blocks and resident tensors go back where they were."""

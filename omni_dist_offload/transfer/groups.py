@@ -5,8 +5,8 @@ so it works whatever the main backend and even when ranks share a GPU), then app
 rules to them: all ranks reach the same decision, or all raise the same error.
 
 The process groups this creates belong to a :class:`GroupSession`, which ``apply_offload``'s
-handle owns: the side group is released once setup is agreed (kept with a weight group, for
-``remove()`` to agree over), the weight group with the handle, so nothing outlives the job's
+handle owns: the side group is released once setup is agreed, the weight group (and a gloo
+group of its ranks that ``remove()`` agrees over) with the handle, so nothing outlives the job's
 ``destroy_process_group()``.
 
 The default weight group is the ranks of one host (one group per host, created with
@@ -145,6 +145,9 @@ class GroupSession:
         self._exchange: Any | None = None
         # The weight group, when this session created it (not when the caller passed one).
         self._weight: Any | None = None
+        # A gloo group over the weight group's ranks, for remove() to agree over (agree_in_step):
+        # apart from the weight group's own collectives, which an agreement must never pair with.
+        self._agreement: Any | None = None
         self.group: WeightGroup | None = None
         """The weight group :meth:`resolve` chose, or None (no allgather, or a fallback)."""
         self.host: HostRanks | None = None
@@ -315,9 +318,16 @@ class GroupSession:
             self.group = WeightGroup(process_group, dist.get_rank(process_group),
                                      dist.get_world_size(process_group), str(dist.get_backend(process_group)),
                                      ranks, _peer_copy_reason([f for f in gathered if f.rank in ranks]))
+            groups = [list(r) for r in sorted({f.group_ranks for f in gathered if f.group_ranks}, key=lambda r: r[0])]
         else:
             self.group = _host_group(gathered, device, self.timeout_s)
             self._weight = self.group.group
+            groups = sorted((sorted(f.rank for f in host) for host in _by_host(gathered).values()), key=lambda r: r[0])
+        # new_group is collective over the whole world: every rank creates every group's, in order.
+        for ranks in groups:
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+            if tuple(ranks) == tuple(self.group.ranks):
+                self._agreement = group
         return self.group, None
 
     def agree(self, error: str | None) -> list[tuple[int, str]]:
@@ -327,24 +337,27 @@ class GroupSession:
         return [(rank, err) for rank, err in enumerate(gathered) if err is not None]
 
     def agree_in_step(self, what: str, fills: dict[str, int]) -> None:
-        """Every rank checks that all of them have come to ``what`` (``remove()``), and that the
-        ranks of this weight group have made the same number of fills per ring. Over the side
-        group, kept open for this while a weight group exists: a rank still in a fill never pairs
-        with it (on the weight group it would: gloo aborts the process on the sizes, NCCL
-        rebuilds nothing). Raises ``RuntimeError`` naming what it found."""
-        assert self.group is not None
+        """Every rank of the weight group checks that all of them have come to ``what``
+        (``remove()``) having made the same number of fills per ring. Over a gloo group of the
+        weight group's ranks made for this at setup: a rank still in a fill never pairs with it
+        (on the weight group it would: gloo aborts the process on the sizes, NCCL rebuilds
+        nothing), and other weight groups (other hosts) are not waited for. Raises
+        ``RuntimeError`` naming what it found."""
+        assert self.group is not None and self._agreement is not None
+        gathered: list[Any] = [None] * self.group.size
         try:
-            gathered = self.all_gather({"ranks": self.group.ranks, "fills": fills}, what)
-        except OffloadConfigError as exc:  # another rank is elsewhere in this side group's exchanges
-            raise RuntimeError(str(exc)) from exc
+            dist.all_gather_object(gathered, (what, {"ranks": self.group.ranks, "fills": fills}),
+                                   group=self._agreement)
         except RuntimeError as exc:  # a timeout, a peer gone
             raise RuntimeError(
                 f"the ranks did not all come to {what} within collective_timeout_s ({self.timeout_s:g} s): "
                 f"{exc}. With allgather, every rank calls it at the same point (after the same forwards, "
                 "for the same models in the same order).") from exc
-        mine = [g["fills"] for g in gathered if g["ranks"] == self.group.ranks]
-        if any(f != fills for f in mine):
-            counts = {r: g["fills"] for r, g in enumerate(gathered) if g["ranks"] == self.group.ranks}
+        if any(tag != what for tag, _ in gathered):
+            raise RuntimeError(f"the ranks of the weight group reached different steps ({_by_rank([t for t, _ in gathered])}) "
+                               f"where every rank calls {what}.")
+        if any(g["fills"] != fills for _, g in gathered):
+            counts = {r: g["fills"] for r, (_, g) in zip(self.group.ranks, gathered)}
             raise RuntimeError(
                 f"the ranks of the weight group are out of step at {what}: fills made so far "
                 f"({_by_rank(counts)}). With allgather every rank must run the same forwards (a rank "
@@ -362,6 +375,9 @@ class GroupSession:
         self.close_exchange()
         if self._weight is not None:
             group, self._weight = self._weight, None
+            _destroy(group)
+        if self._agreement is not None:
+            group, self._agreement = self._agreement, None
             _destroy(group)
 
     def _exchange_group(self) -> Any:

@@ -52,7 +52,7 @@ def test_groups_are_released_with_the_handle_and_never_outlive_the_job():
     for r in run_ranks(_owned_groups, 2):
         assert r["first_transfer"] == r["second_transfer"] == "allgather"
         assert r["equal"] and r["equal_again"]
-        # During: the weight group and the gloo side group remove() agrees over; both go with it.
+        # During: the weight group and a gloo group of its ranks that remove() agrees over; both go with it.
         assert r["first_during"] == r["before"] + 2 and r["first_after"] == r["before"]
         assert r["restarted"] == r["before"]
         assert r["second_during"] == r["restarted"] + 2 and r["second_after"] == r["restarted"]
