@@ -264,7 +264,11 @@ def host_groups(rank: Rank) -> dict:
     g = handle.rings[0].transfer.group if handle.summary()[0]["weight_transfer"] == "allgather" else None
     out["group_ranks"] = list(g.ranks) if g else None
     out["summary"] = handle.summary()
+    if rank.rank >= 2:  # the second host comes to remove() later: the first does not wait for it
+        time.sleep(3.0)
+    t0 = time.monotonic()
     handle.remove()
+    out["remove_s"] = time.monotonic() - t0
     return out
 
 
@@ -276,6 +280,8 @@ def test_two_hosts_keep_complete_shard_sets():
         assert r["equal"]
         (row,) = r["summary"]
         assert row["weight_transfer"] == "allgather"
+    # remove() is collective over the weight group (the host), not the world.
+    assert max(r["remove_s"] for r in results[:2]) < 2.0, [r["remove_s"] for r in results]
 
 
 def test_one_rank_per_host_falls_back():
