@@ -212,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OutputWriteError as exc:  # a full disk mid-run: the file and the reason, not a traceback
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT (outputs already written stay)
+        _report(f"{PROG} {plan.command}: interrupted")
+        return 130
 
 
 def _validate(ns: argparse.Namespace) -> RunPlan:

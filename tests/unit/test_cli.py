@@ -502,6 +502,20 @@ def test_a_full_disk_during_generate_is_one_line_exit_1(tmp_path, monkeypatch, c
     assert "Traceback" not in err and list(out_dir.iterdir()) == []
 
 
+def test_ctrl_c_during_generate_is_one_line_exit_130(tmp_path, monkeypatch, capsys) -> None:
+    """A Ctrl-C printed a KeyboardInterrupt traceback."""
+    from omni_dist_offload.app import outputs
+
+    def interrupt(path, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs, "_write_png", interrupt)
+    assert main(["--model", "tiny-flux", "--prompt", "a", "--num-inference-steps", "1", "--no-progress",
+                 "--output-dir", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert "omni-offload generate: interrupted" in err and "Traceback" not in err, err
+
+
 # -- ~ in path flags ---------------------------------------------------------------------------
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
