@@ -939,8 +939,17 @@ class BlockRing:
         Synchronises; collective under allgather (every rank edits the same blocks in the same
         order). If ``edit`` raises, a streamed block keeps its host copy as it was."""
         if self._current != _EMPTY:
-            raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} cannot be edited "
-                               "during a forward; edit between forwards.")
+            if (self._current_thread is not threading.current_thread()
+                    or _running(self.layouts[self._current].module)):
+                raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} cannot be edited "
+                                   "during a forward; edit between forwards.")
+            # A forward a KeyboardInterrupt cut short left its block bound (its post-forward never
+            # ran): between forwards after all. Released first (lockstep: with its fills made).
+            if self._lockstep:
+                self.finish_interrupted()
+            else:
+                self._release_interrupted()
+                self._disrupted = True
         if self.adopt_pending:
             self.adopt_strays()
         layout = self.layouts[i]

@@ -748,3 +748,33 @@ def test_a_component_dropped_from_the_pipeline_is_freed(options):
     assert want is None or torch.equal(got, want)
     handle.remove()
     assert "to" not in vars(pipe) and not hasattr(pipe.transformer, "_omni_offload_handle")
+
+
+@torch.no_grad()
+def test_an_edit_after_a_ctrl_c_is_between_forwards():
+    """After a KeyboardInterrupt the interrupted block stayed bound, and every edit (fuse_lora,
+    and the unfuse that disable_lora schedules) was refused as "during a forward" until another
+    forward ran."""
+    import copy
+
+    model, x = ToyDiT(3), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    handle = apply_offload(model, DIT, device="cpu")
+    ring = handle.rings[0]
+
+    def interrupt(mod, args):
+        raise KeyboardInterrupt
+
+    hook = model.blocks[1].lin.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    hook.remove()
+
+    def bump():
+        model.blocks[1].lin.weight.add_(1.0)
+
+    ring.edit_block(1, bump)
+    reference.blocks[1].lin.weight.add_(1.0)
+    assert torch.equal(model(x), reference(x))
+    handle.remove()
+    assert torch.equal(model(x), reference(x))
