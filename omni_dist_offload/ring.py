@@ -177,6 +177,17 @@ def _running(module: torch.nn.Module) -> bool:
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
+def _in_call(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward (its hooks included) is on this thread's stack. Walks the
+    frames: only on rare paths."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_top(guard: _NoBackward) -> bool:
     """Whether ``guard``'s hooks are the top of this thread's stack of saved-tensor hooks (then
     popping them pops nothing else). Asked of a private torch function: without it, no."""
@@ -940,7 +951,7 @@ class BlockRing:
         order). If ``edit`` raises, a streamed block keeps its host copy as it was."""
         if self._current != _EMPTY:
             if (self._current_thread is not threading.current_thread()
-                    or _running(self.layouts[self._current].module)):
+                    or _in_call(self.layouts[self._current].module)):
                 raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} cannot be edited "
                                    "during a forward; edit between forwards.")
             # A forward a KeyboardInterrupt cut short left its block bound (its post-forward never
