@@ -124,7 +124,7 @@ def prepare_cold_start(
     checkpoint lacks or holds with another shape."""
     folder = Path(folder)
     cfg = OffloadConfig.parse(config)
-    index = json.loads((folder / "model_index.json").read_text())
+    index = _read_model_index(folder / "model_index.json")
     plan = plan if plan is not None else _pipeline_plan(index.get("_class_name"))
     threads = threads or default_threads()
     cold = ColdStart(folder)
@@ -152,6 +152,7 @@ def prepare_cold_start(
                     module, dtype_of, fresh_buffers, renamed = builder(class_name, sub, dtype, checkpoint)
                     keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of,
                                         fresh_buffers, renamed)
+                    _tie_loaded(module, keys)
             except BaseException:
                 checkpoint.close()
                 raise
@@ -159,6 +160,23 @@ def prepare_cold_start(
             cold.sources[name] = CheckpointSource(checkpoint, keys, threads)
         undo.pop_all()
     return cold
+
+
+def _read_model_index(path: Path) -> dict[str, Any]:
+    """A pipeline folder's ``model_index.json``, or a :class:`CheckpointError` naming what is wrong."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); "
+                              "download or save the pipeline again.") from exc
+    bad = not isinstance(index, dict) or not isinstance(index.get("_class_name", ""), str) or any(
+        isinstance(spec, list) and len(spec) == 2 and not all(x is None or isinstance(x, str) for x in spec)
+        for name, spec in index.items() if not name.startswith("_"))
+    if bad:
+        raise CheckpointError(f"{path}: not a diffusers model_index.json (an object with a string "
+                              "'_class_name' and one [library, class] pair per component); "
+                              "download or save the pipeline again.")
+    return index
 
 
 def _check_not_quantized(name: str, class_name: str, folder: Path) -> None:
@@ -377,6 +395,40 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
         )
     _warn_unused(where, module, [k for k in checkpoint.tensors if k not in used])
     return keys
+
+
+def _tie_loaded(module: nn.Module, placeholders: Mapping[int, str]) -> None:
+    """Tie what transformers ties when both names of a tied pair are in the checkpoint (T5's
+    ``shared`` and ``encoder.embed_tokens`` in a save converted from ``.bin``): one tensor where
+    the two hold the same values, two (and its warning) where they differ. Its meta load cannot
+    compare values, so it leaves both names separate: without this, the device would hold the
+    embedding twice. Block tensors (placeholders, ``placeholders``) are left as they are."""
+    tied = getattr(module, "all_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        return
+    for target_name, source_name in list(tied.items()):
+        try:
+            source = module.get_parameter_or_buffer(source_name)
+            target = module.get_parameter_or_buffer(target_name)
+        except AttributeError:
+            continue
+        if source is target or id(source) in placeholders or id(target) in placeholders:
+            continue
+        if source.is_meta or target.is_meta:
+            continue
+        if source.shape != target.shape or source.dtype != target.dtype or not torch.equal(source, target):
+            logger.warning("%s: %s and %s are tied by the config but hold different values in the "
+                           "checkpoint; they are kept apart, as transformers keeps them. Set "
+                           "tie_word_embeddings=False in the config to silence this.",
+                           type(module).__name__, target_name, source_name)
+            tied.pop(target_name, None)
+            continue
+        parent_name, _, attr = target_name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, source)
+        adjust = getattr(module, "_adjust_bias", None)
+        if adjust is not None:
+            adjust(parent, source)
 
 
 def _warn_unused(where: str, module: nn.Module, unused: list[str]) -> None:

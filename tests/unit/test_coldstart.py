@@ -476,3 +476,51 @@ def test_a_cold_start_reads_into_host_memory_whatever_the_default_device(wan_fol
     handle.remove()
     for name in ("transformer", "text_encoder"):
         _assert_same_module(getattr(pipe, name), getattr(ref, name))
+
+
+def _add_text_encoder_tensor(folder: Path, key: str, value_of) -> None:
+    """Write ``key`` into the text encoder's checkpoint beside ``shared.weight`` (the shard that
+    holds it, and the index if there is one)."""
+    te = folder / "text_encoder"
+    index_path = te / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    shard = te / (index["weight_map"]["shared.weight"] if index else "model.safetensors")
+    tensors = load_file(shard)
+    tensors[key] = value_of(tensors["shared.weight"])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    if index:
+        index["weight_map"][key] = shard.name
+        index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["equal", "different"])
+def test_both_names_of_a_tied_embedding_load_as_transformers_loads_them(wan_folder, tmp_path, equal):
+    """A checkpoint holding both names of T5's tied embedding (saves converted from ``.bin``):
+    transformers ties them where the values match (one tensor, not two on the device) and keeps
+    them apart where they differ; the cold start must do the same."""
+    folder = _copy_folder(wan_folder, tmp_path / "both-names")
+    _add_text_encoder_tensor(folder, "encoder.embed_tokens.weight",
+                             (lambda t: t.clone()) if equal else (lambda t: t + 1))
+    ordinary = UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch.float32)
+    assert (ordinary.shared.weight is ordinary.encoder.embed_tokens.weight) is equal
+    pipe, handle = load_offloaded(folder, BOTH, device="cpu", dtype=torch.float32)
+    te = pipe.text_encoder
+    assert (te.shared.weight is te.encoder.embed_tokens.weight) is equal
+    handle.remove()
+    _assert_same_module(te, ordinary)
+
+
+@pytest.mark.parametrize("damage", ["model_index", "weight_map"])
+def test_a_damaged_index_file_is_named_in_one_line(wan_folder, tmp_path, capsys, damage):
+    from omni_dist_offload.app.cli import main
+
+    folder = _copy_folder(wan_folder, tmp_path / "damaged")
+    if damage == "model_index":
+        target = folder / "model_index.json"
+        target.write_text("{'not': json")
+    else:
+        target = folder / "transformer/diffusion_pytorch_model.safetensors.index.json"
+        target.write_text(json.dumps({"weight_map": ["x"]}))
+    rc = main(["inspect", "--model", str(folder)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and str(target) in err, err
