@@ -239,7 +239,8 @@ class Omni:
         self.loras = [LoraSpec.parse(x) for x in ([lora] if single else lora)]
         for spec in self.loras:
             spec.check()
-        self.model = model
+        # A folder given as a path object is kept (and recorded in the metadata) as its string.
+        self.model = model = os.fspath(model) if isinstance(model, os.PathLike) else model
         self.config = with_upcast(with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype),
                                   upcast)
         dit_per_layer = self.config is not None and "dit" in self.config.components \

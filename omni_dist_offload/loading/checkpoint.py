@@ -98,9 +98,11 @@ def find_weight_files(folder: Path) -> list[Path]:
 def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError(f"'weight_map' is a {type(weight_map).__name__}, not an object of file names")
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index}: not a safetensors index ({exc}); "
-                              "it needs a 'weight_map' of tensor name -> file.") from exc
+        raise CheckpointError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); "
+                              "it needs a 'weight_map' of tensor name -> file: download it again.") from exc
     files = sorted({index.parent / name for name in weight_map.values()})
     missing = [str(f) for f in files if not f.is_file()]
     if missing:

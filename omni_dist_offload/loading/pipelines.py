@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ def load_and_place(
     """Load ``model`` and stream it with ``config`` (cold-started where it can be), or move it
     whole to ``device`` when ``config`` is None. ``progress`` shows the offload setup's bars.
     Collective under allgather."""
+    model = os.fspath(model)
     kwargs = dict(load_kwargs or {})
     start = time.perf_counter()
     cold = None
@@ -136,6 +138,7 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             for module in module_components(pipe).values():
                 cast_like_pretrained(module, dtype)
         return pipe
+    model = os.fspath(model)
     path = Path(model).expanduser()
     if path.is_dir() and not (path / "model_index.json").is_file():
         raise ModelLoadError(
@@ -163,6 +166,15 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
                 **{"use_safetensors": True, **load_kwargs})
     except (OSError, ValueError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        pickled = _pickled_only(path) if path.is_dir() and load_kwargs.get("use_safetensors", True) else []
+        if pickled:
+            raise ModelLoadError(
+                f"could not load {model!r}: {pickled} hold only .bin (pickled) weights, and this "
+                "package reads safetensors only. Convert them once (DiffusionPipeline."
+                "from_pretrained(folder).save_pretrained(new_folder) writes safetensors), or, from "
+                "Python, pass load_kwargs={'use_safetensors': None} to let diffusers read the .bin "
+                "files (with torch.load(weights_only=True))."
+            ) from exc
         raise ModelLoadError(
             f"could not load {model!r} ({type(exc).__name__}: {detail}): give a built-in name "
             f"{list(BUILTIN_MODELS)}, a local diffusers folder, or a hub id whose weights are in "
@@ -177,6 +189,16 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             "not match its config.json (the loader's report above names the tensors); fix the folder or "
             "download it again."
         ) from exc
+
+
+def _pickled_only(folder: Path) -> list[str]:
+    """The component folders of a pipeline folder that hold ``.bin`` weights and no safetensors."""
+    found = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        files = [f.name for f in sub.iterdir() if f.is_file()]
+        if any(f.endswith(".bin") for f in files) and not any(f.endswith(".safetensors") for f in files):
+            found.append(sub.name)
+    return found
 
 
 @contextlib.contextmanager

@@ -169,8 +169,14 @@ def test_pickled_checkpoints_are_not_loaded(tmp_path: Path) -> None:
     from tiny_models import tiny_flux_pipeline
 
     tiny_flux_pipeline().save_pretrained(tmp_path / "flux", safe_serialization=False)
-    with pytest.raises(ModelLoadError, match="could not load"):
+    # The message names the components that hold only .bin files and how to go on.
+    with pytest.raises(ModelLoadError, match=r"\['transformer', 'vae'\] hold only \.bin \(pickled\) weights"):
         Omni(str(tmp_path / "flux"), STREAM_ALL, progress=False)
+
+
+def test_a_missing_folder_given_as_a_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Omni(tmp_path / "absent", STREAM_ALL, progress=False)
 
 
 def test_setup_shows_a_bar_per_streamed_component(capsys) -> None:
