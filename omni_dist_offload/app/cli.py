@@ -20,6 +20,7 @@ import argparse
 import functools
 import importlib.metadata
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.checkpoint import CheckpointError
 from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError, check_cache
+from ..loading.folders import pipeline_class
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser as _Parser
@@ -51,7 +53,7 @@ from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
 from .api import MAX_SEED, GenerationOptionError, Omni, SamplingOptions, with_budget, with_storage, with_upcast
-from .dp import check_same_run, run_prompts
+from .dp import PeerStopped, check_same_run, run_prompts, share_usage_error
 from .outputs import VIDEO_FORMATS, OutputWriteError, resolve_video_format
 from .serve import ServeOptions, add_serve_flags, run_serve, serve_options
 
@@ -200,13 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         where = f"{PROG} {args[0]}" if args[0] in _COMMANDS else PROG
         _report(f"{where}: error: {exc} (see {where} --help)")
+        _share_usage_error(args, str(exc))
         return 2
     try:
         return _COMMAND_FUNCS[plan.command](plan)
     except (UsageError, OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 2
-    except (ModelLoadError, CheckpointError) as exc:
+    except (ModelLoadError, CheckpointError, PeerStopped) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 1
     except OutputWriteError as exc:  # a full disk mid-run: the file and the reason, not a traceback
@@ -215,6 +218,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT (outputs already written stay)
         _report(f"{PROG} {plan.command}: interrupted")
         return 130
+
+
+def _share_usage_error(args: Sequence[str], error: str) -> None:
+    """Under torchrun, a rank whose flags were refused still joins the job to say so: the other
+    ranks wait for it in the group's start-up, and on another host torchrun does not stop them
+    (they would wait out the process group's timeout, half an hour). They stop with exit status 2,
+    naming this rank (:func:`check_same_run`). ``--help`` and ``--version`` never get here."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or not args or args[0] not in ("generate", "inspect", "serve"):
+        return
+    device = _flag_value(args, "--device")
+    try:
+        _check_device(device)
+    except UsageError:
+        device = None  # the others' default: a GPU where there is one
+    try:
+        ctx = maybe_init_dist(device)
+        try:
+            share_usage_error(error, ctx)
+        finally:
+            destroy_dist(ctx)
+    except Exception:  # noqa: BLE001 - the job is going down anyway; this rank's line is printed
+        pass
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value given to ``flag`` in ``args`` (``--flag V`` or ``--flag=V``), the last one wins."""
+    value = None
+    for k, arg in enumerate(args):
+        if arg == flag and k + 1 < len(args):
+            value = args[k + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def run_setup(plan: RunPlan) -> dict[str, Any]:
+    """What every rank of a job must share besides the prompts and sampling flags, by flag (for
+    :func:`check_same_run`). A local folder counts by the pipeline class it holds, not its path
+    (each host may keep its copy elsewhere); a LoRA file by its name, size and scale."""
+    model = plan.model
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        model = f"a folder of {pipeline_class(folder).__name__}"
+    loras = []
+    for spec in plan.lora:
+        path = Path(spec.path).expanduser()
+        size = path.stat().st_size if path.is_file() else None
+        loras.append([path.name, size, spec.scale])
+    return {
+        "--model": model,
+        "--dtype": plan.dtype,
+        "--diffusion-offload-config": plan.config.to_dict() if plan.config is not None else None,
+        "--no-cold-start": not plan.cold_start,
+        "--compile": plan.compile,
+        "--lora": loras,
+        "--cache": plan.cache.to_dict() if plan.cache is not None else None,
+        "--ulysses-degree/--ring-degree": plan.context_parallel.to_dict() if plan.context_parallel else None,
+    }
 
 
 def _validate(ns: argparse.Namespace) -> RunPlan:
@@ -344,7 +405,7 @@ def _cmd_generate(plan: RunPlan) -> int:
     teardown = True
     try:
         # Before anything loads: a rank given other prompts would drop or mix outputs.
-        check_same_run(plan.prompts, plan.seed, plan.sampling, plan.fps, ctx)
+        check_same_run(plan.prompts, plan.seed, plan.sampling, plan.fps, ctx, setup=run_setup(plan))
         omni = _load(plan)
         try:
             omni.call_kwargs(**plan.sampling.to_kwargs())  # an option it does not take: exit 2 now
@@ -374,6 +435,7 @@ def _cmd_inspect(plan: RunPlan) -> int:
     setup_logging()
     ctx = maybe_init_dist(plan.device)
     try:
+        check_same_run((), 0, None, None, ctx, setup=run_setup(plan))  # a rank loading another model would hang
         with _load(plan) as omni:
             rows = plan_rows(omni)
             if ctx.is_main:
@@ -388,7 +450,7 @@ def _cmd_serve(plan: RunPlan) -> int:
     factory = functools.partial(Omni, plan.model, plan.config, device=plan.device, dtype=plan.dtype,
                                 progress=False, cold_start=plan.cold_start, compile=plan.compile,
                                 lora=plan.lora, cache=plan.cache)
-    return run_serve(factory, plan.device, plan.serve or ServeOptions())
+    return run_serve(factory, plan.device, plan.serve or ServeOptions(), setup=run_setup(plan))
 
 
 def _serve_options(ns: argparse.Namespace) -> ServeOptions:

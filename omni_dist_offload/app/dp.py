@@ -30,9 +30,10 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from ..runtime.flags import UsageError
 from .api import Omni, SamplingOptions
 from .outputs import VideoFormat, numbered_outputs
 
-__all__ = ["PromptJob", "RunReport", "check_same_run", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts",
+__all__ = ["PeerStopped", "PromptJob", "RunReport", "check_same_run", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts", "share_usage_error",
            "static_indices"]
 
 logger = logging.getLogger(__name__)
@@ -124,37 +125,63 @@ class _Output:
     fps: int | None
 
 
-def check_same_run(prompts: Sequence[str], base_seed: int, sampling: SamplingOptions, fps: int | None,
-                   ctx: DistContext) -> None:
-    """Every rank must be given the same prompts, seed and sampling flags: output k is prompt k,
-    so a rank that read another prompts file (each host its own copy) would drop prompts past its
-    own count or write its prompts under rank 0's numbers, and a rank with other steps or sizes
-    would leave a lockstep ring's gathers out of step. Raises :class:`UsageError` on every rank,
-    naming what differs from rank 0. Collective (every rank calls it, before the model loads);
-    compares digests, not the prompts."""
+def check_same_run(prompts: Sequence[str], base_seed: int, sampling: SamplingOptions | None, fps: int | None,
+                   ctx: DistContext, *, setup: Mapping[str, Any] | None = None) -> None:
+    """Every rank must be given the same prompts, seed, sampling flags and setup (``setup``: the
+    model, dtype, offload config, adapters, context parallelism, ... by flag): output k is prompt
+    k, so a rank that read another prompts file (each host its own copy) would drop prompts past
+    its own count or write its prompts under rank 0's numbers; a rank with another model would
+    mix its outputs with rank 0's; a rank with other steps, sizes or a ring of another kind would
+    leave the collectives out of step (a hang). Raises :class:`UsageError` on every rank, naming
+    what differs from rank 0, or the rank whose flags were refused (:func:`share_usage_error`).
+    Collective (every rank calls it, before the model loads); compares digests, not the prompts."""
     if ctx.backend is None or ctx.world_size < 2:
         return
     text = json.dumps(list(prompts), ensure_ascii=True).encode("ascii")
-    mine = (len(prompts), hashlib.sha256(text).hexdigest(), base_seed,
-            json.dumps(sampling.to_kwargs(), sort_keys=True, default=repr), fps)
+    mine = (None, len(prompts), hashlib.sha256(text).hexdigest(), base_seed,
+            json.dumps(sampling.to_kwargs() if sampling is not None else None, sort_keys=True, default=repr), fps,
+            json.dumps(dict(setup or {}), sort_keys=True, default=repr))
     everyone: list[tuple | None] = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
+    _raise_if_refused(everyone)
     first = everyone[0]
     for rank, theirs in enumerate(everyone):
         if theirs == first:
             continue
-        if theirs[0] != first[0]:
-            what = f"{theirs[0]} prompt(s), where rank 0 has {first[0]}"
-        elif theirs[1] != first[1]:
-            what = f"other prompts than rank 0 (the same count, {first[0]})"
+        if theirs[1] != first[1]:
+            what = f"{theirs[1]} prompt(s), where rank 0 has {first[1]}"
         elif theirs[2] != first[2]:
-            what = f"--seed {theirs[2]}, where rank 0 has {first[2]}"
+            what = f"other prompts than rank 0 (the same count, {first[1]})"
         elif theirs[3] != first[3]:
-            what = f"the sampling flags {theirs[3]}, where rank 0 has {first[3]}"
+            what = f"--seed {theirs[3]}, where rank 0 has {first[3]}"
+        elif theirs[4] != first[4]:
+            what = f"the sampling flags {theirs[4]}, where rank 0 has {first[4]}"
+        elif theirs[5] != first[5]:
+            what = f"--fps {theirs[5]}, where rank 0 has {first[5]}"
         else:
-            what = f"--fps {theirs[4]}, where rank 0 has {first[4]}"
-        raise UsageError(f"rank {rank} has {what}: every rank must be given the same prompts (one prompts "
-                         "file, the same on every host), --seed and sampling flags.")
+            ours, other = json.loads(first[6]), json.loads(theirs[6])
+            flag = next(k for k in sorted({*ours, *other}) if ours.get(k) != other.get(k))
+            what = f"{flag} {other.get(flag)!r}, where rank 0 has {ours.get(flag)!r}"
+        raise UsageError(f"rank {rank} has {what}: every rank must be given the same flags (one prompts "
+                         "file, the same on every host; the same model, offload config, --seed and sampling "
+                         "flags).")
+
+
+def share_usage_error(error: str, ctx: DistContext) -> None:
+    """The refused rank's side of :func:`check_same_run`: a rank whose flags were refused still
+    joins the job and says so, and every other rank stops with it (exit status 2) instead of
+    waiting, on another host, for a rank that never comes. Collective."""
+    if ctx.backend is None or ctx.world_size < 2:
+        return
+    everyone: list[tuple | None] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (error,))
+
+
+def _raise_if_refused(everyone: Sequence[tuple | None]) -> None:
+    for rank, theirs in enumerate(everyone):
+        if theirs is not None and theirs[0] is not None:
+            raise UsageError(f"rank {rank} refused its flags ({theirs[0]}); the job stops on every rank: "
+                             "fix that rank's command line.")
 
 
 def run_prompts(
@@ -238,14 +265,46 @@ def run_free(
                 "(no ring gathers its weights, so no lockstep)", len(prompts), ctx.world_size)
     ran = []
     start = _started(ctx)
-    for index in claim_indices(len(prompts), ctx):
-        job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
-        _generate(omni, job, ctx, out, report, "")
-        ran.append(index)
+    try:
+        for index in claim_indices(len(prompts), ctx):
+            job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
+            _generate(omni, job, ctx, out, report, "")
+            ran.append(index)
+    except Exception as exc:
+        # The others go on with the prompts left (none waits on this rank until the end), then
+        # learn why this rank stopped, instead of a lost connection when its process exits.
+        if ctx.backend is not None and ctx.world_size > 1:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            try:
+                _finish(report.local_count, time.perf_counter() - start, f"{type(exc).__name__}: {first}", ctx)
+            except Exception:  # noqa: BLE001 - the group is gone too: the original error says more
+                pass
+        raise
     report.elapsed_s = time.perf_counter() - start
-    report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
+    report.total_count, report.elapsed_s = _finish(report.local_count, report.elapsed_s, None, ctx)
     _log_by_rank(ran, ctx)
     return report
+
+
+class PeerStopped(RuntimeError):
+    """Another rank's generation raised: this rank ran its own prompts, and the job fails."""
+
+
+def _finish(count: int, elapsed_s: float, error: str | None, ctx: DistContext) -> tuple[int, float]:
+    """Free mode's end: the sum of outputs and the slowest rank's time, and whether a rank
+    stopped on an error (:class:`PeerStopped` on the others, naming it). Also a barrier, so rank
+    0's final line comes after every rank has written."""
+    if ctx.backend is None:
+        return count, elapsed_s
+    everyone: list[tuple | None] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (count, elapsed_s, error))
+    if error is None:
+        failed = [(rank, theirs[2]) for rank, theirs in enumerate(everyone) if theirs[2] is not None]
+        if failed:
+            rank, why = failed[0]
+            raise PeerStopped(f"rank {rank} stopped on an error ({why}); this rank ran its own prompts. "
+                              "See that rank's log; the outputs written stay.")
+    return int(sum(t[0] for t in everyone)), max(t[1] for t in everyone)
 
 
 def _started(ctx: DistContext) -> float:

@@ -216,10 +216,68 @@ def test_ranks_given_other_prompts_are_refused_before_anything_loads(tmp_path) -
     assert r0["same"] is None and r1["same"] is None
     for found in (r0, r1):  # every rank says the same, naming what differs from rank 0
         assert found["count"] == ("UsageError: rank 1 has 2 prompt(s), where rank 0 has 4: every rank must be given "
-                                  "the same prompts (one prompts file, the same on every host), --seed and sampling "
-                                  "flags.")
+                                  "the same flags (one prompts file, the same on every host; the same model, offload "
+                                  "config, --seed and sampling flags).")
         assert "rank 1 has other prompts than rank 0 (the same count, 4)" in found["content"]
         assert "rank 1 has --seed 3, where rank 0 has 0" in found["seed"]
         assert "rank 1 has the sampling flags" in found["sampling"]
         assert found["cli"][0] == 2 and "rank 1 has 2 prompt(s), where rank 0 has 4" in found["cli_stderr"]
     assert not (tmp_path / "out").exists()  # refused before the model loaded
+
+
+def ranks_given_other_setups(rank: Rank, out_dir: str, case: str) -> list:
+    """Rank 1's command line differs from rank 0's, as a second host's may."""
+    flags = _prompt_flags(PROMPTS[:2])
+    if rank.rank == 1:
+        flags = {
+            # refused by rank 1 alone: it still joins, says so, and rank 0 stops with it
+            "refused": ["--prompts-file", f"{out_dir}-missing.txt"],
+            "model": [*flags, "--model", "tiny-flux"],
+            "config": [*flags, "--diffusion-offload-config", ALLGATHER],
+        }[case]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        rc, _ = cli_on_rank(rank, out_dir, flags)
+    return [rc, stderr.getvalue()]
+
+
+@pytest.mark.parametrize("case", ["refused", "model", "config"])
+def test_a_rank_given_another_command_line_stops_every_rank_before_the_model_loads(tmp_path, case) -> None:
+    """Each host runs its own command line. A usage error on one host left the others waiting in
+    the group's start-up for the process group's timeout (half an hour: torchrun stops only its
+    own host's workers); another --model on one rank mixed two models' outputs in one folder and
+    exited 0; another offload config left the collectives out of step (a hang)."""
+    out_dir = tmp_path / "out"
+    (r0rc, r0err), (r1rc, r1err) = run_ranks(ranks_given_other_setups, 2, args=(str(out_dir), case), timeout=120)
+    assert (r0rc, r1rc) == (2, 2), (r0err, r1err)
+    expected = {
+        "refused": "rank 1 refused its flags (--prompts-file",
+        "model": "rank 1 has --model 'tiny-flux', where rank 0 has 'tiny-wan'",
+        "config": "rank 1 has --diffusion-offload-config",
+    }[case]
+    assert expected in r0err, r0err
+    if case != "refused":
+        assert expected in r1err, r1err
+    assert "Traceback" not in r0err + r1err
+    assert not out_dir.exists()
+
+
+def free_run_with_a_failing_rank(rank: Rank, out_dir: str) -> list:
+    """Two ranks, rank-local weights, one prompt: rank 0 takes it and fails in the pipeline's
+    own input check (a height it refuses); rank 1, with nothing to run, waits at the end."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        rc, _ = cli_on_rank(rank, out_dir, [*_prompt_flags(PROMPTS[:1]), "--height", "17"])
+    return [rc, stderr.getvalue()]
+
+
+def test_an_error_on_one_rank_of_a_free_run_is_named_on_the_others(tmp_path) -> None:
+    """The idle rank ended in a gloo 'Connection closed by peer' traceback when the rank that
+    failed exited; now it learns which rank stopped and why, in one line."""
+    results = run_ranks(free_run_with_a_failing_rank, 2, args=(str(tmp_path / "out"),), timeout=120)
+    failed = [err for rc, err in results if rc == 2]
+    waited = [err for rc, err in results if rc == 1]
+    assert len(failed) == 1 and len(waited) == 1, results
+    assert "height" in failed[0]
+    assert "stopped on an error" in waited[0] and "height" in waited[0], waited[0]
+    assert "Traceback" not in waited[0] and "Connection closed" not in waited[0]

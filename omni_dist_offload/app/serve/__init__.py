@@ -14,7 +14,8 @@ this package and ``service`` import without it, so the CLI can say what to insta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..api import Omni
 from .service import ServeOptions, add_serve_flags, serve_options
@@ -22,10 +23,12 @@ from .service import ServeOptions, add_serve_flags, serve_options
 __all__ = ["ServeOptions", "add_serve_flags", "run_serve", "serve_options"]
 
 
-def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: ServeOptions) -> int:
-    """Join the ranks, build the pipeline with ``omni_factory()``, serve until SIGTERM."""
+def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: ServeOptions,
+              setup: Mapping[str, Any] | None = None) -> int:
+    """Join the ranks, check they were given the same ``setup``, build the pipeline with
+    ``omni_factory()``, serve until SIGTERM."""
     # Imported here: run imports fastapi, uvicorn and prometheus_client, the optional serve extra
     # (serve_options has already checked they are installed).
     from .run import run_serve as run  # optional: the serve extra, see above
 
-    return run(omni_factory, device, options)
+    return run(omni_factory, device, options, setup)

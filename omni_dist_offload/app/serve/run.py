@@ -9,12 +9,14 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch.distributed as dist
 
 from ...runtime.dist import DistContext, destroy_dist, maybe_init_dist
 from ..api import Omni
+from ..dp import check_same_run
 from .http import HttpServer
 from .metrics import ServeMetrics
 from .service import _WAVE_GROUP_TIMEOUT, OutOfStep, RankLink, ServeOptions, Service, redact_prompts_in_logs
@@ -24,10 +26,13 @@ __all__ = ["run_serve"]
 logger = logging.getLogger(__name__)
 
 
-def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: ServeOptions) -> int:
-    """Join the ranks, build the pipeline with ``omni_factory()``, serve until SIGTERM."""
+def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: ServeOptions,
+              setup: Mapping[str, Any] | None = None) -> int:
+    """Join the ranks, check that they were given the same ``setup`` (``check_same_run``),
+    build the pipeline with ``omni_factory()``, serve until SIGTERM."""
     ctx = maybe_init_dist(device)
     try:
+        check_same_run((), 0, None, None, ctx, setup=setup)
         omni = omni_factory()
         redact_prompts_in_logs()  # every rank generates, so every rank's pipeline may log a prompt
         try:
