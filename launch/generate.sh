@@ -31,9 +31,12 @@ if [ "$NNODES" != 1 ]; then  # a positive integer (checked above), of any length
     echo "$(basename "$0"): error: NODE_RANK='${NODE_RANK:-}' is not a host of NNODES=$NNODES: set NODE_RANK (0..$((NNODES - 1))) on each host." >&2
     exit 2
   fi
+  if [ -z "${MASTER_ADDR:-}" ]; then
+    echo "$(basename "$0"): error: MASTER_ADDR is not set: set it on each host to the address of the NODE_RANK=0 host." >&2
+    exit 2
+  fi
   rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK"
-              --master-addr "${MASTER_ADDR:?set MASTER_ADDR to the address of the NODE_RANK=0 host}"
-              --master-port "${MASTER_PORT:-29500}")
+              --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
 else
   rendezvous=(--standalone)
 fi

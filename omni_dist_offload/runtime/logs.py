@@ -39,11 +39,20 @@ def rank_prefix() -> str:
 
 
 def logged_ranks() -> set[int]:
-    """The ranks ``LOG_RANK`` names (default and on a malformed value: rank 0)."""
+    """The ranks ``LOG_RANK`` names (default and on a malformed value: rank 0, said once on
+    stderr)."""
+    value = os.environ.get(LOG_RANK_ENV, "0")
     try:
-        return {int(r) for r in os.environ.get(LOG_RANK_ENV, "0").split(",") if r.strip()}
+        return {int(r) for r in value.split(",") if r.strip()}
     except ValueError:
+        if value not in _WARNED:
+            _WARNED.add(value)
+            print(f"{rank_prefix()}{LOG_RANK_ENV}={value!r} is not a comma-separated list of ranks (e.g. "
+                  f"'0' or '0,3'): showing rank 0's logs", file=sys.stderr, flush=True)
         return {0}
+
+
+_WARNED: set[str] = set()
 
 
 def is_logged_rank() -> bool:

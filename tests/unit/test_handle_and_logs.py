@@ -91,7 +91,7 @@ def _record(level: int, msg: str = "m") -> logging.LogRecord:
     return logging.LogRecord("omni_dist_offload.apply", level, __file__, 1, msg, None, None)
 
 
-def test_the_rank_filter_applies_log_rank_and_prefixes(monkeypatch):
+def test_the_rank_filter_applies_log_rank_and_prefixes(monkeypatch, capsys):
     flt = RankFilter()
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("LOG_RANK", raising=False)  # default: rank 0 only
@@ -100,8 +100,10 @@ def test_the_rank_filter_applies_log_rank_and_prefixes(monkeypatch):
     assert flt.filter(warning) and warning.rank_prefix == "[rank1] "
     monkeypatch.setenv("LOG_RANK", "0,1")
     assert flt.filter(_record(logging.INFO))
-    monkeypatch.setenv("LOG_RANK", "not-a-rank")  # malformed: rank 0 only
-    assert not flt.filter(_record(logging.INFO))
+    monkeypatch.setenv("LOG_RANK", "not-a-rank")  # malformed: rank 0 only, said once
+    assert not flt.filter(_record(logging.INFO)) and not flt.filter(_record(logging.INFO))
+    err = capsys.readouterr().err
+    assert err.count("LOG_RANK='not-a-rank' is not a comma-separated list of ranks") == 1, err
 
 
 def test_the_library_never_filters_ranks_itself(monkeypatch, caplog):

@@ -141,9 +141,11 @@ def test_a_launch_script_without_gpus_still_starts_one_process(script, tmp_path)
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK='2' is not a host of NNODES=2: set NODE_RANK (0..1) on each host."),
     ({"NNODES": "2", "NODE_RANK": "x"}, "NODE_RANK='x' is not a host of NNODES=2"),
     ({"NNODES": "2", "NODE_RANK": "-1"}, "NODE_RANK='-1' is not a host of NNODES=2"),
-], ids=["NNODES=x", "NNODES=0", "NNODES=-2", "NNODES=1.5", "NODE_RANK=2", "NODE_RANK=x", "NODE_RANK=-1"])
+    ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": ""}, "MASTER_ADDR is not set: set it on each host"),
+], ids=["NNODES=x", "NNODES=0", "NNODES=-2", "NNODES=1.5", "NODE_RANK=2", "NODE_RANK=x", "NODE_RANK=-1",
+        "no-MASTER_ADDR"])
 def test_generate_sh_refuses_a_bad_host_count_instead_of_running_on_one_host(env, expected, tmp_path) -> None:
-    proc = _launch(tmp_path, "generate.sh", NGPU="2", MASTER_ADDR="10.0.0.1", **env)
+    proc = _launch(tmp_path, "generate.sh", **{"NGPU": "2", "MASTER_ADDR": "10.0.0.1", **env})
     assert proc.returncode == 2 and "ARGS" not in proc.stdout  # not a --standalone run either
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"generate.sh: error: {expected}"), proc.stderr
