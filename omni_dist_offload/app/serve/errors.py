@@ -28,10 +28,23 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404:
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error in OpenAI's shape; ``code`` is a string or null, as OpenAI's clients expect."""
+    """An error in OpenAI's shape; ``code`` is a string or null, as OpenAI's clients expect.
+    Text that UTF-8 cannot hold (a lone surrogate from a JSON key the client sent, named as the
+    ``param``) is escaped: the answer to a bad request must not fail itself."""
     kind = _ERROR_TYPES.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+    return JSONResponse({"error": {"message": _encodable(message), "type": kind, "param": _encodable(param),
+                                   "code": code}},
                         status_code=status, headers=headers)
+
+
+def _encodable(text: str | None) -> str | None:
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def internal_error_response() -> JSONResponse:
