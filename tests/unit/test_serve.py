@@ -228,6 +228,12 @@ def test_a_number_too_long_for_int_or_a_boolean_for_a_number_gets_400_naming_the
         assert "5000 digits" in error["message"] and "sys." not in error["message"], answer
     assert "give a seed below 2**63" in call(flux.port, IMAGES, b'{"prompt": "x", "seed": ' + digits + b"}")[1][
         "error"]["message"]
+    # Under a key holding a lone surrogate: the answer named that key as its param, which UTF-8
+    # cannot hold, and failed itself (500 internal_error, a traceback in the log per request).
+    for path in (IMAGES, "/v1/videos"):
+        status, answer = call(flux.port, path, b'{"prompt": "x", "\\udfff": ' + digits + b"}")
+        error = answer["error"]
+        assert (status, error["param"], error["code"]) == (400, "\\udfff", "invalid_value"), (path, answer)
     # JSON's true is no number on /v1/videos either, as on the synchronous endpoints.
     for field in ("seed", "num_frames", "fps", "num_inference_steps", "seconds"):
         status, answer = call(flux.port, "/v1/videos", {"prompt": "x", field: True})
@@ -1154,6 +1160,24 @@ def test_a_request_costing_more_pixels_than_allowed_is_refused_before_queueing()
         plan_slots(VideoRequest(prompt="x"), "video", sized, ServeOptions(max_wave_pixels=64 * 32 * 9 - 1), "r")
 
 
+def test_the_default_cost_budgets_count_latent_tokens_not_pixels() -> None:
+    """tiny-flux makes a token of 4x4 pixels, FLUX.1 of 16x16: under the pixel default (2048x2048
+    for any model) one tiny-flux request held the generation thread for most of an hour a step
+    on a CPU. The defaults are the same tokens for every model."""
+    from omni_dist_offload.app.serve.http import ImageRequest, RequestError, plan_slots
+
+    flux = ModelLimits(model="flux", kind="image", size_multiple=16, frame_step=1)
+    tiny = ModelLimits(model="tiny-flux", kind="image", size_multiple=4, frame_step=1)
+    assert len(plan_slots(ImageRequest(prompt="x", size="2048x2048"), "image", flux, ServeOptions(), "r")) == 1
+    assert len(plan_slots(ImageRequest(prompt="x", size="512x512", n=4), "image", tiny, ServeOptions(), "r")) == 4
+    with pytest.raises(RequestError, match=r"--max-wave-pixels 262144\)") as err:
+        plan_slots(ImageRequest(prompt="x", size="1024x1024"), "image", tiny, ServeOptions(), "r")
+    assert err.value.param == "size"
+    # Given, the flag is pixels, as it says.
+    assert len(plan_slots(ImageRequest(prompt="x", size="1024x1024"), "image", tiny,
+                          ServeOptions(max_wave_pixels=1024 * 1024, max_pixels=1024 * 1024), "r")) == 1
+
+
 def test_model_limits() -> None:
     with Omni("tiny-wan", None, progress=False) as wan, Omni("tiny-flux", None, progress=False) as flux:
         # UMT5 reads max_sequence_length tokens (16 for tiny-wan, not its tokenizer's 512: a longer
@@ -1414,3 +1438,33 @@ def test_the_handle_reports_its_lockstep_fills() -> None:
     handle = apply_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu")
     assert handle.lockstep_status() == (0, None)  # rank-local: no lockstep ring
     handle.remove()
+
+
+@pytest.mark.parametrize("key", ["clé", "two words", " padded", "tab\there"])
+def test_an_api_key_no_client_can_send_is_refused_at_start(key, monkeypatch, tmp_path) -> None:
+    """'clé' was accepted, but curl sends its UTF-8 bytes (401), OpenAI's client refuses to send
+    it at all, and a key with spaces around it never matched: the service was locked."""
+    import argparse
+
+    from omni_dist_offload.app.serve.service import add_serve_flags, serve_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    monkeypatch.delenv("OMNI_OFFLOAD_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="holds a character other than visible ASCII"):
+        serve_options(parser.parse_args(["--api-key", key, "--output-dir", str(tmp_path)]))
+    monkeypatch.setenv("OMNI_OFFLOAD_API_KEY", key)
+    with pytest.raises(ValueError, match="OMNI_OFFLOAD_API_KEY"):
+        serve_options(parser.parse_args(["--output-dir", str(tmp_path)]))
+    assert serve_options(parser.parse_args(["--api-key", "s3cret-K3y_!", "--output-dir", str(tmp_path)])).api_key
+
+
+def test_malformed_multipart_uploads_are_answered_without_a_log_line_each(flux) -> None:
+    """The multipart parser logged a line per malformed upload (its text carries offsets, so the
+    once-a-second throttle never merged them): a flood of them filled the log."""
+    bodies = [b"garbage" * k for k in range(1, 11)] + [b"--xx\r\nbad header\r\n\r\n" * k for k in range(1, 11)]
+    for body in bodies:
+        status, answer = call(flux.port, "/v1/videos", body, content_type="multipart/form-data; boundary=xx")
+        assert status == 400, answer
+    log = flux.output()
+    assert not any(word in log for word in ("Expected boundary", "Did not find CR", "invalid character")), log[-3000:]

@@ -349,3 +349,7 @@ def throttle_server_logs() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _OncePerSecond) for f in log.filters):
             log.addFilter(_OncePerSecond())
+    # The multipart parser logs each malformed upload (a line per request, its text carrying
+    # offsets, so no two are alike); the client is answered 400 saying what is wrong.
+    logging.getLogger("python_multipart").setLevel(logging.ERROR)
+    logging.getLogger("multipart").setLevel(logging.ERROR)

@@ -281,10 +281,21 @@ def _parse_size(size: str | None, limits: ModelLimits,
     return width, height
 
 
-#: ``--max-pixels`` when not given: 4 images of 2048x2048; one 1280x720 video of 121 frames.
+#: ``--max-pixels`` when not given: 4 images of 2048x2048; one 1280x720 video of 121 frames
+#: (for a model of 16 pixels a latent token side: :func:`default_budget`).
 DEFAULT_MAX_PIXELS = {"image": 4 * 2048 * 2048, "video": 1280 * 720 * 121}
-#: ``--max-wave-pixels`` when not given: one image of 2048x2048; one 1280x720 video of 121 frames.
+#: ``--max-wave-pixels`` when not given: one image of 2048x2048; one 1280x720 video of 121 frames
+#: (likewise).
 DEFAULT_MAX_WAVE_PIXELS = {"image": 2048 * 2048, "video": 1280 * 720 * 121}
+#: The ``size_multiple`` the default budgets are given for (FLUX.1, Wan, SD3: an 8x VAE, 2x2 patches).
+BUDGET_SIZE_MULTIPLE = 16
+
+
+def default_budget(table: dict[str, int], limits: ModelLimits) -> int:
+    """A default pixel budget for this model: the same number of latent tokens (what a
+    generation's cost grows with) as ``table`` allows a model of 16 pixels a token side. A model
+    of 4 (tiny-flux) makes 16x the tokens of the same pixels: its default is 16x smaller."""
+    return max(1, table[limits.kind] * limits.size_multiple ** 2 // BUDGET_SIZE_MULTIPLE ** 2)
 
 
 def _check_cost(n: int, width: int | None, height: int | None, num_frames: int | None,
@@ -299,11 +310,11 @@ def _check_cost(n: int, width: int | None, height: int | None, num_frames: int |
     frames = num_frames or (limits.default_frames if limits.kind == "video" else None) or 1
     shown = " x num_frames" if limits.kind == "video" else ""
     wave = width * height * frames
-    wave_budget = options.max_wave_pixels or DEFAULT_MAX_WAVE_PIXELS[limits.kind]
+    wave_budget = options.max_wave_pixels or default_budget(DEFAULT_MAX_WAVE_PIXELS, limits)
     if wave > wave_budget:
         raise RequestError(f"size{shown} is {wave} pixels for one output, more than this service allows "
                            f"(--max-wave-pixels {wave_budget}): ask for less.", "size")
-    budget = options.max_pixels or DEFAULT_MAX_PIXELS[limits.kind]
+    budget = options.max_pixels or default_budget(DEFAULT_MAX_PIXELS, limits)
     if n * wave > budget:
         raise RequestError(f"n x size{shown} is {n * wave} pixels, more than this service allows per "
                            f"request (--max-pixels {budget}): ask for less.", "n" if n > 1 else "size")

@@ -181,10 +181,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest longer-side / shorter-side ratio of a size (default: %(default)s)")
     parser.add_argument("--max-pixels", type=positive_int, default=None, metavar="N",
                         help="largest n x width x height x frames of one request (default: 4 x 2048x2048 "
-                        "for images, 1280x720 x 121 frames for videos)")
+                        "for images, 1280x720 x 121 frames for videos, for a model of 16 pixels a latent "
+                        "token side; scaled to the same tokens for others)")
     parser.add_argument("--max-wave-pixels", type=positive_int, default=None, metavar="N",
                         help="largest width x height x frames of one output, the work of one wave on each "
-                        "rank (default: 2048x2048 for images, 1280x720 x 121 frames for videos)")
+                        "rank (default: 2048x2048 for images, 1280x720 x 121 frames for videos, for a model "
+                        "of 16 pixels a latent token side; scaled to the same tokens for others)")
     parser.add_argument("--max-queue", type=positive_int, default=d.max_queue, metavar="N",
                         help="queued images or videos at most, then 429 (default: %(default)s)")
     parser.add_argument("--wave-wait", type=float, default=d.wave_wait_s, metavar="S",
@@ -246,6 +248,13 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
     api_key = ns.api_key if ns.api_key is not None else os.environ.get("OMNI_OFFLOAD_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the flag out.")
+    if api_key is not None and not all("!" <= c <= "~" for c in api_key):
+        # A header carries Latin-1 at most; clients send UTF-8 bytes or refuse (OpenAI's client
+        # raises before sending), and spaces around it are dropped: no client could match it.
+        raise ValueError("--api-key (or OMNI_OFFLOAD_API_KEY) holds a character other than visible ASCII "
+                         "(a letter outside ASCII, a space or a control character), which no client can "
+                         "send in an Authorization header as given: use letters, digits and punctuation, "
+                         "e.g. the output of `openssl rand -hex 32`.")
     return ServeOptions(host=ns.host, port=ns.port, max_n=ns.max_n, max_frames=ns.max_frames,
                         max_size=ns.max_size, max_steps=ns.max_steps, max_aspect=ns.max_aspect,
                         max_pixels=ns.max_pixels, max_wave_pixels=ns.max_wave_pixels, max_queue=ns.max_queue,
