@@ -1201,7 +1201,9 @@ class BlockRing:
             for i in self.resident:
                 if self.transfer.has_host_copy(i):
                     self.transfer.drop(i)
-                self._parked[i] = None
+                # Every view of the dropped copy goes, or it would keep the host buffer alive
+                # (_configure made _parked_moving from _parked above).
+                self._parked[i] = self._parked_moving[i] = self._parked_ptrs[i] = None
         self._warm = False
 
     def _apply_held_plan(self, resident: frozenset[int], num_slots: int, settle: bool,

@@ -137,6 +137,30 @@ def test_a_budget_plans_then_replans_once_from_a_measured_forward():
     assert torch.equal(model(x), ref)
 
 
+@torch.no_grad()
+def test_a_settled_plan_frees_the_host_copies_of_its_resident_blocks():
+    """host_bytes dropped, but views the ring kept of those copies held them: the host memory of
+    every resident block stayed allocated until remove()."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    handle = apply_offload(model, _budget_cfg(5 * _block_nbytes(model)))
+    ring = handle.rings[0]
+    copies = [StorageWeakRef(b.tensor.untyped_storage()) if b is not None else None for b in ring.transfer.buffers]
+    for _ in range(3):
+        model(x)
+    resident = handle.summary()[0]["resident_blocks"]
+    assert resident and ring.plan.measured
+    gc.collect()
+    held = [i for i in resident if copies[i] is not None and not copies[i].expired()]
+    assert held == [], f"host copies of resident blocks {held} are still allocated"
+    assert all(not copies[i].expired() for i in range(8) if i not in resident)
+    handle.remove()
+
+
 @pytest.mark.parametrize("budget", ["1KiB", 100])
 def test_a_budget_below_two_slots_is_an_error_before_anything_changes(budget):
     model = ToyDiT(4, dim=32)
