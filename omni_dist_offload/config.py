@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -189,6 +190,15 @@ class OffloadConfig:
                 f"found {type(self.layer_options).__name__}."
             )
         for name, options in self.layer_options.items():
+            if name not in COMPONENTS:
+                # A pipeline attribute (transformer, text_encoder_2): options go by category.
+                guess = "text_encoder" if "text" in str(name) or "encoder" in str(name) else "dit"
+                raise OffloadConfigError(
+                    f"config key 'layer_options' has options for {name!r}: it is keyed by category, "
+                    f"one of {list(COMPONENTS)}, whose options apply to every component of that kind "
+                    f"(a pipeline's transformer and transformer_2 are 'dit'; text_encoder, text_encoder_2, "
+                    f"... are 'text_encoder'): use {guess!r}."
+                )
             if name not in self.components:
                 raise OffloadConfigError(
                     f"config key 'layer_options' has options for {name!r}, which is not in "
@@ -236,22 +246,26 @@ class OffloadConfig:
             try:
                 config = json.loads(config, object_pairs_hook=_reject_repeated_keys)
             except json.JSONDecodeError as exc:
+                text = config.decode(errors="replace") if isinstance(config, bytes) else config
+                path = text.strip().endswith(".json") or (len(text) < 4096 and os.path.isfile(text.strip()))
+                hint = (" It looks like a file path: the config is the JSON text itself; pass the "
+                        "file's contents (in a shell, \"$(cat FILE)\")." if path else "")
                 raise OffloadConfigError(
                     f"offload config is not valid JSON ({exc.msg} at line {exc.lineno}, column "
                     f"{exc.colno}): pass an object such as "
-                    '{"mode": "layer", "components": ["dit"]}.'
+                    '{"mode": "layer", "components": ["dit"]}.' + hint
                 ) from None
         if not isinstance(config, Mapping):
+            hint = (" Pass the file's contents (json.loads(path.read_text())), not its path."
+                    if isinstance(config, os.PathLike) else "")
             raise OffloadConfigError(
-                f"offload config must be a JSON object or dict, found {type(config).__name__}."
+                f"offload config must be a JSON object or dict, found {type(config).__name__}.{hint}"
             )
         return cls._from_mapping(config)
 
     @classmethod
     def _from_mapping(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
-        _check_keys("config", raw, ("mode", "components", "layer_options", "pin_memory",
-                                    "pin_failure", "collective_timeout_s", "device_budget",
-                                    "activation_reserve"))
+        _check_keys("config", raw, _TOP_KEYS)
         if "mode" not in raw:
             raise OffloadConfigError(
                 "config key 'mode' is missing: set \"mode\": \"layer\"."
@@ -275,7 +289,7 @@ class OffloadConfig:
                     f"config key 'layer_options.{name}' must be an object such as "
                     f'{{"weight_transfer": "rank-local"}}, found {value!r}.'
                 )
-            _check_keys(f"layer_options.{name}", value, LayerOptions.__slots__)
+            _check_keys(f"layer_options.{name}", value, LayerOptions.__slots__, category=name)
             try:
                 options[name] = LayerOptions(**value)
             except OffloadConfigError as exc:  # name the component the options belong to
@@ -306,13 +320,24 @@ class OffloadConfig:
 
 
 
-def _check_keys(where: str, raw: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+_TOP_KEYS = ("mode", "components", "layer_options", "pin_memory", "pin_failure", "collective_timeout_s",
+             "device_budget", "activation_reserve")
+
+
+def _check_keys(where: str, raw: Mapping[str, Any], allowed: tuple[str, ...], category: str | None = None) -> None:
     unknown = [k for k in raw if k not in allowed]
     if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), allowed, n=1)
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
+        # The right key at the other level (Omni's and the CLI's knobs are all top-level).
+        if category is None and key in LayerOptions.__slots__:
+            hint = (f"{key!r} is a per-component option: put it under layer_options, e.g. "
+                    f'{{"layer_options": {{"dit": {{"{key}": ...}}}}}}. ')
+        elif category is not None and key in _TOP_KEYS:
+            hint = f"{key!r} is an option of the whole config: put it at the top level, beside 'mode'. "
         raise OffloadConfigError(
-            f"unknown key {unknown[0]!r} in {where}: {hint}allowed keys are {list(allowed)}."
+            f"unknown key {key!r} in {where}: {hint}allowed keys are {list(allowed)}."
         )
 
 
