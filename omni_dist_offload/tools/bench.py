@@ -63,7 +63,10 @@ data-parallel job runs them (on one rank there is nothing to stagger: a note say
 **Interleaved.** ``--interleave`` holds every variant at once instead, each as its own copy of
 the model (offloaded once, removed at the end), and runs ``--repeats`` rounds of one timed
 forward of each, in an order that turns every round, after ``--warmup`` forwards of each (the
-device idles between two, so one variant's copies never run beside another's compute). A
+device idles between two variants, so one variant's copies never run beside another's compute).
+Each timed forward follows an untimed one of the same variant, back to back, as in a pass: the
+copies a ring issues at the end of a forward for the next one (its first blocks) are waited for
+by the timed forward, as they are by every forward of a generation. A
 variant's overhead is then the median over rounds of its forward over the resident forward of
 the same round (under torchrun, the largest such median over the ranks, each from its own
 ``timings_ms_per_rank``): where the forward is bound by the host launching kernels (Flux at 512 px), the
@@ -237,6 +240,9 @@ class CaseResult:
     column is rank 0's)."""
     host_mib_ranks: list[float] | None = None
     """Under torchrun (not ``--stagger``): every rank's ``host_mib``, by rank."""
+    bitwise_equal_ranks: list[bool] | None = None
+    """Under torchrun (not ``--stagger``): every rank's own bitwise check, by rank
+    (``bitwise_equal`` is true only where every rank's is)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -696,6 +702,11 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
             for variant in order if r % 2 == 0 else order[::-1]:
                 _reset_peak(dev)
                 base = allocated()
+                # Two forwards back to back, the second timed: a ring's last blocks prefetch the
+                # next forward's first on the copy stream, past the end event. In passes the next
+                # forward waits for them; timed alone after an idle device, a copy-bound forward
+                # would leave them out (up to a block's copy) and beat the link.
+                runs[variant]()
                 (ms,), outs[variant] = _timed(runs[variant], dev, 0, 1)
                 times[variant].append(ms)
                 activations[variant] = max(activations[variant], _peak(dev) * 2**20 - base)
@@ -910,8 +921,10 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
     def ratio(variant: str, base: str) -> float:
         return paired[base][variant] if base in paired else medians[variant] / medians[base]
 
-    memory = _every_rank({v: (max(p.peak_mib for p in ps), ps[0].host_bytes / 2**20) for v, ps in passes.items()},
-                         opts.world if not opts.stagger else 1)
+    # Peak and host memory per rank, and each rank's bitwise check (every rank compares its own
+    # output: a shared copy's rank 1 reads bytes rank 0 wrote).
+    memory = _every_rank({v: (max(p.peak_mib for p in ps), ps[0].host_bytes / 2**20, all(p.equal for p in ps))
+                          for v, ps in passes.items()}, opts.world if not opts.stagger else 1)
     res_ms = medians[RESIDENT]
     compiled_ms = medians.get("compiled")
     fp8_ms = medians.get("fp8-resident")
@@ -935,7 +948,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
             overhead=ratio(variant, RESIDENT), floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
             host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
-            bitwise_equal=all(p.equal for p in ps), floor_overhead=floor / res_ms, to_floor=ms / floor,
+            bitwise_equal=all(p.equal for p in ps) and all(m[variant][2] for m in memory or ()),
+            floor_overhead=floor / res_ms, to_floor=ms / floor,
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
             timings_ms_per_rank=None if opts.stagger else [r[variant] for r in ranks],
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
@@ -946,7 +960,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             vs_fp8=ratio(variant, "fp8-resident") if variant.startswith(_FP8_STREAMED) and fp8_ms else None,
             computed_steps=opts.computed_steps,
             peak_device_mib_ranks=[m[variant][0] for m in memory] if memory else None,
-            host_mib_ranks=[m[variant][1] for m in memory] if memory else None))
+            host_mib_ranks=[m[variant][1] for m in memory] if memory else None,
+            bitwise_equal_ranks=[m[variant][2] for m in memory] if memory else None))
     return out
 
 
@@ -1122,8 +1137,8 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="timed forwards per pass; each variant runs two passes")
     p.add_argument("--interleave", action="store_true",
                    help="hold every variant at once (a copy of the model each) and time one forward of each "
-                   "per round, --repeats rounds; ratios are medians of per-round ratios (for forwards bound "
-                   "by the host, whose speed varies)")
+                   "per round (after an untimed one), --repeats rounds; ratios are medians of per-round ratios "
+                   "(for forwards bound by the host, whose speed varies)")
     # user_path: ~ expanded as the flag is parsed, so the path checked before the run is the one
     # written after it (the shell leaves --json=~/x alone).
     p.add_argument("--json", type=user_path, default=None, metavar="PATH", help="write the results here (rank 0)")

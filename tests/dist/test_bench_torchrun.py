@@ -73,3 +73,42 @@ def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path)
     _, data = _bench(tmp_path, "--px", "32", "48", "--stagger", "--interleave", "--repeats", "2")
     assert sorted({(r["shape"], r["rank"]) for r in data["results"]}) == [("32", 0), ("32", 1), ("48", 0), ("48", 1)]
     assert all(r["bitwise_equal"] and len(r["timings_ms"]) == 2 for r in data["results"])
+
+
+def _bench_with_rank_1_off(rank, out_json: str) -> int:
+    """The bench on two ranks, rank 1's rank-local output nudged after the model ran."""
+    import torch
+
+    from omni_dist_offload.tools import bench
+
+    apply = bench._apply_ours
+
+    def nudged(model, variant, device, **kwargs):
+        handle = apply(model, variant, device, **kwargs)
+        if rank.rank == 1 and variant == "rank-local":
+            hook = model.register_forward_hook(lambda m, a, out: (out[0] + 1e-3, *out[1:]))
+            remove = handle.remove
+
+            def undo():
+                hook.remove()
+                remove()
+            handle.remove = undo
+        return handle
+
+    bench._apply_ours = nudged
+    with torch.no_grad():
+        return bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", "--warmup",
+                           "1", "--repeats", "1", "--variants", "rank-local", "--json", out_json])
+
+
+def test_a_rank_whose_output_differs_makes_the_row_not_equal(tmp_path) -> None:
+    """Rank 0's table and JSON said 'equal' when only rank 1's output differed (its exit status
+    alone said otherwise)."""
+    from ranks import run_ranks
+
+    out_json = tmp_path / "bench.json"
+    assert run_ranks(_bench_with_rank_1_off, 2, args=(str(out_json),), timeout=120) == [1, 1]
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert rows["rank-local"]["bitwise_equal"] is False
+    assert rows["rank-local"]["bitwise_equal_ranks"] == [True, False]
+    assert rows["resident"]["bitwise_equal"] is True
