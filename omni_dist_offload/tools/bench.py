@@ -243,6 +243,8 @@ class CaseResult:
     bitwise_equal_ranks: list[bool] | None = None
     """Under torchrun (not ``--stagger``): every rank's own bitwise check, by rank
     (``bitwise_equal`` is true only where every rank's is)."""
+    block_mib: float | None = None
+    """The case's block bytes as the model holds them: what a ``--budget`` percent is of."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -961,7 +963,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             computed_steps=opts.computed_steps,
             peak_device_mib_ranks=[m[variant][0] for m in memory] if memory else None,
             host_mib_ranks=[m[variant][1] for m in memory] if memory else None,
-            bitwise_equal_ranks=[m[variant][2] for m in memory] if memory else None))
+            bitwise_equal_ranks=[m[variant][2] for m in memory] if memory else None,
+            block_mib=sum(block_bytes) / 2**20))
     return out
 
 

@@ -288,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"({PROG} write FOLDER makes one)")
             if args.json is not None:
                 output_file("--json", args.json)  # every rank appends its row
+            if args.share_gpus and not torch.cuda.is_available():
+                raise UsageError("--share-gpus places ranks on the GPUs, and none is visible: leave it out "
+                                 "on a machine without one")
     except UsageError as exc:
         return report_usage_error(PROG, exc, show=current_rank() == 0)
     if args.command == "write":

@@ -92,8 +92,15 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
         fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=min(6, len(handles)))
     elif handles:
         ax.legend(handles=handles, fontsize=8, loc="upper left")
-    fig.savefig(path)
+    _save(fig, path)
     return Path(path)
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    """Write exactly ``path``: with no suffix (or a bare dot), as PNG. ``savefig`` would add the
+    format's suffix, writing another file than the one checked before the run."""
+    suffix = Path(path).suffix.lstrip(".")
+    fig.savefig(path, format=None if suffix else "png")
 
 
 def _variant_colors(variants: Sequence[str]) -> dict[str, str]:
@@ -107,18 +114,23 @@ def draw_budget_sweep(results: Sequence[Any], path: str | Path, title: str = "")
     """Forward / resident against the device budget (as a share of the block bytes), per case:
     measured, predicted by the planner (its predicted forward / the measured resident forward)
     and the floor. ``results`` are ``bench.CaseResult``s; only budget variants are drawn."""
+    # One line per case and variant (rank-local@30% and fp8-streamed@30% are two lines).
     cases: dict[str, list[Any]] = {}
+    resident: dict[str, float] = {}
     for r in results:
         if r.device_budget is not None:
-            cases.setdefault(f"{r.preset} {r.blocks}b {r.shape}", []).append(r)
-    resident = {f"{r.preset} {r.blocks}b {r.shape}": r.forward_ms for r in results if r.variant == "resident"}
+            cases.setdefault(f"{r.preset} {r.blocks}b {r.shape} {r.variant.split('@')[0]}", []).append(r)
+    for r in results:
+        if r.variant == "resident":
+            for case in cases:
+                if case.startswith(f"{r.preset} {r.blocks}b {r.shape} "):
+                    resident[case] = r.forward_ms
     fig = _figure(6.5, 4.2)
     ax = fig.add_subplot()
     for k, (case, rows) in enumerate(cases.items()):
-        whole = max(r.device_budget for r in rows if r.resident_blocks == r.blocks) if any(
-            r.resident_blocks == r.blocks for r in rows) else max(r.device_budget for r in rows)
         rows = sorted(rows, key=lambda r: r.device_budget)
-        x = [100 * r.device_budget / whole for r in rows]
+        # The budget as a share of the case's block bytes (what --budget's percents are of).
+        x = [100 * r.device_budget / (r.block_mib * 2**20) for r in rows]
         color = f"C{k}"
         ax.plot(x, [r.overhead for r in rows], "o-", color=color, label=f"{case}: measured")
         pred = [(xi, (r.predicted_ms / resident[case]) if r.predicted_ms else 1.0)
@@ -132,7 +144,7 @@ def draw_budget_sweep(results: Sequence[Any], path: str | Path, title: str = "")
     ax.set_title("Residency planner: overhead against the device budget" + (f"\n{title}" if title else ""),
                  fontsize=9)
     ax.legend(fontsize=7)
-    fig.savefig(path)
+    _save(fig, path)
     return Path(path)
 
 
@@ -154,7 +166,7 @@ def draw_timeline(rings: Sequence[dict[str, Any]], path: str | Path, title: str 
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=3)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.savefig(path)
+    _save(fig, path)
     return Path(path)
 
 

@@ -445,3 +445,30 @@ def test_a_run_refused_outside_torchrun_leaves_no_output_folder(tmp_path, capsys
     out = tmp_path / "left" / "x.json"
     assert bench.main([*TINY_WAN, "--ulysses-degree", "2", "--json", str(out)]) == 2
     assert "needs torch.distributed" in capsys.readouterr().err and not out.parent.exists()
+
+
+def test_the_budget_sweep_draws_a_line_per_variant_at_its_share_of_the_block_bytes(monkeypatch, tmp_path) -> None:
+    """Rows of two variants at 40% and 60% were drawn as one zig-zag line at 66.7% and 100% (x
+    was scaled by the largest budget, rows grouped by case alone)."""
+    from omni_dist_offload.tools import timeline
+
+    figures = []
+    make = timeline._figure
+    monkeypatch.setattr(timeline, "_figure", lambda *a, **k: figures.append(make(*a, **k)) or figures[-1])
+    block = 100 * 2**20
+
+    def row(variant, share, overhead):
+        return CaseResult(preset="flux-12b", blocks=4, shape="1024", variant=variant, forward_ms=10.0 * overhead,
+                          overhead=overhead, floor_ms=10.0, peak_device_mib=0, host_mib=0, setup_s=0,
+                          bitwise_equal=True, device_budget=int(share * block) if share else None,
+                          block_mib=block / 2**20)
+
+    rows = [row("resident", None, 1.0), row("rank-local@40", 0.4, 1.5), row("fp8-streamed@40", 0.4, 1.2),
+            row("rank-local@60", 0.6, 1.1), row("fp8-streamed@60", 0.6, 1.0)]
+    path = timeline.draw_budget_sweep(rows, tmp_path / "sweep", title="t")  # no suffix: PNG, this very path
+    assert path == tmp_path / "sweep" and png_size(path)[0] > 100 and not (tmp_path / "sweep.png").exists()
+    (ax,) = figures[0].axes
+    measured = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+                if line.get_label().endswith(": measured")}
+    assert measured == {"flux-12b 4b 1024 rank-local: measured": ([40.0, 60.0], [1.5, 1.1]),
+                        "flux-12b 4b 1024 fp8-streamed: measured": ([40.0, 60.0], [1.2, 1.0])}
