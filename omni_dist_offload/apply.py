@@ -284,6 +284,8 @@ class OffloadHandle:
             ring.remove_hooks()
             ring.bind_restored(tensors, self.device)
             ring.release()
+            if ring._on_drop is not None:
+                ring._on_drop.detach()
         for stored in self._stored:
             stored.unstore()
         self._ring_refs = []
@@ -294,7 +296,14 @@ class OffloadHandle:
 
     # -- setup helpers -----------------------------------------------------------------
     def _add_ring(self, ring: BlockRing, originals: list[list[torch.Tensor]] | None) -> None:
-        _owned(ring.component.module)["rings"].append(ring)
+        module = ring.component.module
+        _owned(module)["rings"].append(ring)
+        # A component the user drops frees its offload as it goes, not at a garbage collection
+        # that may never come: the ring's own objects refer to one another (hooks, events, the
+        # transfer), so reference counting alone would not free its host copy and slots.
+        # remove() detaches this (the ring is released there).
+        ring._on_drop = weakref.finalize(module, _free_dropped, ring)
+        ring._on_drop.atexit = False
         self._ring_refs.append(weakref.ref(ring))
         if originals is not None:
             self._originals[id(ring)] = originals
@@ -419,16 +428,21 @@ class _RefuseCast:
     __slots__ = ("_module", "_name", "__weakref__")
 
     def __init__(self, module: nn.Module, name: str) -> None:
-        self._module = module
+        # Weakly: the module holds this guard (a strong reference back would make a cycle that
+        # keeps a dropped component, and its offload, alive until a garbage collection).
+        self._module = weakref.ref(module)
         self._name = name
 
     def __call__(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> nn.Module:
         self.check(fn)
-        return type(self._module)._apply(self._module, fn, recurse)
+        module = self._module()
+        return type(module)._apply(module, fn, recurse)
 
     def check(self, fn: Callable[[torch.Tensor], Any]) -> None:
         """Raise if ``fn`` would change the dtype of a tensor of the module; changes nothing."""
-        module = self._module
+        module = self._module()
+        if module is None:
+            return
         seen: set[tuple[torch.dtype, torch.device]] = set()
         for t in (*module.parameters(), *module.buffers()):
             if (t.dtype, t.device) in seen:
@@ -486,6 +500,19 @@ class _RefusePipelineCast:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise refuse_copy(self._names[0])
+
+
+def _free_dropped(ring: BlockRing) -> None:
+    """A streamed component was dropped (nothing refers to its module): free its ring's slots,
+    device buffers and host copy now (a shared copy is left, an allgather shard freed). Its
+    blocks' tensors go with the module."""
+    try:
+        if ring.device.type == "cuda":
+            torch.cuda.synchronize(ring.device)  # its last copies may still be in flight
+        ring.release()
+    except Exception:  # noqa: BLE001 - called as the module is freed: nothing to raise into
+        logger.warning("%s: freeing the offload of the dropped component failed", ring.component.name,
+                       exc_info=True)
 
 
 def _owned(module: nn.Module) -> dict[str, list]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,13 +266,23 @@ class StreamedComponent:
     """Pipeline attribute name (``transformer``, ``transformer_2``, ``text_encoder``...)."""
     category: str
     """``"dit"`` or ``"text_encoder"``."""
-    module: nn.Module
+    module_ref: weakref.ref
+    """The component, held weakly: the module owns its ring (which holds this), and a strong
+    reference back would make a cycle, so that a component the user drops would wait for the
+    garbage collector (maybe never) to free its host copy and slots. See :attr:`module`."""
     block_attrs: tuple[str, ...]
     """Dotted paths of the block lists, in execution order."""
     blocks: tuple[tuple[str, nn.Module], ...]
     """(qualified name within the component, block) in ring order."""
     source: str
     """Where the block lists came from (for logs)."""
+
+    @property
+    def module(self) -> nn.Module:
+        module = self.module_ref()
+        if module is None:
+            raise RuntimeError(f"{self.name}: the component was dropped; its offload went with it")
+        return module
 
 
 def pipeline_modules(target: Any) -> dict[str, nn.Module]:
@@ -428,7 +439,7 @@ def _component(name, category, module, attrs, source, *, strict) -> StreamedComp
                 f"{name} ({type(module).__name__}): {problem} (block lists {list(attrs)} from {source}). "
                 "Name each ModuleList of transformer blocks once, the list whose entries the forward calls.")
         first[id(block)] = block_name
-    return StreamedComponent(name, category, module, tuple(attrs), tuple(blocks), source)
+    return StreamedComponent(name, category, weakref.ref(module), tuple(attrs), tuple(blocks), source)
 
 
 def _declared_attrs(module: nn.Module) -> tuple[str, ...] | None:

@@ -227,6 +227,8 @@ class BlockRing:
         self.transfer = transfer
         self.device = device
         self._cuda = device.type == "cuda"
+        # Set by apply_offload: frees this ring when its component is dropped (weakref.finalize).
+        self._on_drop: Any = None
         self._parked = [tuple(v) if v is not None else None for v in parked]
         self._device_blocks: dict[int, torch.Tensor] = dict(resident or {})
         # Whether the ring's tensors are inference tensors: only when the model's own are (a

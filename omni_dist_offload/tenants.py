@@ -132,10 +132,82 @@ def _edited(ring: BlockRing, index: int, method: Callable[..., Any], *args: Any,
     return ring.edit_block(index, functools.partial(method, *args, **kwargs))
 
 
-def _wrapping(wrapper: Callable[..., Any], method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
-    """``wrapper`` around ``method``, with ``method``'s name and signature: callers inspect it
-    (diffusers passes ``adapter_names`` to ``merge`` only where the signature takes it)."""
-    return functools.update_wrapper(functools.partial(wrapper, *bound, method), method)
+def _wrapping(wrapper: Callable[..., Any], owner: nn.Module, name: str, *bound: Any) -> "_Wrapped":
+    """``wrapper`` around ``owner.name``, to set as ``owner``'s instance attribute ``name``."""
+    return _Wrapped(wrapper, owner, name, bound)
+
+
+class _Wrapped:
+    """``wrapper(*bound, method, *args, **kwargs)`` for ``owner.name``, with the method's name
+    and signature (callers inspect it: diffusers passes ``adapter_names`` to ``merge`` only where
+    the signature takes it).
+
+    It holds ``owner`` and the rings in ``bound`` weakly and binds the method as it is called.
+    Set on ``owner`` itself, a bound method (or a ring, which holds the blocks) would make a
+    cycle: a component the user drops would keep its layers, and their share of its host copy,
+    until a garbage collection that may never come. A method already wrapped on the instance
+    (``merge``: the edit, then the toggle) is kept as it is; it holds nothing strongly either."""
+
+    def __init__(self, wrapper: Callable[..., Any], owner: nn.Module, name: str, bound: Sequence[Any]) -> None:
+        self._wrapper = wrapper
+        self._owner = weakref.ref(owner)
+        self._inner = owner.__dict__.get(name)
+        try:  # the descriptor itself (a function, staticmethod, classmethod): bound at each call
+            descriptor = inspect.getattr_static(type(owner), name) if self._inner is None else None
+        except AttributeError:  # found another way (__getattr__): held as it is
+            self._inner = getattr(owner, name)
+            descriptor = None
+        self._func = descriptor
+        func = self._inner if self._inner is not None else getattr(type(owner), name)
+        self._bound = tuple(_weakly(b) for b in bound)
+        self.__name__ = getattr(func, "__name__", name)
+        self.__qualname__ = getattr(func, "__qualname__", name)
+        self.__doc__ = getattr(func, "__doc__", None)
+        self.__module__ = getattr(func, "__module__", None)
+
+    def _method(self) -> Callable[..., Any]:
+        if self._inner is not None:
+            return self._inner
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError(f"{self.__name__}: its module is gone")
+        return self._func.__get__(owner, type(owner))
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # what inspect.signature follows
+        return self._method()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        method = self._method()
+        bound = [_strongly(b) for b in self._bound]
+        if any(b is _GONE for b in bound):  # its ring went with its component: nothing to guard
+            return method(*args, **kwargs)
+        return self._wrapper(*bound, method, *args, **kwargs)
+
+
+_GONE = object()
+
+
+class _WeakRings(tuple):
+    """Rings held weakly, for :class:`_Wrapped`."""
+
+
+def _weakly(value: Any) -> Any:
+    if isinstance(value, BlockRing):
+        return _WeakRings((weakref.ref(value),))
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, BlockRing) for v in value):
+        return [_WeakRings((weakref.ref(v),)) for v in value]
+    return value
+
+
+def _strongly(value: Any) -> Any:
+    if isinstance(value, _WeakRings):
+        ring = value[0]()
+        return _GONE if ring is None else ring
+    if isinstance(value, list) and value and all(isinstance(v, _WeakRings) for v in value):
+        rings = [v[0]() for v in value]
+        return _GONE if any(r is None for r in rings) else rings
+    return value
 
 
 #: Methods of a component that may write into its blocks' tensors in place without the ring
@@ -409,7 +481,7 @@ class BlockWatch:
                                    (REFUSED_METHODS, _refused)):
                 for name in names:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
-                        setattr(root, name, _wrapping(wrapper, getattr(root, name), mine))
+                        setattr(root, name, _wrapping(wrapper, root, name, mine))
             self._roots.add(root)
         _watch(self)
 
@@ -441,13 +513,13 @@ class BlockWatch:
                      *(name for name in READING_METHODS if callable(getattr(sub, name, None)))]
             for name in names:
                 # An instance attribute shadows the class's method; close() deletes it.
-                setattr(sub, name, _wrapping(_edited, getattr(sub, name), ring, index))
+                setattr(sub, name, _wrapping(_edited, sub, name, ring, index))
             if _is_tuner_layer(sub):
                 # After these, the layer may be merged with its adapters disabled (see
                 # TOGGLING_METHODS): merge here is the edit just set, wrapped once more.
                 for name in TOGGLING_METHODS:
                     if callable(getattr(sub, name, None)):
-                        setattr(sub, name, _wrapping(_toggled, getattr(sub, name), weakref.ref(self),
+                        setattr(sub, name, _wrapping(_toggled, sub, name, weakref.ref(self),
                                                      weakref.ref(sub), weakref.ref(ring)))
             if names:
                 self._wrapped.add(sub)
