@@ -284,8 +284,6 @@ class OffloadHandle:
             ring.remove_hooks()
             ring.bind_restored(tensors, self.device)
             ring.release()
-            if ring._on_drop is not None:
-                ring._on_drop.detach()
         for stored in self._stored:
             stored.unstore()
         self._ring_refs = []
@@ -301,7 +299,7 @@ class OffloadHandle:
         # A component the user drops frees its offload as it goes, not at a garbage collection
         # that may never come: the ring's own objects refer to one another (hooks, events, the
         # transfer), so reference counting alone would not free its host copy and slots.
-        # remove() detaches this (the ring is released there).
+        # Detached when the ring is released (remove(), or a setup that failed).
         ring._on_drop = weakref.finalize(module, _free_dropped, ring)
         ring._on_drop.atexit = False
         self._ring_refs.append(weakref.ref(ring))

@@ -1369,6 +1369,9 @@ class BlockRing:
 
     def release(self) -> None:
         """Free the slots, device buffers and host buffers. The caller has synchronised the device."""
+        if self._on_drop is not None:  # released now: nothing left for a drop to free
+            self._on_drop.detach()
+            self._on_drop = None
         self.remove_hooks()
         self._unguard_backward(pop=False)  # a forward interrupted with autograd on
         self._on_forward = None
