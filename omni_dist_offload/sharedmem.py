@@ -205,7 +205,24 @@ def _room_in(cgroup: str, files: tuple[str, str]) -> int | None:
     with contextlib.suppress(OSError, ValueError):
         with open(f"{cgroup}/{files[1]}") as f:
             usage = int(f.read().strip())
-    return max(0, limit - usage)
+    # The usage counts the page cache (checkpoints just read, mmapped safetensors), which the
+    # kernel gives back under pressure: less its inactive file pages, the "working set" that
+    # kubelet and docker compare with the limit.
+    return max(0, limit - max(0, usage - _inactive_file(cgroup, files)))
+
+
+def _inactive_file(cgroup: str, files: tuple[str, str]) -> int:
+    """A cgroup's reclaimable file cache (``memory.stat``): v2 ``inactive_file``, v1
+    ``total_inactive_file`` (its subtree's, as its usage is); 0 where it cannot be read."""
+    keys = ("inactive_file",) if files == _V2_FILES else ("total_inactive_file", "inactive_file")
+    found: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"{cgroup}/memory.stat") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name in keys:
+                    found[name] = int(value)
+    return next((found[k] for k in keys if k in found), 0)
 
 
 def _cgroup_mounts() -> dict[str, list[tuple[str, str]]]:

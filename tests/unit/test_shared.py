@@ -349,6 +349,21 @@ def test_the_memory_limit_of_a_v1_memory_controller(monkeypatch, tmp_path):
     assert available_host_bytes() == 5 * GiB
 
 
+def test_the_memory_limit_leaves_out_reclaimable_page_cache(monkeypatch, tmp_path):
+    """A container that had just read its checkpoint sat near its limit in page cache, and a
+    shared copy that fitted (the kernel reclaims the cache) was refused."""
+    mount = f"30 23 0:26 / {tmp_path}/v2 rw,nosuid - cgroup2 cgroup2 rw"
+    tree = {"v2/pod/memory.max": str(4 * GiB), "v2/pod/memory.current": str(4 * GiB - 2**20),
+            "v2/pod/memory.stat": f"anon {GiB}\nfile {3 * GiB}\ninactive_file {2 * GiB + GiB // 2}\nactive_file 1"}
+    _fake_cgroups(monkeypatch, tmp_path, "0::/pod", mount, tree)
+    assert available_host_bytes() == 5 * GiB // 2 + 2**20
+    mounts = f"35 31 0:32 / {tmp_path}/v1mem rw,relatime - cgroup cgroup rw,memory"
+    tree = {"v1mem/job/memory.limit_in_bytes": str(2 * GiB), "v1mem/job/memory.usage_in_bytes": str(2 * GiB),
+            "v1mem/job/memory.stat": f"inactive_file 5\ntotal_inactive_file {GiB}"}
+    _fake_cgroups(monkeypatch, tmp_path, "4:memory:/job\n0::/", mounts, tree)
+    assert available_host_bytes() == GiB
+
+
 def test_the_memory_limit_falls_back_when_nothing_says_where(monkeypatch, tmp_path):
     # No /proc/self/cgroup nor mountinfo: the roots of the usual mounts, as before.
     _fake_cgroups(monkeypatch, tmp_path, None, None, {"sys/memory.max": str(3 * GiB), "sys/memory.current": "0"})
