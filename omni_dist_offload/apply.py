@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -51,8 +52,8 @@ from .trace import trace_enabled
 from .storage import (LayerUpcasts, StoredLayers, cast_tensors, layerwise_cast_modules, store_outside_blocks, upcast,
                       upcast_per_layer)
 from .transfer import RankLocalTransfer, TransferStreams, gather_transfer
-from .sharedmem import (CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes, receive,
-                        small_pages_note)
+from .sharedmem import (CopyLayout, Offer, SharedBlocks, SharedMemoryError, available_host_bytes,
+                        out_of_descriptors, receive, small_pages_note)
 from .transfer.casting import CastingTransfer
 from .transfer.groups import AGREED, ComponentFacts, GroupSession, HostRanks, SetupAsk, WeightGroup
 from .transfer.shared import SharedTransfer
@@ -1033,8 +1034,10 @@ def _map_shared_copy(specs: list[_RingSpec], layout: CopyLayout, per_block: Sequ
                 if blocks is not None:
                     blocks.close()
                     blocks = None
-                said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: "
-                                  f"{type(exc).__name__}: {exc}")
+                why = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                    why = out_of_descriptors("creating its files", layout.files, exc)
+                said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: {why}")
     told = groups.all_gather(said, f"{name}: offer the shared copy")
     error, serving = None, None
     try:

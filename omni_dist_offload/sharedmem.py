@@ -54,7 +54,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["CopyLayout", "Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
-           "job_name", "receive", "shared_memory_reason", "small_pages_note"]
+           "job_name", "out_of_descriptors", "receive", "shared_memory_reason", "small_pages_note"]
 
 _PAGE = 4096
 _FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -461,10 +461,10 @@ def receive(address: str, key: bytes, count: int, timeout_s: float) -> list[int]
             except OSError as exc:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
-                raise SharedMemoryError(_out_of_descriptors(
+                raise SharedMemoryError(out_of_descriptors(
                     f"it took {len(fds)} of the {count} descriptors the host's first rank sent", count, exc)) from exc
             if len(fds) != count and (truncated or _no_descriptor_left(sock)):
-                raise SharedMemoryError(_out_of_descriptors(
+                raise SharedMemoryError(out_of_descriptors(
                     f"it took {len(fds)} of the {count} descriptors the host's first rank sent", count))
         for fd in fds:
             os.set_inheritable(fd, False)
@@ -487,7 +487,7 @@ def _no_descriptor_left(sock: socket.socket) -> bool:
     return False
 
 
-def _out_of_descriptors(what: str, files: int, exc: OSError | None = None) -> str:
+def out_of_descriptors(what: str, files: int, exc: OSError | None = None) -> str:
     """Why this rank, not the one that sent them, could not take a copy's ``files``."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
