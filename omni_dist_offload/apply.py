@@ -1012,6 +1012,12 @@ def _host_size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
 
 
+_HAND_OVER_NOTE = ("apply_offload could not hear from the host's other ranks while {step} {name}'s shared host "
+                   "copy: a rank died, stalled past collective_timeout_s or reached another step of setup: see "
+                   "its output, then restart the job (its process group is likely broken). This rank's model "
+                   "is as it was.")
+
+
 def _map_shared_copy(specs: list[_RingSpec], layout: CopyLayout, per_block: Sequence[tuple[int, ...]],
                      groups: GroupSession, space: str | None) -> list[_RingSpec]:
     """:func:`_with_shared_copies` for ``specs[0]``, whose copy holds ``layout`` (``per_block``:
@@ -1038,7 +1044,13 @@ def _map_shared_copy(specs: list[_RingSpec], layout: CopyLayout, per_block: Sequ
                 if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                     why = out_of_descriptors("creating its files", layout.files, exc)
                 said = ("failed", f"creating the shared host copy failed on rank {host.ranks[0]}: {why}")
-    told = groups.all_gather(said, f"{name}: offer the shared copy")
+    try:
+        told = groups.all_gather(said, f"{name}: offer the shared copy")
+    except BaseException as exc:
+        if blocks is not None:
+            blocks.close()
+        exc.add_note(_HAND_OVER_NOTE.format(name=name, step="offering"))
+        raise
     error, serving = None, None
     try:
         if short := next((t[1] for t in told if t is not None and t[0] == "space"), None):
@@ -1061,7 +1073,11 @@ def _map_shared_copy(specs: list[_RingSpec], layout: CopyLayout, per_block: Sequ
                 blocks = SharedBlocks.open(receive(address, key, layout.files, wait_s), layout, host.index)
         except Exception as exc:  # noqa: BLE001 - every rank falls back with this reason
             error = f"rank {torch.distributed.get_rank()} could not map the shared host copy: {exc}"
-        failed = [e for e in groups.all_gather(error, f"{name}: map the shared copy") if e is not None]
+        try:
+            failed = [e for e in groups.all_gather(error, f"{name}: map the shared copy") if e is not None]
+        except BaseException as exc:
+            exc.add_note(_HAND_OVER_NOTE.format(name=name, step="mapping"))
+            raise
     except BaseException:
         if blocks is not None:
             blocks.close()

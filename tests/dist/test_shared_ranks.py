@@ -394,3 +394,30 @@ def test_resident_blocks_leave_the_shared_copy_and_8_bit_images_share():
         assert abs(layer["shared_host_bytes"] - r["fp8"]["shared_host_bytes"]) < 0.05 * r["fp8"]["shared_host_bytes"]
         # inspect: this rank's share in the table, the host's one copy below it.
         assert " shared " in r["inspect"] and "in one copy for 2 ranks" in r["inspect"], r["inspect"]
+
+
+# -- a rank killed while the copy is handed over ----------------------------------------------
+def killed_at_hand_over(rank: Rank) -> dict:
+    model = ToyDiT(4, dim=64)
+    before = snapshot(model)
+    if rank.rank == 1:
+        def die(*args):
+            rank.report({"killed": True})
+            os.kill(os.getpid(), signal.SIGKILL)
+        apply_mod.receive = die
+    try:
+        apply_offload(model, shared_config())
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        assert_same(before, model)
+        return {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+    return {"error": None}
+
+
+def test_a_rank_killed_while_the_copy_is_handed_over_is_explained():
+    """The others met a bare gloo 'Connection reset by peer' with no word of what they were doing
+    (a death during the fill was explained; during the hand-over it was not)."""
+    r0, r1 = run_ranks(killed_at_hand_over, 2, broken_group=True)
+    assert r1 == {"killed": True}
+    assert r0["error"] is not None, r0
+    assert any("could not hear from the host's other ranks while mapping transformer's shared host copy" in note
+               for note in r0["notes"]), r0
