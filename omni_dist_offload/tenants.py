@@ -170,12 +170,18 @@ class _Wrapped:
             return self._inner
         owner = self._owner()
         if owner is None:
-            raise ReferenceError(f"{self.__name__}: its module is gone")
+            raise ReferenceError(
+                f"{self.__name__}: the offloaded component it belongs to was dropped since this method was "
+                "taken from it (an offloaded component's methods do not keep it alive): keep a reference to "
+                "the component itself, and take the method from it when you call it")
         return self._func.__get__(owner, type(owner))
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:  # what inspect.signature follows
-        return self._method()
+        try:
+            return self._method()
+        except ReferenceError:
+            raise AttributeError("__wrapped__") from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         method = self._method()

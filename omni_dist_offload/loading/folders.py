@@ -45,7 +45,8 @@ def pipeline_class(folder: Path | str) -> Any:
     unknown). Passing prebuilt components needs it: ``DiffusionPipeline.from_pretrained`` loads
     optional components (WanPipeline's ``transformer``) from disk even when they are passed."""
     try:
-        name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
+        index = json.loads((Path(folder) / "model_index.json").read_text())
+        name = index.get("_class_name") if isinstance(index, dict) else None
     except (OSError, ValueError):
         name = None
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None

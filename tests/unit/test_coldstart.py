@@ -510,14 +510,14 @@ def test_both_names_of_a_tied_embedding_load_as_transformers_loads_them(wan_fold
     _assert_same_module(te, ordinary)
 
 
-@pytest.mark.parametrize("damage", ["model_index", "weight_map"])
+@pytest.mark.parametrize("damage", ["model_index", "model_index_list", "weight_map"])
 def test_a_damaged_index_file_is_named_in_one_line(wan_folder, tmp_path, capsys, damage):
     from omni_dist_offload.app.cli import main
 
     folder = _copy_folder(wan_folder, tmp_path / "damaged")
-    if damage == "model_index":
+    if damage.startswith("model_index"):
         target = folder / "model_index.json"
-        target.write_text("{'not': json")
+        target.write_text("[]" if damage == "model_index_list" else "{'not': json")
     else:
         target = folder / "transformer/diffusion_pytorch_model.safetensors.index.json"
         target.write_text(json.dumps({"weight_map": ["x"]}))

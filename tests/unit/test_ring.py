@@ -743,12 +743,15 @@ def test_a_component_dropped_from_the_pipeline_is_freed(options):
     del ring, transfer
     # Freed as it is dropped, not at a garbage collection: the module and its offload referred
     # to each other (cycles), and the host copy waited for a collection that may never come.
+    save = pipe.text_encoder.save_pretrained  # does not keep it alive (a strong one made a cycle)
     gc.disable()
     try:
         pipe.text_encoder = None
         assert gone() is None and copies and all(c.expired() for c in copies)
     finally:
         gc.enable()
+    with pytest.raises(ReferenceError, match="keep a reference to the component itself"):
+        save("/nonexistent")
     reference.text_encoder = None
     assert [row["component"] for row in handle.summary()] == ["transformer"]
     run = lambda p, e: p(prompt_embeds=e[0], negative_prompt_embeds=e[1], output_type="pt",  # noqa: E731
