@@ -44,8 +44,8 @@ from ..runtime.flags import UsageError
 from .api import Omni, SamplingOptions
 from .outputs import VideoFormat, numbered_outputs
 
-__all__ = ["PeerStopped", "PromptJob", "RunReport", "check_same_run", "claim_indices", "plan_jobs", "run_free", "run_jobs", "run_prompts", "share_usage_error",
-           "static_indices"]
+__all__ = ["PeerStopped", "PromptJob", "RunReport", "check_same_run", "claim_indices", "plan_jobs", "run_free",
+           "run_jobs", "run_prompts", "share_usage_error", "static_indices"]
 
 logger = logging.getLogger(__name__)
 
