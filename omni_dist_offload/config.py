@@ -289,7 +289,7 @@ class OffloadConfig:
                     f"config key 'layer_options.{name}' must be an object such as "
                     f'{{"weight_transfer": "rank-local"}}, found {value!r}.'
                 )
-            _check_keys(f"layer_options.{name}", value, LayerOptions.__slots__, category=name)
+            _check_keys(f"layer_options.{name}", value, LayerOptions.__slots__, nested=True)
             try:
                 options[name] = LayerOptions(**value)
             except OffloadConfigError as exc:  # name the component the options belong to
@@ -324,17 +324,18 @@ _TOP_KEYS = ("mode", "components", "layer_options", "pin_memory", "pin_failure",
              "device_budget", "activation_reserve")
 
 
-def _check_keys(where: str, raw: Mapping[str, Any], allowed: tuple[str, ...], category: str | None = None) -> None:
+def _check_keys(where: str, raw: Mapping[str, Any], allowed: tuple[str, ...], nested: bool = False) -> None:
+    """``nested``: the keys of a component's layer_options (else the config's own)."""
     unknown = [k for k in raw if k not in allowed]
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(str(key), allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         # The right key at the other level (Omni's and the CLI's knobs are all top-level).
-        if category is None and key in LayerOptions.__slots__:
+        if not nested and key in LayerOptions.__slots__:
             hint = (f"{key!r} is a per-component option: put it under layer_options, e.g. "
                     f'{{"layer_options": {{"dit": {{"{key}": ...}}}}}}. ')
-        elif category is not None and key in _TOP_KEYS:
+        elif nested and key in _TOP_KEYS:
             hint = f"{key!r} is an option of the whole config: put it at the top level, beside 'mode'. "
         raise OffloadConfigError(
             f"unknown key {key!r} in {where}: {hint}allowed keys are {list(allowed)}."

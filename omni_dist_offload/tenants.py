@@ -142,11 +142,14 @@ class _Wrapped:
     and signature (callers inspect it: diffusers passes ``adapter_names`` to ``merge`` only where
     the signature takes it).
 
-    It holds ``owner`` and the rings in ``bound`` weakly and binds the method as it is called.
-    Set on ``owner`` itself, a bound method (or a ring, which holds the blocks) would make a
-    cycle: a component the user drops would keep its layers, and their share of its host copy,
-    until a garbage collection that may never come. A method already wrapped on the instance
-    (``merge``: the edit, then the toggle) is kept as it is; it holds nothing strongly either."""
+    It holds ``owner`` weakly and binds the method as it is called; callers give what else it
+    refers to (rings, the watch, the layer) as weak references (``bound``: ``weakref.ref`` or a
+    list of them), handed to ``wrapper`` as the objects. Set on ``owner`` itself, a bound method
+    (or a ring, which holds the blocks) would make a cycle: a component the user drops would keep
+    its layers, and their share of its host copy, until a garbage collection that may never come.
+    A method already wrapped on the instance (``merge``: the edit, then the toggle) is kept as it
+    is; it holds nothing strongly either. Once a referent is gone (its component with it), the
+    method runs unwrapped: nothing is left to guard."""
 
     def __init__(self, wrapper: Callable[..., Any], owner: nn.Module, name: str, bound: Sequence[Any]) -> None:
         self._wrapper = wrapper
@@ -159,7 +162,7 @@ class _Wrapped:
             descriptor = None
         self._func = descriptor
         func = self._inner if self._inner is not None else getattr(type(owner), name)
-        self._bound = tuple(_weakly(b) for b in bound)
+        self._bound = tuple(bound)
         self.__name__ = getattr(func, "__name__", name)
         self.__qualname__ = getattr(func, "__qualname__", name)
         self.__doc__ = getattr(func, "__doc__", None)
@@ -185,34 +188,19 @@ class _Wrapped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         method = self._method()
-        bound = [_strongly(b) for b in self._bound]
-        if any(b is _GONE for b in bound):  # its ring went with its component: nothing to guard
+        bound = [_deref(b) for b in self._bound]
+        if any(b is None for b in bound):
             return method(*args, **kwargs)
         return self._wrapper(*bound, method, *args, **kwargs)
 
 
-_GONE = object()
-
-
-class _WeakRings(tuple):
-    """Rings held weakly, for :class:`_Wrapped`."""
-
-
-def _weakly(value: Any) -> Any:
-    if isinstance(value, BlockRing):
-        return _WeakRings((weakref.ref(value),))
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, BlockRing) for v in value):
-        return [_WeakRings((weakref.ref(v),)) for v in value]
-    return value
-
-
-def _strongly(value: Any) -> Any:
-    if isinstance(value, _WeakRings):
-        ring = value[0]()
-        return _GONE if ring is None else ring
-    if isinstance(value, list) and value and all(isinstance(v, _WeakRings) for v in value):
-        rings = [v[0]() for v in value]
-        return _GONE if any(r is None for r in rings) else rings
+def _deref(value: Any) -> Any:
+    """A weak reference's object, or a list of them (None if any is gone); anything else as is."""
+    if isinstance(value, weakref.ref):
+        return value()
+    if isinstance(value, list):
+        found = [v() for v in value]
+        return None if any(v is None for v in found) else found
     return value
 
 
@@ -487,7 +475,7 @@ class BlockWatch:
                                    (REFUSED_METHODS, _refused)):
                 for name in names:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
-                        setattr(root, name, _wrapping(wrapper, root, name, mine))
+                        setattr(root, name, _wrapping(wrapper, root, name, [weakref.ref(r) for r in mine]))
             self._roots.add(root)
         _watch(self)
 
@@ -519,7 +507,7 @@ class BlockWatch:
                      *(name for name in READING_METHODS if callable(getattr(sub, name, None)))]
             for name in names:
                 # An instance attribute shadows the class's method; close() deletes it.
-                setattr(sub, name, _wrapping(_edited, sub, name, ring, index))
+                setattr(sub, name, _wrapping(_edited, sub, name, weakref.ref(ring), index))
             if _is_tuner_layer(sub):
                 # After these, the layer may be merged with its adapters disabled (see
                 # TOGGLING_METHODS): merge here is the edit just set, wrapped once more.
@@ -574,12 +562,10 @@ class BlockWatch:
             ring.adopt_pending = True
 
 
-def _toggled(watch: "weakref.ref[BlockWatch]", layer: "weakref.ref[nn.Module]", ring: "weakref.ref[BlockRing]",
-             method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _toggled(watch: "BlockWatch", layer: nn.Module, ring: BlockRing, method: Callable[..., Any], *args: Any,
+             **kwargs: Any) -> Any:
     result = method(*args, **kwargs)
-    w, module, r = watch(), layer(), ring()
-    if w is not None and module is not None and r is not None:
-        w._schedule_unmerge(module, r)
+    watch._schedule_unmerge(layer, ring)
     return result
 
 
