@@ -249,6 +249,12 @@ def test_a_number_too_long_for_int_or_a_boolean_for_a_number_gets_400_naming_the
         status, answer = call(flux.port, path, b'{"prompt": "x", "\\udfff": ' + digits + b"}")
         error = answer["error"]
         assert (status, error["param"], error["code"]) == (400, "\\udfff", "invalid_value"), (path, answer)
+        # With an ordinary value, pydantic refuses the key before any field: that answer said the
+        # body was no JSON object with a prompt.
+        status, answer = call(flux.port, path, b'{"prompt": "x", "\\udfff": 1}')
+        error = answer["error"]
+        assert (status, error["param"], error["code"]) == (400, "\\udfff", "unknown_parameter"), (path, answer)
+        assert "lone UTF-16 surrogate" in error["message"], answer
     # JSON's true is no number on /v1/videos either, as on the synchronous endpoints.
     for field in ("seed", "num_frames", "fps", "num_inference_steps", "seconds"):
         status, answer = call(flux.port, "/v1/videos", {"prompt": "x", field: True})

@@ -421,6 +421,12 @@ def _validationerror_response(exc: RequestValidationError | ValidationError) -> 
     if first["type"] == "json_invalid":
         return error_response(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}).",
                       code="invalid_json")
+    if param is None and first["type"] == "string_unicode" and isinstance(first.get("input"), str):
+        # A key that is no text (a lone UTF-16 surrogate): pydantic refuses it before any field.
+        key = first["input"]
+        return error_response(400, f"unknown field {key!r}: a field name holding a lone UTF-16 surrogate is "
+                              "not text; drop it and send UTF-8 text (see docs/serving.md for the fields).",
+                              key, code="unknown_parameter")
     if param is None:
         return error_response(400, "the body must be a JSON object with at least 'prompt', sent with "
                       "Content-Type: application/json.", code="invalid_body")
