@@ -31,7 +31,10 @@ import torch
 
 from ..layout import BlockLayout, TensorEntry
 
-__all__ = ["CheckpointSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "find_weight_files", "placeholder"]
+__all__ = [
+    "CheckpointSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "check_pipeline_folder",
+    "find_weight_files", "placeholder", "read_model_index",
+]
 
 #: safetensors dtype names.
 DTYPES: dict[str, torch.dtype] = {
@@ -93,6 +96,39 @@ def find_weight_files(folder: Path) -> list[Path]:
         f"{folder} has no safetensors weights (looked for {[n for pair in WEIGHT_NAMES for n in pair]}); "
         "save the model with safe_serialization (the default of save_pretrained)."
     )
+
+
+def read_model_index(path: Path) -> dict[str, Any]:
+    """A pipeline folder's ``model_index.json``, or a :class:`CheckpointError` naming what is wrong."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); "
+                              "download or save the pipeline again.") from exc
+    bad = not isinstance(index, dict) or not isinstance(index.get("_class_name", ""), str) or any(
+        isinstance(spec, list) and len(spec) == 2 and not all(x is None or isinstance(x, str) for x in spec)
+        for name, spec in index.items() if not name.startswith("_"))
+    if bad:
+        raise CheckpointError(f"{path}: not a diffusers model_index.json (an object with a string "
+                              "'_class_name' and one [library, class] pair per component); "
+                              "download or save the pipeline again.")
+    return index
+
+
+def check_pipeline_folder(folder: Path, *, safetensors: bool = True) -> None:
+    """A :class:`CheckpointError` naming the first index file of a pipeline folder that cannot
+    be read: its ``model_index.json`` and (``safetensors``) each component's shard index.
+    diffusers' own loader meets a damaged one deep inside, with an AttributeError or a TypeError."""
+    index = read_model_index(folder / "model_index.json")
+    if not safetensors:
+        return
+    for name in index:
+        if name.startswith("_") or not (folder / name).is_dir():
+            continue
+        for pair in WEIGHT_NAMES:
+            for weights in pair:
+                if weights.endswith(".index.json") and (folder / name / weights).is_file():
+                    _index_files(folder / name / weights)
 
 
 def _index_files(index: Path) -> list[Path]:

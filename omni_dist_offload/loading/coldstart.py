@@ -52,6 +52,7 @@ from .checkpoint import (
     CheckpointSource,
     SafetensorsCheckpoint,
     placeholder,
+    read_model_index,
 )
 from .folders import dtype_kwarg, pipeline_class, resolve_dtype
 
@@ -124,7 +125,7 @@ def prepare_cold_start(
     checkpoint lacks or holds with another shape."""
     folder = Path(folder)
     cfg = OffloadConfig.parse(config)
-    index = _read_model_index(folder / "model_index.json")
+    index = read_model_index(folder / "model_index.json")
     plan = plan if plan is not None else _pipeline_plan(index.get("_class_name"))
     threads = threads or default_threads()
     cold = ColdStart(folder)
@@ -160,23 +161,6 @@ def prepare_cold_start(
             cold.sources[name] = CheckpointSource(checkpoint, keys, threads)
         undo.pop_all()
     return cold
-
-
-def _read_model_index(path: Path) -> dict[str, Any]:
-    """A pipeline folder's ``model_index.json``, or a :class:`CheckpointError` naming what is wrong."""
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); "
-                              "download or save the pipeline again.") from exc
-    bad = not isinstance(index, dict) or not isinstance(index.get("_class_name", ""), str) or any(
-        isinstance(spec, list) and len(spec) == 2 and not all(x is None or isinstance(x, str) for x in spec)
-        for name, spec in index.items() if not name.startswith("_"))
-    if bad:
-        raise CheckpointError(f"{path}: not a diffusers model_index.json (an object with a string "
-                              "'_class_name' and one [library, class] pair per component); "
-                              "download or save the pipeline again.")
-    return index
 
 
 def _check_not_quantized(name: str, class_name: str, folder: Path) -> None:

@@ -29,7 +29,7 @@ from ..config import OffloadConfig
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINES, cast_like_pretrained
 from ..plan import module_bytes
 from ..residency import format_bytes
-from .checkpoint import CheckpointSource
+from .checkpoint import CheckpointError, CheckpointSource, check_pipeline_folder
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
 from .folders import DTYPES, dtype_kwarg, pipeline_class, resolve_dtype
 
@@ -150,6 +150,11 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             f"model folder {model!r} does not exist: give an existing diffusers folder, a hub id "
             f"or a built-in name {list(BUILTIN_MODELS)}."
         )
+    if path.is_dir():
+        try:
+            check_pipeline_folder(path, safetensors=load_kwargs.get("use_safetensors", True) is not False)
+        except CheckpointError as exc:
+            raise ModelLoadError(str(exc)) from exc
     logger.info("loading %s (%s) on the host", model, str(dtype).removeprefix("torch."))
     try:
         # Weights come from safetensors only (no pickled .bin checkpoints), unless the caller
