@@ -146,6 +146,7 @@ ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
     "Qwen2_5_VLForConditionalGeneration": (("model.language_model.layers",), ("model.layers",)),
     "Qwen2VLForConditionalGeneration": (("model.language_model.layers",), ("model.layers",)),
     "Qwen2_5_VLModel": (("language_model.layers",), ("layers",)),
+    "Qwen2VLModel": (("language_model.layers",), ("layers",)),
     "Qwen3Model": (("layers",),),
     "Qwen3ForCausalLM": (("model.layers",),),
     "LlamaModel": (("layers",),),
@@ -186,14 +187,33 @@ ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
     "VitsModel": (("text_encoder.encoder.layers",),),
 }
 
-#: Name-based fallback for pipelines without an OffloadPlan entry for a component.
+#: Name-based fallback for pipelines without an OffloadPlan entry for a component: these names,
+#: and any ``transformer_<n>`` / ``text_encoder_<n>`` (HiDream's fourth encoder is an 8B Llama).
 _NAME_CATEGORIES: dict[str, str] = {
     "transformer": "dit",
     "transformer_2": "dit",
+    "unconditional_transformer": "dit",  # Ideogram 4: a second DiT, run at every guided step
+    "prior": "dit",  # unCLIP, Kandinsky and Shap-E priors (PriorTransformer)
+    "prior_prior": "dit",  # the same prior in Kandinsky's combined pipelines
     "text_encoder": "text_encoder",
     "text_encoder_2": "text_encoder",
     "text_encoder_3": "text_encoder",
+    "prior_text_encoder": "text_encoder",  # Kandinsky's combined pipelines
 }
+_NUMBERED_NAMES = re.compile(r"(transformer|text_encoder)_[0-9]+")
+
+#: A module of at least this size that no category names is said to stay on the device whole.
+_UNNAMED_LARGE = 2**30
+
+
+def name_category(name: str) -> str | None:
+    """The category a pipeline attribute's name gives it, or None (it stays resident)."""
+    if name in _NAME_CATEGORIES:
+        return _NAME_CATEGORIES[name]
+    numbered = _NUMBERED_NAMES.fullmatch(name)
+    if numbered is None:
+        return None
+    return "dit" if numbered.group(1) == "transformer" else "text_encoder"
 
 #: The scanned ModuleLists together must hold at least this share of their component's bytes.
 _SCAN_MIN_SHARE = 0.5
@@ -255,7 +275,7 @@ class OffloadPlan:
             return self.encoder_component_types[name]
         if name in self.dit_components:
             return "dit"
-        return _NAME_CATEGORIES.get(name)
+        return name_category(name)
 
 
 @dataclass(frozen=True)
@@ -311,7 +331,7 @@ def is_bare_module(target: Any) -> bool:
     if _declared_attrs(target) is not None or _table_entries(target, "dit"):
         return True
     # An nn.Module that holds conventional components is a pipeline written as a module.
-    return not any(name in _NAME_CATEGORIES for name, _ in target.named_children())
+    return not any(name_category(name) is not None for name, _ in target.named_children())
 
 
 def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None) -> list[StreamedComponent]:
@@ -325,8 +345,8 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
         if "dit" not in config.components:
             raise OffloadConfigError(
                 f"the target is a bare {type(target).__name__}, which streams as the 'dit' "
-                f"component, but 'components' is {list(config.components)}: list 'dit', or "
-                "pass the pipeline that holds the text encoder."
+                f"component (a model given alone does, a text encoder too), but 'components' is "
+                f"{list(config.components)}: list 'dit', or pass the pipeline that holds the text encoder."
             )
         return [resolve_component("transformer", "dit", target, plan)]
     plan = plan if plan is not None else getattr(target, "_offload_plan", None) or OffloadPlan()
@@ -356,7 +376,35 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
                 f"(encoder_component_types / dit_components).{also}"
             )
         found.extend(resolve_component(n, category, modules[n], plan) for n in names)
+    _note_unnamed(target, plan, modules, found)
     return found
+
+
+_noted: set[tuple[str, str]] = set()
+
+
+def _note_unnamed(target: Any, plan: OffloadPlan, modules: Mapping[str, nn.Module],
+                  found: list[StreamedComponent]) -> None:
+    """Warn once (per pipeline class and attribute) about a large module that no category names:
+    it goes to the device whole, however much the streamed components save. An image encoder or
+    a VAE stays resident by design; a model the size of a streamed one, under a name the fallback
+    does not know, was most likely meant to stream."""
+    if not found:
+        return
+    smallest = min(module_bytes(c.module) for c in found)
+    for name, module in modules.items():
+        key = (type(target).__name__, name)
+        if plan.category_of(name) is not None or key in _noted:
+            continue
+        size = module_bytes(module)
+        if size >= max(_UNNAMED_LARGE, smallest):
+            _noted.add(key)
+            logger.warning(
+                "%s.%s (%s, %.1f GiB) has no category, so it goes to the device whole while %s "
+                "stream: to stream it, pass apply_offload(plan=OffloadPlan(encoder_component_types="
+                "{%r: 'text_encoder'})) or OffloadPlan(dit_components=(%r,)), or set the pipeline "
+                "class's _offload_plan.", type(target).__name__, name, type(module).__name__,
+                size / 2**30, sorted(c.name for c in found), name, name)
 
 
 def _check_plan_names(target: Any, plan: OffloadPlan, modules: Mapping[str, nn.Module]) -> None:
@@ -397,7 +445,11 @@ def _table_entries(module: nn.Module, category: str) -> tuple[tuple[str, ...], .
     if category != "dit":
         return _table_attrs(module, ENCODER_BLOCK_ATTRS) or ()
     entry = _table_attrs(module, DIT_BLOCK_ATTRS)
-    return (entry,) if entry is not None else _table_attrs(module, DIT_BLOCK_ALTERNATIVES) or ()
+    if entry is not None:
+        return (entry,)
+    # A text encoder offloaded on its own streams as the 'dit' component: its table entry names
+    # the text layers only (a scan would take a vision tower too, which text forwards never run).
+    return _table_attrs(module, DIT_BLOCK_ALTERNATIVES) or _table_attrs(module, ENCODER_BLOCK_ATTRS) or ()
 
 
 def _component(name, category, module, attrs, source, *, strict) -> StreamedComponent | None:

@@ -46,6 +46,47 @@ def test_text_encoders_by_name_and_table(build, path):
     assert comp.source == "built-in table" and len(comp.blocks) == 2
 
 
+def test_numbered_and_other_known_names_stream(caplog, monkeypatch):
+    import omni_dist_offload.plan as plan_module
+
+    pipe = types.SimpleNamespace(
+        transformer=tiny.tiny_wan_transformer(num_layers=2),
+        unconditional_transformer=tiny.tiny_wan_transformer(num_layers=2),
+        text_encoder=tiny.tiny_t5_encoder(num_layers=2),
+        text_encoder_4=tiny.tiny_qwen2_model(num_layers=2),  # HiDream's fourth: an 8B Llama
+        vision_language_encoder=tiny.tiny_qwen2_model(num_layers=3),  # no name the fallback knows
+        vae=nn.Linear(2, 2),
+    )
+    monkeypatch.setattr(plan_module, "_UNNAMED_LARGE", 0)
+    monkeypatch.setattr(plan_module, "_noted", set())
+    with caplog.at_level("WARNING", logger="omni_dist_offload.plan"):
+        found = discover(pipe, BOTH)
+        discover(pipe, BOTH)
+    assert sorted(c.name for c in found) == ["text_encoder", "text_encoder_4", "transformer", "unconditional_transformer"]
+    assert {c.name: c.category for c in found}["unconditional_transformer"] == "dit"
+    # The large module no name covers is named once, with the way to stream it; the VAE, smaller
+    # than every streamed component, is not.
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "vision_language_encoder" in warned[0] and "OffloadPlan" in warned[0], warned
+
+
+def test_a_text_encoder_offloaded_alone_streams_its_text_layers_only():
+    from encoder_recipes import RECIPES
+
+    model, kwargs = RECIPES["Qwen2VLForConditionalGeneration"](0)
+    for target, attrs in ((model, ("model.language_model.layers",)), (model.model, ("language_model.layers",))):
+        (comp,) = discover(target, DIT)
+        # A scan took the vision tower too, which a text forward never runs (each forward then
+        # prefetched a vision block for nothing and fetched block 0 unhidden).
+        assert comp.source == "built-in table" and comp.block_attrs == attrs, (comp.block_attrs, comp.source)
+    with torch.no_grad():
+        expected = model(**kwargs).logits
+        handle = apply_offload(model, DIT, device="cpu")
+        got = model(**kwargs).logits
+    handle.remove()
+    assert torch.equal(got, expected)
+
+
 def test_plan_declares_an_encoder():
     class PromptModel(nn.Module):
         def __init__(self):

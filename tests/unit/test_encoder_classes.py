@@ -55,6 +55,43 @@ def diffusers_text_encoder_classes() -> list[str]:
 
 CLASSES = diffusers_text_encoder_classes()
 
+#: Pipeline attributes holding a DiT or text encoder class that are left resident, and why.
+UNNAMED = {
+    ("SpectrogramDiffusionPipeline", "decoder"): "a music decoder; 'decoder' names VAEs' halves elsewhere",
+}
+
+
+def test_every_dit_or_text_encoder_a_pipeline_takes_is_named_by_its_attribute():
+    """A DiT or text encoder class under an attribute name the fallback does not know goes to
+    the device whole (HiDream's 8B ``text_encoder_4``, Ideogram 4's second DiT did)."""
+    from omni_dist_offload.plan import DIT_BLOCK_ALTERNATIVES, DIT_BLOCK_ATTRS, ENCODER_BLOCK_ATTRS, name_category
+
+    wrong = []
+    for info in pkgutil.walk_packages(pipelines_pkg.__path__, pipelines_pkg.__name__ + "."):
+        if info.ispkg:
+            continue
+        try:
+            mod = importlib.import_module(info.name)
+        except ImportError:
+            continue
+        for cls in vars(mod).values():
+            if not (inspect.isclass(cls) and issubclass(cls, DiffusionPipeline) and cls.__module__ == mod.__name__):
+                continue
+            try:
+                params = inspect.signature(cls.__init__).parameters
+            except (TypeError, ValueError):
+                continue
+            for pname, param in params.items():
+                note = param.annotation
+                text = note if isinstance(note, str) else getattr(note, "__name__", None) or str(note)
+                for part in text.split("|"):
+                    name = part.strip().rsplit(".", 1)[-1]
+                    want = ("dit" if name in DIT_BLOCK_ATTRS or name in DIT_BLOCK_ALTERNATIVES else
+                            "text_encoder" if name in ENCODER_BLOCK_ATTRS else None)
+                    if want and name_category(pname) != want and (cls.__name__, pname) not in UNNAMED:
+                        wrong.append((cls.__name__, pname, name, want))
+    assert not wrong, f"(pipeline, attribute, class, category) the name fallback misses: {sorted(set(wrong))}"
+
 
 def test_every_encoder_class_has_a_recipe_or_a_reason():
     missing = [c for c in CLASSES if c not in RECIPES and c not in SKIPPED]
