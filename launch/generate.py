@@ -32,6 +32,10 @@ Rank 0 shows progress and ends with a line reporting images or videos per minute
     torchrun --nproc_per_node 4 launch/generate.py --model Wan-AI/Wan2.1-T2V-14B-Diffusers \\
         --ulysses-degree 2 --height 720 --width 1280 --num-frames 81 --prompts-file prompts.txt
 
+    # ring attention needs a backend that returns the log-sum-exp, set through diffusers' variable
+    DIFFUSERS_ATTN_BACKEND=flash torchrun --nproc_per_node 2 launch/generate.py --ring-degree 2 \\
+        --model Wan-AI/Wan2.1-T2V-14B-Diffusers --prompts-file prompts.txt
+
     # CPU smoke run: two processes (gloo), built-in tiny-wan, four prompts
     python -m torch.distributed.run --nproc_per_node 2 launch/generate.py \\
         --prompt "a red fox" --prompt "a cat" --prompt "a dog" --prompt "a bird" --output-dir out/

@@ -27,6 +27,7 @@ import os
 import platform
 import threading
 import time
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
 from ..loading.parallel import (
     ContextParallel,
     ParallelGroups,
+    check_attention_backend,
     check_cache,
     check_ranks,
     disable_context_parallel,
@@ -234,6 +236,7 @@ class Omni:
         if split is not None:  # before anything loads
             check_cache(split, self.cache)  # the options themselves, before the job's ranks
             check_ranks(split)
+            check_attention_backend(split)  # the loaded model's processors attend with the active one
         self.compile = resolve_compile(compile)
         single = isinstance(lora, (str, os.PathLike, Mapping, LoraSpec))
         self.loras = [LoraSpec.parse(x) for x in ([lora] if single else lora)]
@@ -433,6 +436,14 @@ class Omni:
             message = " ".join(str(exc).split()).rstrip(".")
             raise GenerationOptionError(f"{type(self.pipeline).__name__} ({self.model}) refused the options in "
                                         f"its input check: {message}. Change the option it names.") from exc
+        except AssertionError as exc:
+            # diffusers' context-parallel split asserts the sequence divides by the group's size.
+            # Every rank of the group fails there alike (same sizes, same plan), before any block
+            # computes: the next generation starts afresh.
+            sharder = _sharder_frame(exc)
+            if self.parallel is None or sharder is None:
+                raise
+            raise self._unsplittable(call, sharder) from exc
         pixels = to_uint8(out.frames[0] if hasattr(out, "frames") else out.images[0])
         elapsed = time.perf_counter() - start
         after = compile_seconds() if compiling is not None else None
@@ -443,15 +454,42 @@ class Omni:
         result.metadata = self._metadata(result, call, elapsed)
         return result
 
+    def _effective(self, call: Mapping[str, Any], key: str) -> Any:
+        """An option's value in this call: as given, else the pipeline's default (None if none)."""
+        if key in call:
+            return call[key]
+        params = self._signature.parameters
+        default = params[key].default if key in params else None
+        return None if default is inspect.Parameter.empty else default
+
+    def _unsplittable(self, call: Mapping[str, Any], sharder: types.FrameType) -> GenerationOptionError:
+        """The error for sizes whose sequence the context-parallel group's size does not divide.
+        The token count is the length diffusers' sharder was given (its ``tensor`` along ``dim``)."""
+        size = self.parallel.cp_size
+        sizes = {key: self._effective(call, key) for key in ("height", "width", "num_frames")
+                 if key in self._signature.parameters}
+        given = ", ".join(f"{key}={value}" if value is not None else f"{key} (the pipeline's default)"
+                          for key, value in sizes.items())
+        tensor, dim = sharder.f_locals.get("tensor"), sharder.f_locals.get("dim")
+        tokens = int(tensor.shape[dim]) if isinstance(tensor, torch.Tensor) and isinstance(dim, int) else None
+        counted = f"{tokens} tokens" if tokens is not None else "a sequence"
+        # Tokens grow in proportion to the height (and the width): scaled so that they divide.
+        scale = size // math.gcd(tokens, size) if tokens else None
+        height = sizes.get("height")
+        example = (f" (e.g. height={height * scale}: {tokens * scale} tokens)"
+                   if scale and isinstance(height, int) and tokens % size else "")
+        spec = self.parallel.spec
+        return GenerationOptionError(
+            f"{given} give {counted} per sample, which context parallelism over {size} ranks (ulysses_degree "
+            f"{spec.ulysses_degree} x ring_degree {spec.ring_degree}) cannot split evenly: choose a height, width "
+            f"or num_frames that gives a token count {size} divides{example}, or degrees whose product divides "
+            f"{tokens if tokens else 'the token count'}.")
+
     def _metadata(self, result: GenerationResult, call: Mapping[str, Any], elapsed: float) -> dict[str, Any]:
         height, width = result.frames.shape[-3:-1]
-        params = self._signature.parameters
 
         def effective(key: str) -> Any:
-            if key in call:
-                return call[key]
-            default = params[key].default if key in params else None
-            return None if default is inspect.Parameter.empty else default
+            return self._effective(call, key)
 
         return {
             "prompt": result.prompt,
@@ -514,6 +552,18 @@ def _raised_in(exc: BaseException, function: str) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _sharder_frame(exc: BaseException) -> types.FrameType | None:
+    """The frame of diffusers' context-parallel ``EquipartitionSharder.shard`` that ``exc``
+    passed through (the innermost), or None."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "shard" and frame.f_globals.get("__name__") == "diffusers.hooks.context_parallel":
+            found = frame
+        tb = tb.tb_next
+    return found
 
 
 def _scalar(value: Any) -> Any:

@@ -34,7 +34,7 @@ from ..layout import BlockLayout
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec
 from ..loading.checkpoint import CheckpointError
 from ..loading.compiling import COMPILE_MODES
-from ..loading.parallel import ContextParallel, ContextParallelError, check_cache
+from ..loading.parallel import ContextParallel, ContextParallelError, check_attention_backend, check_cache
 from ..loading.folders import pipeline_class
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
@@ -143,7 +143,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="under torchrun: split each sample of the DiT across N ranks with diffusers' "
                         "context parallelism (Ulysses attention); groups of N ranks run one prompt each")
     parser.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
-                        help="the same with ring attention (needs a flash, cuDNN or sage attention backend)")
+                        help="the same with ring attention (needs a flash, cuDNN or sage attention backend: "
+                        "DIFFUSERS_ATTN_BACKEND=flash, say)")
     parser.add_argument("--device", default=None,
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -316,6 +317,8 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
                          "ranks: drop --ulysses-degree/--ring-degree.")
     try:
         check_cache(context_parallel, cache, flags=True)  # --cache first-block does not run split
+        if context_parallel is not None:  # DIFFUSERS_ATTN_BACKEND, or --ring-degree on torch's SDPA
+            check_attention_backend(context_parallel)
     except ContextParallelError as exc:
         raise UsageError(f"{exc}.") from None
     generating = ns.command == "generate"

@@ -12,6 +12,7 @@ time, the lockstep the gather needs ([Note: context parallelism] in ``docs/desig
 data parallel across groups of ``ring_degree * ulysses_degree`` consecutive ranks, context
 parallel within one. Every rank of a group must run the same call with the same inputs (the
 same prompt and seed): the pipeline itself knows nothing of the split.
+:func:`disable_context_parallel` undoes it and destroys the process groups the mesh created.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from .adapters import CACHES, CacheSpec
 try:  # diffusers' context parallelism (0.36 and later; the project is tested with 0.42)
     from diffusers.hooks.context_parallel import remove_context_parallel
     from diffusers.models._modeling_parallel import ContextParallelConfig
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 except ImportError:  # pragma: no cover - an older diffusers: enable_context_parallel says so
     ContextParallelConfig = None
 
-__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "check_cache", "check_ranks",
-           "disable_context_parallel", "enable_context_parallel"]
+__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "check_attention_backend", "check_cache",
+           "check_ranks", "disable_context_parallel", "enable_context_parallel"]
+
+#: Attention backends that split with context parallelism but return no log-sum-exp, which ring
+#: attention needs to merge its partial attentions (their ``return_lse=True`` raises).
+_NO_LSE = frozenset({"native", "_native_npu"})
 
 
 class ContextParallelError(ValueError):
@@ -90,9 +95,15 @@ class ParallelGroups:
     cp_rank: int
     cp_size: int
     group: Any
-    """The context-parallel group's process group (its ranks run every call together)."""
+    """The context-parallel group's process group (its ranks run every call together); destroyed
+    by :func:`disable_context_parallel` unless it is the default group."""
     dits: tuple[str, ...]
     """The pipeline's components split this way."""
+    mesh: Any = None
+    """The ``(dp, ring, ulysses)`` device mesh the DiTs split over."""
+    owned: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    """The process groups the mesh created (never the default group), in creation order; emptied
+    as :func:`disable_context_parallel` destroys them."""
 
     @property
     def writes(self) -> bool:
@@ -105,7 +116,9 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
     """Split every DiT of ``pipeline`` (each component with a diffusers ``_cp_plan``) across the
     ranks of this rank's context-parallel group. Collective: every rank calls it. Checks first,
     changes nothing on an error: torch.distributed must be running with a multiple of
-    ``spec.size`` ranks, and every transformer of the pipeline must have a context-parallel plan."""
+    ``spec.size`` ranks, every transformer of the pipeline must have a context-parallel plan and
+    attend with a backend that splits. Should diffusers still refuse, every DiT is put back as it
+    was and the mesh's process groups are destroyed before the error propagates."""
     check_ranks(spec)
     world = dist.get_world_size()
     dits = _dits(pipeline)
@@ -113,32 +126,97 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
         raise ContextParallelError(
             f"{type(pipeline).__name__} has no transformer to split: context parallelism applies to DiTs")
     for name, model in dits.items():
-        if not getattr(type(model), "_cp_plan", None):
-            raise ContextParallelError(
-                f"{name} ({type(model).__name__}) has no context-parallel plan in diffusers (its class sets no "
-                "_cp_plan): it cannot split a sample across ranks. Run it data parallel (without "
-                "--ulysses-degree/--ring-degree), or use a model whose class has one (Wan, Flux, QwenImage, LTX, ...)")
-        if getattr(model, "_parallel_config", None) is not None:
-            raise ContextParallelError(f"{name} ({type(model).__name__}) is already parallel: enable it once")
-        heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
-        if isinstance(heads, int) and heads % spec.ulysses_degree:
-            raise ContextParallelError(
-                f"{name} ({type(model).__name__}) has {heads} attention heads, which ulysses_degree "
-                f"{spec.ulysses_degree} does not divide: use a degree that divides {heads}")
-    if spec.ring_degree > 1:
-        _check_ring_backend()
+        _check_dit(name, model, spec)
     mesh = init_device_mesh(device.type, (world // spec.size, spec.ring_degree, spec.ulysses_degree),
                             mesh_dim_names=("dp", "ring", "ulysses"))
-    for model in dits.values():
-        config = ContextParallelConfig(ulysses_degree=spec.ulysses_degree, ring_degree=spec.ring_degree,
-                                       mesh=mesh)
-        with _accelerator_counted(device):
-            model.enable_parallelism(config=config)
+    touched: list[nn.Module] = []
+    try:
+        for model in dits.values():
+            config = ContextParallelConfig(ulysses_degree=spec.ulysses_degree, ring_degree=spec.ring_degree,
+                                           mesh=mesh)
+            touched.append(model)  # before the call: diffusers records its config before it may refuse
+            with _accelerator_counted(device):
+                model.enable_parallelism(config=config)
+        # diffusers' own flattening of (ring, ulysses): the ranks that split one sample.
+        cp = next(iter(dits.values()))._parallel_config.context_parallel_config._flattened_mesh
+    except BaseException:
+        flattened = None
+        for model in touched:
+            config = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
+            flattened = flattened or getattr(config, "_flattened_mesh", None)
+            _unsplit(model)
+        _destroy(_created_groups(mesh, flattened))
+        raise
     rank = dist.get_rank()
-    # diffusers' own flattening of (ring, ulysses): the ranks that split one sample.
-    cp = next(iter(dits.values()))._parallel_config.context_parallel_config._flattened_mesh
     return ParallelGroups(spec, dp_rank=rank // spec.size, dp_size=world // spec.size, cp_rank=rank % spec.size,
-                          cp_size=spec.size, group=cp.get_group(), dits=tuple(dits))
+                          cp_size=spec.size, group=cp.get_group(), dits=tuple(dits), mesh=mesh,
+                          owned=_created_groups(mesh, cp))
+
+
+def _check_dit(name: str, model: nn.Module, spec: ContextParallel) -> None:
+    """What must hold of one DiT before any is split (each refusal changes nothing)."""
+    if not getattr(type(model), "_cp_plan", None):
+        raise ContextParallelError(
+            f"{name} ({type(model).__name__}) has no context-parallel plan in diffusers (its class sets no "
+            "_cp_plan): it cannot split a sample across ranks. Run it data parallel (without "
+            "--ulysses-degree/--ring-degree), or use a model whose class has one (Wan, Flux, QwenImage, LTX, ...)")
+    if getattr(model, "_parallel_config", None) is not None:
+        raise ContextParallelError(f"{name} ({type(model).__name__}) is already parallel: enable it once")
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if isinstance(heads, int) and heads % spec.ulysses_degree:
+        raise ContextParallelError(
+            f"{name} ({type(model).__name__}) has {heads} attention heads, which ulysses_degree "
+            f"{spec.ulysses_degree} does not divide: use a degree that divides {heads}")
+    active = _AttentionBackendRegistry.get_active_backend()[0]
+    for module in model.modules():
+        # diffusers' own rule (ModelMixin.enable_parallelism): a processor's own backend, else the
+        # active one. diffusers looks at the first processor only; every one must split.
+        processor = getattr(module, "processor", None)
+        if processor is None or not hasattr(processor, "_attention_backend"):
+            continue
+        own = processor._attention_backend
+        backend = active if own is None else AttentionBackendName(own)
+        refusal = _backend_refusal(backend, spec, own=own is not None)
+        if refusal is not None:
+            whose = "its own backend" if own is not None else "the active attention backend"
+            raise ContextParallelError(f"{name} ({type(model).__name__})'s attention processor "
+                                       f"{type(processor).__name__} attends with {whose} {backend.value!r}: {refusal}")
+
+
+def check_attention_backend(spec: ContextParallel) -> None:
+    """Refuse, before a model loads, an active attention backend (diffusers'
+    ``DIFFUSERS_ATTN_BACKEND``, ``attention_backend(...)``) that cannot split as ``spec`` asks.
+    A loaded model's processors may name backends of their own: :func:`enable_context_parallel`
+    checks those."""
+    if ContextParallelConfig is None:
+        return  # check_ranks says diffusers has no context parallelism
+    active = _AttentionBackendRegistry.get_active_backend()[0]
+    refusal = _backend_refusal(active, spec, own=False)
+    if refusal is not None:
+        raise ContextParallelError(f"the active attention backend is {active.value!r}: {refusal}")
+
+
+def _backend_refusal(backend: Any, spec: ContextParallel, *, own: bool) -> str | None:
+    """Why ``backend`` cannot split as ``spec`` asks, and what to do; None when it can. It must
+    support context parallelism in diffusers, and for ``ring_degree > 1`` return the log-sum-exp.
+    ``own``: a processor's own backend, which only ``set_attention_backend`` changes (the active
+    backend does not apply to it)."""
+    value = str(getattr(backend, "value", backend))
+    splits = sorted(_AttentionBackendRegistry._supports_context_parallel)
+    if value not in splits:
+        needs, fine = "diffusers' context parallelism needs a backend that splits", splits
+    elif spec.ring_degree > 1 and value in _NO_LSE:
+        needs = (f"ring_degree {spec.ring_degree} > 1 needs an attention backend that returns log-sum-exp, "
+                 "by which ring attention merges its partial attentions")
+        fine = [name for name in splits if name not in _NO_LSE]
+    else:
+        return None
+    how = ("with model.set_attention_backend(name) before the split" if own else
+           "from Python with model.set_attention_backend(name) or diffusers' attention_backend(name), "
+           "on the command line with the environment variable DIFFUSERS_ATTN_BACKEND=name")
+    instead = ("split with ulysses_degree (--ulysses-degree) instead" if value in splits
+               else "run without context parallelism")
+    return f"{needs} ({', '.join(fine)}). Set one {how}, or {instead}"
 
 
 def check_ranks(spec: ContextParallel) -> None:
@@ -186,17 +264,44 @@ def check_cache(spec: ContextParallel | None, cache: CacheSpec | None, *, flags:
 
 
 def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
-    """Undo :func:`enable_context_parallel`: remove diffusers' context-parallel hooks and forget
-    the configuration (diffusers has no undo of its own)."""
+    """Undo :func:`enable_context_parallel`: remove diffusers' context-parallel hooks, forget the
+    configuration (diffusers has no undo of its own) and destroy the process groups the mesh
+    created (``groups.group`` among them, unless it is the default group: undo what uses it
+    first). Collective, as the split was: every rank calls it. Idempotent."""
     for name, model in _dits(pipeline).items():
-        if name not in groups.dits or getattr(model, "_parallel_config", None) is None:
-            continue
-        remove_context_parallel(model, type(model)._cp_plan)
-        for module in model.modules():
-            processor = getattr(module, "processor", None)
-            if processor is not None and hasattr(processor, "_parallel_config"):
-                processor._parallel_config = None
-        model._parallel_config = None
+        if name in groups.dits and getattr(model, "_parallel_config", None) is not None:
+            _unsplit(model)
+    _destroy(groups.owned)
+
+
+def _unsplit(model: nn.Module) -> None:
+    """One DiT as it was before ``enable_parallelism`` (also one it refused part-way)."""
+    remove_context_parallel(model, type(model)._cp_plan)
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config"):
+            processor._parallel_config = None
+    model._parallel_config = None
+
+
+def _created_groups(mesh: Any, flattened: Any) -> list:
+    """The process groups ``init_device_mesh`` and diffusers' flattening created for ``mesh``, in
+    creation order: each dimension's, then the flattened ``(ring, ulysses)`` one. A dimension
+    that spans the job reuses the default group, which is not theirs to destroy."""
+    created: list = []
+    for group in [*mesh.get_all_groups(), *([flattened.get_group()] if flattened is not None else [])]:
+        if group != dist.group.WORLD and all(group is not known for known in created):
+            created.append(group)
+    return created
+
+
+def _destroy(created: list) -> None:
+    """Destroy ``created`` newest first, the same order on every rank (some NCCL versions abort a
+    communicator collectively); empties the list, so a second call does nothing."""
+    while created:
+        group = created.pop()
+        if dist.is_initialized():  # a job that destroyed the default group took every group with it
+            dist.destroy_process_group(group)
 
 
 def _dits(pipeline: Any) -> dict[str, nn.Module]:
@@ -207,19 +312,6 @@ def _dits(pipeline: Any) -> dict[str, nn.Module]:
         return {"transformer": pipeline}
     plan = getattr(pipeline, "_offload_plan", None) or OffloadPlan()
     return {name: mod for name, mod in pipeline_modules(pipeline).items() if plan.category_of(name) == "dit"}
-
-
-def _check_ring_backend() -> None:
-    """Ring attention merges partial attentions by their log-sum-exp, which torch's own SDPA
-    backend does not return."""
-    active = _AttentionBackendRegistry.get_active_backend()[0]
-    backend = str(getattr(active, "value", active))
-    if backend == "native":
-        raise ContextParallelError(
-            "ring_degree > 1 needs an attention backend that returns log-sum-exp (flash, _native_cudnn, "
-            "_native_flash, sage): the active one is torch's native SDPA. Set one with "
-            "diffusers' attention_backend(...) / model.set_attention_backend(...), or split with "
-            "ulysses_degree instead")
 
 
 def _accelerator_counted(device: torch.device):

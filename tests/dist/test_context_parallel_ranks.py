@@ -1,12 +1,15 @@
 """Context parallelism (diffusers' Ulysses) with streamed blocks, two and four ranks on gloo: the
 streamed model split across ranks equals the resident model split the same way, bitwise, with
 rank-local and allgather rings, in either order; ``Omni`` with a LoRA on a module the split
-gathers and a step cache equals the unsplit pipeline; the errors before anything changes."""
+gathers and a step cache equals the unsplit pipeline; the errors before anything changes (an
+attention backend that cannot split, a refusal from diffusers part-way through the DiTs, sizes
+whose sequence the degree does not divide); the process groups go when the split does."""
 
 from __future__ import annotations
 
 import copy
 import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +18,8 @@ import torch.distributed as dist
 
 import tiny_models as tiny
 from omni_dist_offload import Omni, apply_offload
+from omni_dist_offload.app import api
+from omni_dist_offload.app.api import GenerationOptionError
 from omni_dist_offload.loading.parallel import (
     ContextParallel,
     ContextParallelError,
@@ -212,3 +217,128 @@ def test_bench_splits_resident_and_streamed_alike(tmp_path) -> None:
     for row in rows.values():  # each rank's memory beside rank 0's
         assert len(row["peak_device_mib_ranks"]) == 2 and row["host_mib_ranks"][0] == row["host_mib"]
     assert sum(rows["allgather"]["host_mib_ranks"]) < rows["rank-local"]["host_mib"] * 1.1  # one copy in shards
+
+
+# -- refusals that change nothing, and the groups the split leaves behind -----------------------
+def _group_count() -> int:
+    """The process groups this rank belongs to (the default one included)."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _untouched(model) -> bool:
+    """No trace of a split: no config on the model or its processors, no split hooks."""
+    processors = [m.processor for m in model.modules() if getattr(m, "processor", None) is not None]
+    hooks = [name for m in model.modules() for name in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})]
+    return (model._parallel_config is None and all(getattr(p, "_parallel_config", None) is None for p in processors)
+            and not any(name.startswith("cp_") for name in hooks))
+
+
+@torch.no_grad()
+def backend_refusals(rank: Rank) -> dict:
+    """A DiT whose processors attend with a backend diffusers cannot split, refused untouched and
+    split once set right; the same for a ring on torch's SDPA; Omni refusing a ring on the active
+    backend before it loads; a refusal from diffusers on the second of two DiTs, which leaves
+    both as they were and no process group behind."""
+    out = {}
+    model = tiny.tiny_wan_transformer(num_layers=1)
+    x = tiny.wan_transformer_inputs(model)
+    plain = model(**x)[0]
+    for backend, spec in (("_native_math", ULYSSES_2), ("native", ContextParallel(ring_degree=2))):
+        model.set_attention_backend(backend)
+        try:
+            enable_context_parallel(model, spec, rank.device)
+            out[backend] = None
+        except ContextParallelError as exc:
+            out[backend] = str(exc)
+        out[f"{backend} untouched"] = _untouched(model)
+    model.set_attention_backend("native")
+    split = enable_context_parallel(model, ULYSSES_2, rank.device)  # the fix the message names
+    out["then splits"] = torch.equal(model(**x)[0], plain)
+    disable_context_parallel(model, split)
+    with mock.patch.object(api, "load_and_place", side_effect=AssertionError("loaded the model")):
+        try:
+            Omni("tiny-wan", None, context_parallel={"ring_degree": 2})
+            out["omni ring"] = None
+        except ContextParallelError as exc:
+            out["omni ring"] = str(exc)
+    # diffusers refuses the second DiT after the first is split: both go back as they were.
+    first, second = tiny.tiny_wan_transformer(num_layers=1), tiny.tiny_wan_transformer(num_layers=1)
+    pipeline = types.SimpleNamespace(transformer=first, transformer_2=second)
+    before = _group_count()
+    with mock.patch.object(second, "enable_parallelism", side_effect=RuntimeError("refused by diffusers")):
+        try:
+            enable_context_parallel(pipeline, ULYSSES_2, rank.device)
+            out["rollback"] = None
+        except RuntimeError as exc:
+            out["rollback"] = str(exc)
+    out["rollback untouched"] = _untouched(first) and _untouched(second) and torch.equal(first(**x)[0], plain)
+    out["rollback groups"] = [before, _group_count()]
+    return out
+
+
+def test_backend_refusals_change_nothing():
+    for r in run_ranks(backend_refusals, 2):
+        math_error, ring_error = r["_native_math"], r["native"]
+        for words in ("'_native_math'", "WanAttnProcessor", "set_attention_backend", "native"):
+            assert words in math_error, math_error
+        assert "log-sum-exp" in ring_error and "ulysses_degree" in ring_error, ring_error
+        assert r["_native_math untouched"] and r["native untouched"] and r["then splits"]
+        omni_ring = r["omni ring"]  # before loading: load_and_place was never called
+        assert "active attention backend is 'native'" in omni_ring and "DIFFUSERS_ATTN_BACKEND" in omni_ring
+        assert r["rollback"] == "refused by diffusers" and r["rollback untouched"]
+        assert r["rollback groups"][0] == r["rollback groups"][1]
+
+
+@torch.no_grad()
+def split_cycles(rank: Rank) -> dict:
+    """Split and undo two DiTs twice (a second undo does nothing), counting this rank's process
+    groups; then a collective on the default group, which the mesh reuses and the undo keeps."""
+    pipeline = types.SimpleNamespace(transformer=tiny.tiny_wan_transformer(num_layers=1),
+                                     transformer_2=tiny.tiny_wan_transformer(num_layers=1))
+    counts = [_group_count()]
+    for _ in range(2):
+        split = enable_context_parallel(pipeline, ULYSSES_2, rank.device)
+        counts.append(_group_count())
+        disable_context_parallel(pipeline, split)
+        disable_context_parallel(pipeline, split)
+        counts.append(_group_count())
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"counts": counts, "world works": total.item() == dist.get_world_size()}
+
+
+def test_undo_destroys_the_process_groups_the_split_made():
+    for r in run_ranks(split_cycles, 2):
+        counts = r["counts"]
+        assert counts[1] > counts[0], counts  # the mesh's size-1 dimensions have groups of their own
+        assert counts[0] == counts[2] == counts[4] and counts[1] == counts[3], counts
+        assert r["world works"]
+
+
+@torch.no_grad()
+def odd_sequence(rank: Rank) -> dict:
+    """Sizes whose sequence two ranks do not split (9 tokens): a GenerationOptionError on every
+    rank, and the same Omni generates the unsplit pipeline's output after; its groups go on close."""
+    call = {"prompt": "a red fox", "seed": 0, "num_inference_steps": 2}
+    config = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 30,
+              "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+    with Omni("tiny-wan", None, progress=False) as whole:
+        ref = whole.generate(**call).frames
+    before = _group_count()
+    with Omni("tiny-wan", config, progress=False, context_parallel={"ulysses_degree": 2}) as split:
+        try:
+            split.generate(**call, height=48, width=48, num_frames=1)
+            error = None
+        except GenerationOptionError as exc:
+            error = str(exc)
+        equal = np.array_equal(split.generate(**call).frames, ref)
+    return {"error": error, "equal": equal, "groups": [before, _group_count()]}
+
+
+def test_sizes_the_degree_does_not_divide_are_an_option_error():
+    for r in run_ranks(odd_sequence, 2):
+        error = r["error"]
+        for words in ("height=48, width=48, num_frames=1", "9 tokens", "over 2 ranks", "height=96"):
+            assert words in error, error
+        assert r["equal"]
+        assert r["groups"][0] == r["groups"][1]
