@@ -131,7 +131,15 @@ from ..hostmem import HostBuffer
 from ..layout import layout_block
 from ..loading.adapters import AdapterError, CacheSpec, enable_cache
 from ..loading.compiling import compile_dits, compile_seconds, uncompile
-from ..loading.parallel import ContextParallel, ContextParallelError, check_cache, check_ranks, enable_context_parallel
+from ..loading.parallel import (
+    ContextParallel,
+    ContextParallelError,
+    check_attention_backend,
+    check_cache,
+    check_ranks,
+    disable_context_parallel,
+    enable_context_parallel,
+)
 from ..models import PRESETS, build_model, case_inputs
 from ..plan import discover, module_bytes
 from ..residency import format_bytes, image_slot_bytes, min_budget, parse_bytes
@@ -805,8 +813,9 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         add_lora(model, opts.lora, opts.lora_fused)
     if opts.cache is not None:
         enable_cache(model, opts.cache)
+    split = None
     if opts.context_parallel is not None:  # before any variant: streaming composes with it
-        enable_context_parallel(model, opts.context_parallel, opts.device)
+        split = enable_context_parallel(model, opts.context_parallel, opts.device)
     inputs = case_inputs(preset, model, shape, opts.device, opts.dtype)
     (component,) = discover(model, OffloadConfig.parse(_offload_config("rank-local")))
     block_modules = [m for _, m in component.blocks]
@@ -884,6 +893,8 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
     for r in results:  # the compiled reference compiled the blocks first: that is their compile time
         if r.variant.split("@")[0] in _COMPILED:
             r.compile_s = max(r.compile_s, first_compile)
+    if split is not None:  # the next case splits its own model: this one's process groups go
+        disable_context_parallel(model, split)
     # Let go of the case's tensors before emptying the cache (the forward's closure holds the
     # model and inputs, so the names are cleared rather than deleted).
     model = inputs = reference = references = None
@@ -1251,6 +1262,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.context_parallel is not None:
         try:
             check_cache(args.context_parallel, args.cache_spec, flags=True)
+            check_attention_backend(args.context_parallel)  # DIFFUSERS_ATTN_BACKEND, before any model
         except ContextParallelError as exc:
             raise BenchUsageError(str(exc)) from None
     if args.variants is None:

@@ -186,15 +186,25 @@ def bench_split(rank: Rank, out: str) -> list:
 
     from omni_dist_offload.tools import bench
 
-    split = []
+    from torch.distributed import distributed_c10d
+
+    split, alive = [], []
     enable = bench.enable_context_parallel
-    bench.enable_context_parallel = lambda model, *a: split.append(enable(model, *a).cp_size)
+
+    def counted(model, *args):
+        alive.append(len(distributed_c10d._world.pg_map))  # the groups alive as a case splits
+        groups = enable(model, *args)
+        split.append(groups.cp_size)
+        return groups
+
+    bench.enable_context_parallel = counted
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32",
+        # Two cases: each splits its own model, and lets its process groups go when done.
+        rc = bench.main(["--preset", "tiny-wan", "--frames", "5", "9", "--height", "32", "--width", "32",
                          "--ulysses-degree", "2", "--variants", "rank-local", "allgather", "--warmup", "0",
                          "--repeats", "1", "--json", out])
-    return [rc, printed.getvalue(), split]
+    return [rc, printed.getvalue(), split, alive]
 
 
 def test_bench_splits_resident_and_streamed_alike(tmp_path) -> None:
@@ -203,9 +213,12 @@ def test_bench_splits_resident_and_streamed_alike(tmp_path) -> None:
     import json
 
     out = tmp_path / "cp.json"
-    (rc0, text0, split0), (rc1, text1, split1) = run_ranks(bench_split, 2, args=(str(out),), broken_group=True)
+    (rc0, text0, split0, left0), (rc1, text1, split1, left1) = run_ranks(bench_split, 2, args=(str(out),),
+                                                                        broken_group=True)
     assert (rc0, rc1) == (0, 0) and text1 == ""
-    assert split0 == split1 == [2]  # the case's model split over both ranks, once
+    assert split0 == split1 == [2, 2]  # each case's model split over both ranks, once
+    # The first case's process groups were destroyed before the second split its model.
+    assert left0 == left1 and left0[0] == left0[1], (left0, left1)
     assert "context parallel: ulysses 2 x ring 1, 1 group(s)" in text0
     data = json.loads(out.read_text())
     assert data["meta"]["context_parallel"] == {"ulysses_degree": 2, "ring_degree": 1, "groups": 1}

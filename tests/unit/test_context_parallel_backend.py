@@ -61,3 +61,16 @@ def test_a_backend_that_splits_passes(active_backend, monkeypatch):
     for backend, spec in (("native", ContextParallel(ulysses_degree=2)), ("flash", ContextParallel(ring_degree=2))):
         active_backend(backend)
         check_attention_backend(spec)
+
+
+@pytest.mark.parametrize("backend, flags, words", CASES)
+def test_bench_refuses_a_backend_that_cannot_split_before_any_model(backend, flags, words, active_backend,
+                                                                    monkeypatch, capsys):
+    from omni_dist_offload.tools import bench
+
+    active_backend(backend)
+    monkeypatch.setattr(bench, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    assert bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", *flags]) == 2
+    err = capsys.readouterr().err
+    for expected in words:
+        assert expected in err, err
