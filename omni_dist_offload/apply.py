@@ -169,6 +169,11 @@ class OffloadHandle:
         self._watch: BlockWatch | None = None
 
     @property
+    def active(self) -> bool:
+        """Whether the offload is in place: not yet undone by :meth:`remove` or :meth:`discard`."""
+        return not self._removed
+
+    @property
     def rings(self) -> list[BlockRing]:
         """The streamed rings, in setup order; a dropped component's are gone."""
         return [ring for ring in (ref() for ref in self._ring_refs) if ring is not None]
@@ -289,6 +294,30 @@ class OffloadHandle:
             stored.unstore()
         self._ring_refs = []
         self._undo_moves = []
+        self._groups.close()
+        self._unmark()
+        self._removed = True
+
+    def discard(self) -> None:
+        """End the offload without bringing the model back, for when the model is done with:
+        remove the hooks; free the slots, device buffers and host copy (a shared copy is left to
+        its other ranks) and the process groups setup created; and leave every streamed tensor
+        empty (no elements). The streamed components cannot run after it (drop them);
+        what did not stream stays where it is. :meth:`remove` restores the streamed tensors on
+        the device instead, which needs room for all of them: a model that fits only streamed
+        cannot have it. No collective but the process groups' release (every rank of a weight
+        group calls it); calling it again, or after :meth:`remove`, does nothing."""
+        if self._removed:
+            return
+        self._synchronize()  # the last copies and gathers may still write into the slots
+        self._unguard_casts()
+        self._close_watch()
+        for ring in self.rings:
+            tensors = {id(e.tensor): e.tensor for layout in ring.layouts for e in layout.entries}
+            ring.release()
+            for tensor in tensors.values():  # its data was a slot, a device buffer or host bytes
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self._ring_refs = []
         self._groups.close()
         self._unmark()
         self._removed = True

@@ -298,6 +298,7 @@ class Omni:
     def set_progress(self, show: bool) -> None:
         """Show or hide denoising progress bars; shown only on the ranks whose logs show
         (``LOG_RANK``, default 0)."""
+        self._check_open()
         self.pipeline.set_progress_bar_config(disable=not (show and is_logged_rank()))
 
     # -- queries -----------------------------------------------------------------------
@@ -322,11 +323,13 @@ class Omni:
 
     def components(self) -> dict[str, nn.Module]:
         """The pipeline's module components by attribute name."""
+        self._check_open()
         return module_components(self.pipeline)
 
     def call_kwargs(self, **options: Any) -> dict[str, Any]:
         """The keyword arguments ``generate`` passes to the pipeline for these options, checked
         against its ``__call__``; raises :class:`GenerationOptionError` for one it does not take."""
+        self._check_open()
         given = {k: v for k, v in options.items() if v is not None}
         params = self._signature.parameters
         open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -405,6 +408,7 @@ class Omni:
                                             f"as an integer of 1 or more (or None for {DEFAULT_FPS}).")
             fps = number
         with self._lock:
+            self._check_open()
             if self._generating:
                 # The lock is reentrant so that a step callback may read summary() or close();
                 # a generation inside one would reset the scheduler the outer one is stepping.
@@ -508,8 +512,8 @@ class Omni:
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
             # After close() nothing streams any more: neither the config nor a summary applies.
-            "offload_config": self.config.to_dict() if self.config and self.handle is not None else None,
-            "offload_summary": None if self.config and self.handle is None else self.summary(),
+            "offload_config": self.config.to_dict() if self.config and self._offloaded else None,
+            "offload_summary": None if self.config and not self._offloaded else self.summary(),
             "compile": self.compile,
             "lora": [spec.to_dict() for spec in self.loras],
             "cache": self.cache.to_dict() if self.cache is not None else None,
@@ -526,21 +530,50 @@ class Omni:
 
     # -- teardown ----------------------------------------------------------------------
     def close(self) -> None:
-        """Undo the offload (streamed tensors become ordinary device tensors) and context
-        parallelism. Idempotent; waits for a generation running in another thread."""
+        """Free what this Omni holds: undo context parallelism (its process groups), end the
+        offload without bringing the model back (:meth:`OffloadHandle.discard`: the slots, host
+        copy and process groups freed, the streamed tensors left empty) and let go of the
+        pipeline. Generating after it raises. Idempotent; waits for a generation running in
+        another thread. To keep the model, resident, call ``omni.handle.remove()`` first: that
+        needs device room for every streamed block."""
         with self._lock:
-            if self.parallel is not None:
-                disable_context_parallel(self.pipeline, self.parallel)
-                self.parallel = None
-            if self.handle is not None:
-                self.handle.remove()
-                self.handle = None
+            if self._generating:
+                raise RuntimeError(
+                    "Omni.close() was called from inside a generation on the same Omni (a step "
+                    "callback?): the running generation would lose its weights. Close it after "
+                    "generate returns.")
+            try:
+                if self.parallel is not None:
+                    disable_context_parallel(self.pipeline, self.parallel)
+                    self.parallel = None
+            finally:
+                if self.handle is not None:
+                    self.handle.discard()
+                    self.handle = None
+                self.pipeline = None
+                self._cached = []
+                self.compiled = []
+
+    @property
+    def _offloaded(self) -> bool:
+        """Whether the offload is in place (``omni.handle.remove()`` undoes it, the handle kept)."""
+        return self.handle is not None and self.handle.active
+
+    def _check_open(self) -> None:
+        if self.pipeline is None:
+            raise RuntimeError(f"this Omni ({self.model}) is closed: build another Omni to generate.")
 
     def __enter__(self) -> Omni:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - the error that left the block is the one to see
+            logger.warning("closing %s after %s failed", self.model, exc_type.__name__, exc_info=True)
 
 
 def _raised_in(exc: BaseException, function: str) -> bool:

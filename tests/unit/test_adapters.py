@@ -119,12 +119,12 @@ def test_cli_lora_and_cache_flags_reach_the_metadata(lora_files, tmp_path):
     assert meta["cache"] == {"type": "first-block", "threshold": 0.1}
 
 
-def test_a_lora_for_another_model_is_named_and_the_offload_undone(lora_files, monkeypatch):
+def test_a_lora_for_another_model_is_named_and_the_offload_freed(lora_files, monkeypatch):
     from omni_dist_offload.apply import OffloadHandle
 
     removed = []
-    remove = OffloadHandle.remove
-    monkeypatch.setattr(OffloadHandle, "remove", lambda self: (removed.append(self), remove(self))[1])
+    discard = OffloadHandle.discard
+    monkeypatch.setattr(OffloadHandle, "discard", lambda self: (removed.append(self), discard(self))[1])
     with pytest.raises(AdapterError, match=f"--lora {lora_files[0]}: FluxPipeline could not load it "
                        r"\(.+\)\. Give a LoRA trained for this model"):
         Omni("tiny-flux", STREAMED, device="cpu", progress=False, lora=[lora_files[0]])  # a Wan LoRA

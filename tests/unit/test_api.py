@@ -55,13 +55,73 @@ def test_streamed_video_equals_resident_and_seeds_matter() -> None:
     assert not np.array_equal(a.frames, streamed.generate("a cat", seed=2).frames)
 
 
-def test_close_restores_resident_tensors_with_equal_output() -> None:
-    with Omni("tiny-flux", STREAM_ALL) as omni:
-        before = omni.generate("a dog", seed=0).frames
+def test_close_frees_without_bringing_the_model_back(monkeypatch) -> None:
+    """``close()`` (and leaving ``with``) frees the offload and the pipeline. It restored every
+    streamed block on the device first, which a model that fits only streamed has no room for:
+    it failed with the device out of memory at the end of every such run."""
+    import gc
+    import weakref
+
+    from omni_dist_offload.ring import BlockRing
+
+    def no_room(self, device):
+        raise RuntimeError("CUDA out of memory (the whole model does not fit)")
+
+    monkeypatch.setattr(BlockRing, "restored_streamed", no_room)
+    with Omni("tiny-flux", STREAM_ALL, progress=False) as omni:
+        omni.generate("a dog", seed=0, num_inference_steps=1)
+        transformer = weakref.ref(omni.pipeline.transformer)
+        block = omni.pipeline.transformer.transformer_blocks[0]
+        rings = [weakref.ref(r) for r in omni.handle.rings]
         omni.close()
-        assert omni.summary() == []
-        assert np.array_equal(omni.generate("a dog", seed=0).frames, before)
+        assert omni.summary() == [] and omni.handle is None and omni.pipeline is None
+        assert all(p.numel() == 0 for p in block.parameters())  # nothing restored
         omni.close()  # idempotent
+        with pytest.raises(RuntimeError, match=r"is closed: build another Omni"):
+            omni.generate("a dog")
+    del block
+    gc.collect()
+    assert transformer() is None and all(r() is None for r in rings)
+
+
+def test_remove_before_close_keeps_the_model_resident() -> None:
+    omni = Omni("tiny-flux", STREAM_ALL, progress=False)
+    pipe = omni.pipeline
+
+    def run():
+        return pipe(prompt="a dog", generator=torch.Generator().manual_seed(0), output_type="np",
+                    num_inference_steps=1, height=16, width=16).images[0]
+
+    before = run()
+    omni.handle.remove()  # as close()'s docstring says: remove() first to keep the model
+    omni.close()
+    assert np.array_equal(run(), before)
+
+
+def test_leaving_with_keeps_the_error_that_left_it(monkeypatch, caplog) -> None:
+    from omni_dist_offload.apply import OffloadHandle
+
+    def failing(self):
+        raise RuntimeError("discard failed")
+
+    monkeypatch.setattr(OffloadHandle, "discard", failing)
+    with pytest.raises(KeyError, match="the user's"):
+        with Omni("tiny-flux", STREAM_ALL, progress=False):
+            raise KeyError("the user's")
+    assert "closing tiny-flux after KeyError failed" in caplog.text
+
+
+def test_close_from_a_step_callback_is_refused_and_the_omni_stays_usable() -> None:
+    omni = Omni("tiny-flux", STREAM_ALL, progress=False)
+
+    def closing(pipe, step, timestep, kwargs):
+        omni.close()
+        return kwargs
+
+    with pytest.raises(RuntimeError, match="inside a generation"):
+        omni.generate("a dog", num_inference_steps=1, callback_on_step_end=closing)
+    assert omni.generate("a dog", num_inference_steps=1).frames.shape == (16, 16, 3)
+    omni.close()
 
 
 def test_threads_sharing_one_omni_get_what_they_would_alone() -> None:
@@ -361,12 +421,13 @@ def test_sidecar_is_strict_json(tmp_path: Path) -> None:
     assert json.loads(good.save(tmp_path).sidecar.read_text(), parse_constant=pytest.fail)["g"] == 1.5
 
 
-def test_metadata_after_close_reports_no_offload() -> None:
+def test_metadata_after_remove_reports_no_offload() -> None:
     omni = Omni("tiny-flux", STREAM_ALL, progress=False)
     assert omni.generate("a dog").metadata["offload_config"]["components"] == ["dit", "text_encoder"]
-    omni.close()
+    omni.handle.remove()
     meta = omni.generate("a dog").metadata
     assert (meta["offload_config"], meta["offload_summary"]) == (None, None)
+    omni.close()
 
 
 def test_single_lora_path_or_spec_is_taken_as_one(monkeypatch, tmp_path: Path) -> None:

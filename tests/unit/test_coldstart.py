@@ -88,10 +88,12 @@ def test_flux_single_files_through_omni(flux_folder):
     a = cold.generate("a red fox", seed=3, num_inference_steps=2, height=32, width=32)
     b = plain.generate("a red fox", seed=3, num_inference_steps=2, height=32, width=32)
     assert (a.frames == b.frames).all()
-    cold.close()
-    plain.close()
+    cold.handle.remove()
+    plain.handle.remove()
     for name in ("transformer", "text_encoder", "text_encoder_2"):
         _assert_same_module(getattr(cold.pipeline, name), getattr(plain.pipeline, name))
+    cold.close()
+    plain.close()
 
 
 def _copy_folder(src: Path, dst: Path) -> Path:

@@ -123,3 +123,34 @@ def test_setup_logging_installs_one_handler(monkeypatch, capsys):
     assert sum(type(h).__name__ == "_StderrHandler" for h in package.handlers) == 1
     logging.getLogger("omni_dist_offload.plan").info("hello")
     assert capsys.readouterr().err == "[rank0] hello\n"
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"layer_options": {"dit": {"resident_blocks": [1]}}},  # a resident block's device buffer too
+    {"layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}},
+], ids=["streamed", "resident-block", "8-bit"])
+def test_discard_frees_the_offload_without_restoring_it(options):
+    """``discard()`` (what ``Omni.close()`` calls): hooks off, rings, slots and host copies freed,
+    every streamed tensor left empty; what did not stream is untouched. ``remove()`` after it,
+    or a second ``discard()``, does nothing."""
+    import gc
+    import weakref
+
+    model = ToyDiT(3)
+    outside = {name: p.detach().clone() for name, p in model.proj_in.named_parameters()}
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], **options})
+    with torch.no_grad():
+        model(torch.ones(2, 8))
+    rings = [weakref.ref(r) for r in handle.rings]
+    hooks = sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks)
+    assert hooks > 0 and handle.active
+    handle.discard()
+    assert not handle.active and handle.summary() == []
+    assert all(p.numel() == 0 for p in model.blocks.parameters())
+    assert sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks) == 0
+    assert all(torch.equal(p, outside[name]) for name, p in model.proj_in.named_parameters())
+    handle.discard()
+    handle.remove()
+    gc.collect()
+    assert all(r() is None for r in rings)

@@ -612,6 +612,10 @@ def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_
     from omni_dist_offload.app.serve.http import HttpServer
 
     omni = Omni("tiny-flux", CONFIG, progress=False)
+    # No key on an address others can reach: a warning.
+    HttpServer(Service(omni, DistContext(), ServeOptions(host="0.0.0.0", port=0), None))
+    assert "without an API key" in caplog.text
+    caplog.clear()
     with in_process(omni, ServeOptions(port=0, api_key="s3cret")) as service:
         port = service.options.port
         for path, body in ((IMAGES, {"prompt": "x"}), ("/v1/models", None), ("/metrics", None)):
@@ -626,10 +630,6 @@ def test_an_api_key_guards_every_endpoint_but_health_and_a_full_queue_says_when_
         status, headers, answer = _request(port, IMAGES, {"prompt": "x"}, "s3cret")
         assert (status, answer["error"]["code"], headers.get("retry-after")) == (429, "queue_full", "1")
         service.submit = real_submit
-    # No key on an address others can reach: a warning.
-    caplog.clear()
-    HttpServer(Service(omni, DistContext(), ServeOptions(host="0.0.0.0", port=0), None))
-    assert "without an API key" in caplog.text
 
 
 def _until(condition, timeout: float = 60) -> None:
