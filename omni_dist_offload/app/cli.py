@@ -420,9 +420,9 @@ def _cmd_generate(plan: RunPlan) -> int:
                 if omni.handle is not None and any(r.tracer is not None for r in omni.handle.rings):
                     print(summary_line(omni.handle.trace_report()), flush=True)
         except BaseException:
-            # In lockstep the other ranks wait in this wave's collectives: a collective teardown
-            # (remove() gathers the blocks back) would not match theirs, and gloo would abort (NCCL
-            # hang) before this error is seen. Leave without it: the exit ends the job.
+            # In lockstep the other ranks wait in this wave's collectives: a teardown that
+            # destroys the process groups (close() does) would not match theirs, and gloo would
+            # abort (NCCL hang) before this error is seen. Leave without it: the exit ends the job.
             teardown = not (ctx.world_size > 1 and omni.lockstep)
             raise
         finally:
