@@ -743,6 +743,8 @@ class BlockRing:
             # the outermost autocast region ends, keyed by the parameter: for streamed blocks
             # that would hold a copy of every block's weights on the device, the memory
             # offloading frees. Dropped after each streamed block; a recast is bitwise the same.
+            # torch has no per-tensor eviction: the non-block and resident copies go too and are
+            # cast again at their next use (docs/design.md, peak device memory).
             torch.clear_autocast_cache()
         if getattr(_parametrize, "_cache_enabled", 0):
             # Likewise parametrize.cached(): it keeps each parametrized weight it computed, which
@@ -1290,6 +1292,7 @@ class BlockRing:
             dst = torch.empty(need, dtype=torch.uint8, device=self.device)
         else:
             raise RuntimeError(f"{self.component.name}: no slot to bring block {self.layouts[i].name} in through")
+        # fill() records its ready event; this one-off is synchronised at once (plan time, never per block).
         self.transfer.fill(i, dst, None, torch.cuda.Event() if self._cuda else None)
         if self._cuda:
             torch.cuda.synchronize(self.device)

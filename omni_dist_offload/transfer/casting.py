@@ -119,6 +119,7 @@ class CastingTransfer:
             stage = self._scratch(need)
         for i in new:
             staged = stage[: self.inner.device_nbytes(i)]
+            # fill() records its ready event; synchronised just below (plan time, never per block).
             ready = torch.cuda.Event() if self._copy is not None else None
             self.inner.fill(i, staged, None, ready)
             if ready is not None:
