@@ -11,20 +11,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .app.api import GenerationOptionError, Omni
+    from .app.api import GenerationOptionError, LoraSpec, Omni
     from .apply import OffloadHandle, RingSummary, apply_offload
     from .config import LayerOptions, OffloadConfig, OffloadConfigError
     from .plan import OffloadPlan
 
 # Loaded on first use (PEP 562): ``python -m omni_dist_offload`` and the ``omni-offload``
 # script decide how to start (see ``__main__.py``) before torch and diffusers are imported.
-_WHERE = {"Omni": ".app.api", "GenerationOptionError": ".app.api", "OffloadHandle": ".apply", "RingSummary": ".apply",
+_WHERE = {"Omni": ".app.api", "GenerationOptionError": ".app.api", "LoraSpec": ".app.api",
+          "OffloadHandle": ".apply", "RingSummary": ".apply",
           "apply_offload": ".apply", "LayerOptions": ".config", "OffloadConfig": ".config",
           "OffloadConfigError": ".config", "OffloadPlan": ".plan"}
 
 __all__ = [
     "GenerationOptionError",
     "LayerOptions",
+    "LoraSpec",
     "OffloadConfig",
     "OffloadConfigError",
     "OffloadHandle",

@@ -66,7 +66,7 @@ from .transfer.sharding import (
     write_shard,
 )
 
-__all__ = ["OffloadHandle", "RingSummary", "apply_offload", "resolve_device"]
+__all__ = ["OffloadHandle", "RingSummary", "apply_offload", "checked_device", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -605,7 +605,7 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
             raise OffloadConfigError(f"{flag} must be True or False (or None), found {value!r} "
                                      f"({type(value).__name__}).")
     cfg = OffloadConfig.parse(config)
-    dev = _checked_device(device)
+    dev = checked_device(device)
     modules = _fresh_modules(target)
     components = discover(target, cfg, plan)
     for c in components:
@@ -798,7 +798,9 @@ def _check_cast(stored: torch.dtype, dev: torch.device) -> None:
             f"({type(exc).__name__}: {exc}); drop storage_dtype or use another device.") from None
 
 
-def _checked_device(device: torch.device | str | None) -> torch.device:
+def checked_device(device: torch.device | str | None) -> torch.device:
+    """``device`` resolved, or an :class:`OffloadConfigError` naming what this host has: a CUDA
+    device that is visible, or the CPU (what :func:`apply_offload` checks first)."""
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     where = f"{visible} CUDA device(s) visible" if visible else "no CUDA device visible"
     try:

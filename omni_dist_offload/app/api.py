@@ -25,10 +25,11 @@ import math
 import numbers
 import os
 import platform
+import re
 import threading
 import time
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,7 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..apply import OffloadHandle, RingSummary, resolve_device
+# checked_device: apply_offload's own device check, so that Omni refuses a device alike with a
+# config or without.
+from ..apply import OffloadHandle, RingSummary, checked_device, resolve_device
 from ..config import OffloadConfig, OffloadConfigError
 from ..loading.adapters import AdapterError, CacheSpec, LoraSpec, enable_cache, load_loras
 from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
@@ -52,6 +55,7 @@ from ..loading.parallel import (
 from ..loading.pipelines import (
     DTYPES,
     ModelLoadError,
+    check_load_kwargs,
     format_bytes,
     load_and_place,
     module_components,
@@ -66,6 +70,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "DTYPES",
     "GenerationOptionError",
+    "LoraSpec",
     "MAX_SEED",
     "ModelLoadError",
     "Omni",
@@ -92,6 +97,10 @@ _POSITIVE_INTS = ("num_inference_steps", "height", "width", "num_frames", "max_s
 
 # Outputs per prompt: generate makes, returns and records one.
 _PER_PROMPT = ("num_images_per_prompt", "num_videos_per_prompt")
+
+# Negative prompts, one per prompt: negative_prompt, and negative_prompt_2/_3 of pipelines with
+# several text encoders.
+_NEGATIVE_PROMPT = re.compile(r"negative_prompt(_\d+)?")
 
 
 class GenerationOptionError(ValueError):
@@ -180,7 +189,7 @@ class Omni:
 
     def __init__(
         self,
-        model: str = "tiny-wan",
+        model: str | os.PathLike[str] = "tiny-wan",
         diffusion_offload_config: OffloadConfig | Mapping[str, Any] | str | None = None,
         *,
         device: torch.device | str | None = None,
@@ -190,7 +199,8 @@ class Omni:
         cold_start: bool = True,
         device_budget: int | str | None = None,
         compile: bool | str | None = None,
-        lora: Sequence[str | Mapping[str, Any] | LoraSpec] = (),
+        lora: str | os.PathLike[str] | Mapping[str, Any] | LoraSpec
+              | Iterable[str | os.PathLike[str] | Mapping[str, Any] | LoraSpec] = (),
         cache: str | Mapping[str, Any] | CacheSpec | None = None,
         storage_dtype: str | None = None,
         upcast: str | None = None,
@@ -198,7 +208,10 @@ class Omni:
     ) -> None:
         """``dtype`` defaults to bfloat16 on a GPU and float32 on the CPU. ``progress`` shows
         denoising and setup progress bars (on the ranks ``LOG_RANK`` names, default 0).
-        ``load_kwargs`` go to ``from_pretrained``.
+        ``load_kwargs`` go to ``from_pretrained`` (not the dtype, which is ``dtype``; none for a
+        built-in, which is built in code). ``device`` is a CUDA device or the CPU, checked as
+        :func:`apply_offload` checks it (:class:`OffloadConfigError`), and ``dtype`` one of
+        :data:`DTYPES`, before anything loads, as are the arguments' types (``TypeError``).
         ``cold_start=False`` loads a folder whole before offloading it (the slower, memory-hungry
         path; for comparison and debugging). ``device_budget`` (bytes, ``"24GiB"``, ``"auto"``)
         sets the config's ``device_budget``; without a config it streams the DiT within it.
@@ -231,6 +244,16 @@ class Omni:
         # back into this object is not deadlocked.
         self._lock = threading.RLock()
         self._generating = False
+        # A folder given as a path object is kept (and recorded in the metadata) as its string.
+        self.model = model = _model_name(model)
+        for flag, value in (("cold_start", cold_start), ("progress", progress)):
+            if not isinstance(value, bool):  # "no" would read as true
+                raise TypeError(f"{flag} must be True or False, found {type(value).__name__} {value!r}.")
+        # The device and dtype before anything loads: torch would refuse a device this host lacks
+        # only once the whole model is built (resident), an integer dtype deep in the cast.
+        self.device = checked_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        load_kwargs = check_load_kwargs(model, load_kwargs)
         split = ContextParallel.parse(context_parallel)
         self.cache = CacheSpec.parse(cache) if cache is not None else None
         if split is not None:  # before anything loads
@@ -238,12 +261,9 @@ class Omni:
             check_ranks(split)
             check_attention_backend(split)  # the loaded model's processors attend with the active one
         self.compile = resolve_compile(compile)
-        single = isinstance(lora, (str, os.PathLike, Mapping, LoraSpec))
-        self.loras = [LoraSpec.parse(x) for x in ([lora] if single else lora)]
+        self.loras = _lora_specs(lora)
         for spec in self.loras:
             spec.check()
-        # A folder given as a path object is kept (and recorded in the metadata) as its string.
-        self.model = model = os.fspath(model) if isinstance(model, os.PathLike) else model
         self.config = with_upcast(with_storage(with_budget(diffusion_offload_config, device_budget), storage_dtype),
                                   upcast)
         dit_per_layer = self.config is not None and "dit" in self.config.components \
@@ -262,8 +282,6 @@ class Omni:
                 f"compile={self.compile!r} with the DiT's upcast \"layer\": the per-layer upcast swaps each "
                 "layer's tensors inside the block, which a compiled block does not follow. Use upcast \"block\" "
                 "(the default) with compile, or do not compile.")
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,
                                 load_kwargs=load_kwargs, cold_start=cold_start,
                                 progress=progress and is_logged_rank())
@@ -328,7 +346,8 @@ class Omni:
 
     def call_kwargs(self, **options: Any) -> dict[str, Any]:
         """The keyword arguments ``generate`` passes to the pipeline for these options, checked
-        against its ``__call__``; raises :class:`GenerationOptionError` for one it does not take."""
+        against its ``__call__``; raises :class:`GenerationOptionError` for one it does not take
+        or a value it refuses before anything runs (see :meth:`generate`)."""
         self._check_open()
         given = {k: v for k, v in options.items() if v is not None}
         params = self._signature.parameters
@@ -356,6 +375,12 @@ class Omni:
                     f"{key} holds {value.shape[0]} prompts (shape {tuple(value.shape)}): Omni.generate makes, "
                     "returns and records one output per call; pass one prompt's embeddings (batch size 1) "
                     "and call generate once per prompt.")
+            if _NEGATIVE_PROMPT.fullmatch(key) and not _one_prompt(value):
+                # The pipelines take a list of as many as the prompts, and Flux's drops the rest
+                # (and runs them all); a number fails mid-run.
+                raise GenerationOptionError(
+                    f"{key}={value!r}: the prompt is one string, so the negative prompt is one too: give a "
+                    "string (or a list of one string), or None for none.")
             if key in _POSITIVE_INTS:
                 number = _whole_number(value)
                 if number is None or number < 1:
@@ -389,9 +414,10 @@ class Omni:
         (an integer from 0 to :data:`MAX_SEED`), a prompt that is not one string, an ``fps``
         that is not a positive integer, ``num_images_per_prompt``/``num_videos_per_prompt``
         other than 1, a size, step or frame count that is not a positive integer, a
-        ``guidance_scale`` that is not a real number, a non-finite number (Python, numpy or 0-d
-        tensor) or an option the pipeline does not take, and for one its own input check
-        refuses (a height its sizes do not divide, say)."""
+        ``guidance_scale`` that is not a real number, a ``negative_prompt`` that is not one string
+        (or a list of one), a non-finite number (Python, numpy or 0-d tensor) or an option the
+        pipeline does not take, and for one its own input check refuses (a height its sizes do
+        not divide, say)."""
         number = _whole_number(seed)
         if number is None or not 0 <= number <= MAX_SEED:
             raise GenerationOptionError(f"seed {seed!r} is not one torch's generator takes: give an "
@@ -554,6 +580,15 @@ class Omni:
                 self._cached = []
                 self.compiled = []
 
+    def __copy__(self) -> Omni:
+        raise _not_copied()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Omni:
+        raise _not_copied()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_copied()
+
     @property
     def _offloaded(self) -> bool:
         """Whether the offload is in place (``omni.handle.remove()`` undoes it, the handle kept)."""
@@ -574,6 +609,43 @@ class Omni:
             self.close()
         except Exception:  # noqa: BLE001 - the error that left the block is the one to see
             logger.warning("closing %s after %s failed", self.model, exc_type.__name__, exc_info=True)
+
+
+def _not_copied() -> TypeError:
+    """The error for ``copy.copy``, ``copy.deepcopy`` or pickling an :class:`Omni`."""
+    return TypeError(
+        "an Omni cannot be copied (copy.copy or copy.deepcopy) or pickled: it owns its pipeline, the offload "
+        "handle and the lock its generations take, which a copy would share (its close() would free this "
+        "one's offload) or lose. Build another Omni with the same arguments (in another process: build it "
+        "there), or share this one: its generations run one at a time.")
+
+
+def _model_name(model: Any) -> str:
+    """``model`` as the string it is loaded and recorded by (a path object's string)."""
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a built-in name {list(BUILTIN_MODELS)}, a diffusers folder (a str or "
+                        f"Path) or a hub id, found {type(model).__name__} {model!r}.")
+    return model
+
+
+def _lora_specs(lora: Any) -> list[LoraSpec]:
+    """``lora=`` as specs: one LoRA (a path, ``PATH:SCALE``, a dict, a :class:`LoraSpec`) or an
+    iterable of them. Raises ``TypeError`` for anything else."""
+    if isinstance(lora, (str, os.PathLike, Mapping, LoraSpec)):
+        return [LoraSpec.parse(lora)]
+    if not isinstance(lora, Iterable):
+        raise TypeError(f"lora must be a path, 'PATH:SCALE', {{'path': ..., 'scale': ...}}, a LoraSpec or a list of "
+                        f"them, found {type(lora).__name__} {lora!r}.")
+    return [LoraSpec.parse(x) for x in lora]
+
+
+def _one_prompt(value: Any) -> bool:
+    """Whether ``value`` is one prompt: a string, or a list or tuple of one string."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return isinstance(value, str)
 
 
 def _raised_in(exc: BaseException, function: str) -> bool:

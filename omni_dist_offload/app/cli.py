@@ -37,6 +37,7 @@ from ..loading.compiling import COMPILE_MODES
 from ..loading.parallel import ContextParallel, ContextParallelError, check_attention_backend, check_cache
 from ..loading.folders import pipeline_class
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
+from ..models import BUILTIN_MODELS
 from ..runtime.dist import destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser as _Parser
 from ..runtime.flags import (
@@ -64,6 +65,7 @@ DEFAULT_MODEL = "tiny-wan"
 DEFAULT_OFFLOAD_CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
 DEFAULT_PROMPT = "a red fox running through snow"
 _COMMANDS = ("generate", "inspect", "bench", "serve")
+_BUILTINS = ", ".join(BUILTIN_MODELS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Keep the offloaded pipeline warm and answer OpenAI-style "
                                 "image and video generation requests over HTTP; under torchrun rank 0 "
                                 "serves and every rank generates (docs/serving.md).")
-    _add_model_flags(serve)
+    _add_model_flags(serve, split=False)  # serve runs each request on one rank (or one wave of ranks)
     add_serve_flags(serve)
     # Listed for --help only: main() hands bench's flags to bench.py, which parses its own.
     commands.add_parser("bench", add_help=False, help="time resident, diffusers group offloading "
@@ -117,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+def _add_model_flags(parser: argparse.ArgumentParser, *, split: bool = True) -> None:
+    """The flags that say which model loads and how it runs; ``split``: with the context-parallel
+    degrees, which split one call across ranks."""
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="built-in name (tiny-wan, tiny-flux), local diffusers folder, or hub "
+                        help=f"built-in name ({_BUILTINS}), local diffusers folder, or hub "
                         "id whose weights are cached (default: %(default)s)")
     offload = parser.add_mutually_exclusive_group()
     offload.add_argument("--diffusion-offload-config", default=DEFAULT_OFFLOAD_CONFIG, metavar="JSON",
@@ -139,12 +143,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         "into a slot in the model's dtype, off the compute stream) or layer (blocks stay 8-bit "
                         "on the device, each layer upcast as it runs, so a device budget holds twice the blocks; "
                         "sets upcast for the DiT in the offload config)")
-    parser.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
-                        help="under torchrun: split each sample of the DiT across N ranks with diffusers' "
-                        "context parallelism (Ulysses attention); groups of N ranks run one prompt each")
-    parser.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
-                        help="the same with ring attention (needs a flash, cuDNN or sage attention backend: "
-                        "DIFFUSERS_ATTN_BACKEND=flash, say)")
+    if split:
+        parser.add_argument("--ulysses-degree", type=positive_int, default=1, metavar="N",
+                            help="under torchrun: split each sample of the DiT across N ranks with diffusers' "
+                            "context parallelism (Ulysses attention); groups of N ranks run one prompt each")
+        parser.add_argument("--ring-degree", type=positive_int, default=1, metavar="N",
+                            help="the same with ring attention (needs a flash, cuDNN or sage attention backend: "
+                            "DIFFUSERS_ATTN_BACKEND=flash, say)")
     parser.add_argument("--device", default=None,
                         help="cuda, cuda:N or cpu (default: the rank's GPU, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -311,10 +316,9 @@ def _validate(ns: argparse.Namespace) -> RunPlan:
         cache = CacheSpec.parse(ns.cache) if ns.cache is not None else None
     except AdapterError as exc:
         raise UsageError(str(exc)) from None
-    context_parallel = ContextParallel.parse({"ulysses_degree": ns.ulysses_degree, "ring_degree": ns.ring_degree})
-    if context_parallel is not None and ns.command == "serve":
-        raise UsageError("serve runs each request on one rank (or one wave of ranks), not split across "
-                         "ranks: drop --ulysses-degree/--ring-degree.")
+    # serve has no degrees: it runs each request on one rank (or one wave of ranks).
+    context_parallel = ContextParallel.parse({"ulysses_degree": getattr(ns, "ulysses_degree", 1),
+                                              "ring_degree": getattr(ns, "ring_degree", 1)})
     try:
         check_cache(context_parallel, cache, flags=True)  # --cache first-block does not run split
         if context_parallel is not None:  # DIFFUSERS_ATTN_BACKEND, or --ring-degree on torch's SDPA
@@ -385,7 +389,7 @@ def _check_model(model: str) -> None:
     path = Path(model).expanduser()
     if model.startswith((".", "/", "~")) and not path.is_dir():
         raise UsageError(f"--model {model!r}: no such folder; give a diffusers folder, a hub id or "
-                         "a built-in name (tiny-wan, tiny-flux).")
+                         f"a built-in name ({_BUILTINS}).")
 
 
 def _check_device(device: str | None) -> None:
@@ -496,8 +500,9 @@ def plan_rows(omni: Omni) -> list[dict[str, Any]]:
             "host_bytes": ring.host_bytes if ring else 0,
             "device_slot_bytes": ring.device_slot_bytes if ring else 0,
             # What stays on the device: the tensors outside the blocks, and the ring's resident
-            # blocks and kept parts as it holds them.
-            "resident_bytes": outside + (ring.resident_bytes if ring else 0),
+            # blocks and kept parts as it holds them (summary's resident_bytes counts the latter
+            # only, hence another name).
+            "on_device_bytes": outside + (ring.resident_bytes if ring else 0),
             "weight_transfer": ring.weight_transfer if ring else None,
             "gather": ring.gather if ring else None,
             "fallback_reason": ring.fallback_reason if ring else None,
@@ -543,14 +548,14 @@ def _fmt_stored(row: dict[str, Any]) -> str:
 def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
     """The plan as a fixed-width table, with a header and device totals."""
     # "resident": how many blocks the plan keeps on the device (summary's resident_blocks);
-    # "on-device": the bytes that stay there (resident_bytes), beside "slots".
+    # "on-device": the bytes that stay there (on_device_bytes), beside "slots".
     header = ["component", "category", "class", "blocks", "resident", "streamed", "share", "host", "slots",
               "on-device", "budget", "transfer", "stored", "found", "setup", "fallback"]
     table = [header] + [[
         r["component"], r["category"], r["module_class"], str(r["num_blocks"]), _fmt_resident(r),
         _fmt_bytes(r["block_bytes"]), f"{100 * r['streamed_share']:.0f}%" if r["weight_transfer"] else "-",
         _fmt_bytes(r["host_bytes"]), _fmt_bytes(r["device_slot_bytes"]),
-        _fmt_bytes(r["resident_bytes"]), _fmt_budget(r), _fmt_transfer(r),
+        _fmt_bytes(r["on_device_bytes"]), _fmt_budget(r), _fmt_transfer(r),
         _fmt_stored(r),
         {"built-in table": "table"}.get(r["found_by"], r["found_by"] or "-"), _fmt_setup(r),
         r["fallback_reason"] or "-",
@@ -561,7 +566,7 @@ def format_plan(omni: Omni, rows: list[dict[str, Any]]) -> str:
                        for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
              for line in table]
     config = json.dumps(omni.config.to_dict()) if omni.config else "none (all resident)"
-    device_bytes = sum(r["resident_bytes"] + r["device_slot_bytes"] for r in rows)
+    device_bytes = sum(r["on_device_bytes"] + r["device_slot_bytes"] for r in rows)
     host_bytes = sum(r["host_bytes"] for r in rows)
     shared = [r for r in rows if r.get("shared_host_bytes") is not None]
     host_total = (f"; shared with the other ranks of this host: {_fmt_bytes(sum(r['shared_host_bytes'] for r in shared))} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,14 +44,24 @@ class LoraSpec:
     """One LoRA file (or a folder holding ``pytorch_lora_weights.safetensors``) and its scale."""
 
     path: str
+    """Kept as a string: a ``Path`` (or any path object) given here is converted, so that the
+    spec loads, compares and is recorded in the metadata alike."""
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)):
+            raise TypeError(f"a LoRA's path is a str or a Path, found {type(self.path).__name__} {self.path!r}.")
+        object.__setattr__(self, "path", os.fsdecode(self.path))
+
     @classmethod
-    def parse(cls, value: str | Mapping[str, Any] | LoraSpec) -> LoraSpec:
+    def parse(cls, value: str | os.PathLike[str] | Mapping[str, Any] | LoraSpec) -> LoraSpec:
         """``PATH`` or ``PATH:SCALE`` (the scale is what follows the last ``:``, when it is a
         number), or ``{"path": ..., "scale": ...}``."""
         if isinstance(value, LoraSpec):
             return value
+        if not isinstance(value, (str, os.PathLike, Mapping)):
+            raise TypeError(f"a LoRA is a path, 'PATH:SCALE', {{'path': ..., 'scale': ...}} or a LoraSpec; "
+                            f"found {type(value).__name__} {value!r}.")
         if isinstance(value, Mapping):
             unknown = set(value) - {"path", "scale"}
             if unknown or "path" not in value:

@@ -191,6 +191,9 @@ def load_offloaded(
     cold-started, and offload it. Returns ``(pipeline, handle)``. ``dtype``: as ``Omni``'s
     (``None``: bfloat16 on a GPU, float32 on the CPU). Collective under allgather, like
     :func:`~omni_dist_offload.apply.apply_offload`."""
+    if "torch_dtype" in load_kwargs:  # from_pretrained would get the dtype twice
+        raise ValueError("load_offloaded(torch_dtype=...): the dtype is load_offloaded's own argument: "
+                         "pass dtype=... instead.")
     dev = resolve_device(device)
     dtype = resolve_dtype(dtype, dev)
     folder, reason = cold_start_folder(str(model), load_kwargs)

@@ -21,12 +21,17 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """``None``: bfloat16 on a GPU, float32 on the CPU; names from :data:`DTYPES`."""
-    if dtype is None or dtype == "auto":
+    """``None``: bfloat16 on a GPU, float32 on the CPU; names from :data:`DTYPES`, or one of
+    its torch dtypes (the pipeline runs in it: an integer or 8-bit dtype is refused)."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            runs = sorted({str(d).removeprefix("torch.") for d in DTYPES.values()})
+            raise ValueError(f"dtype {dtype} is not one a pipeline runs in: use one of {runs} "
+                             f"(torch.bfloat16, say; 8-bit host storage is storage_dtype=).")
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {['auto', *DTYPES]}.")
     return DTYPES[dtype]
 

@@ -37,6 +37,7 @@ __all__ = [
     "DTYPES",
     "LoadedPipeline",
     "ModelLoadError",
+    "check_load_kwargs",
     "format_bytes",
     "load_and_place",
     "load_pipeline",
@@ -48,6 +49,35 @@ logger = logging.getLogger(__name__)
 
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says what was tried."""
+
+
+#: ``from_pretrained`` keywords the loader sets itself from the run dtype.
+_DTYPE_KWARGS = ("dtype", "torch_dtype")
+
+
+def check_load_kwargs(model: str, load_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``load_kwargs`` as a dict, checked before anything loads: a mapping of keyword names,
+    none of them the dtype (the loader passes the run dtype itself, and ``from_pretrained``
+    would get it twice), and none for a built-in model (built in code, never loaded). Raises
+    ``TypeError`` or ``ValueError`` naming the fix."""
+    if load_kwargs is None:
+        return {}
+    if not isinstance(load_kwargs, Mapping):
+        raise TypeError(f"load_kwargs must be a dict of from_pretrained's keyword arguments, found "
+                        f"{type(load_kwargs).__name__} {load_kwargs!r}: pass e.g. {{'variant': 'fp16'}}, or None.")
+    names = [key for key in load_kwargs if not isinstance(key, str)]
+    if names:
+        raise TypeError(f"load_kwargs keys are from_pretrained's keyword names (strings), found {names!r}.")
+    given = [key for key in _DTYPE_KWARGS if key in load_kwargs]
+    if given:
+        raise ValueError(f"load_kwargs sets {given[0]!r}, which the loader sets itself from the run dtype: "
+                         "drop it and pass the dtype as Omni(dtype=...) (e.g. dtype=torch.bfloat16 or "
+                         "'bfloat16'; CLI --dtype).")
+    if load_kwargs and os.fspath(model) in BUILTIN_MODELS:
+        raise ValueError(f"load_kwargs {sorted(load_kwargs)} go to from_pretrained, and the built-in {model!r} "
+                         "is built in code, not loaded: drop load_kwargs (the run dtype is Omni(dtype=...)), "
+                         "or save it with save_pretrained and give that folder.")
+    return dict(load_kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +106,9 @@ def load_and_place(
 ) -> LoadedPipeline:
     """Load ``model`` and stream it with ``config`` (cold-started where it can be), or move it
     whole to ``device`` when ``config`` is None. ``progress`` shows the offload setup's bars.
-    Collective under allgather."""
+    ``load_kwargs`` are checked first (:func:`check_load_kwargs`). Collective under allgather."""
     model = os.fspath(model)
-    kwargs = dict(load_kwargs or {})
+    kwargs = check_load_kwargs(model, load_kwargs)
     start = time.perf_counter()
     cold = None
     if config is not None and cold_start and model not in BUILTIN_MODELS:
@@ -132,6 +162,7 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
                   progress: bool = True) -> Any:
     """Build a built-in pipeline, or load a local folder or hub id, on the host in ``dtype``.
     ``progress=False`` hides diffusers' and transformers' loading bars while it loads."""
+    load_kwargs = check_load_kwargs(model, load_kwargs)
     if model in BUILTIN_MODELS:
         pipe = BUILTIN_PIPELINES[model]()
         if dtype != torch.float32:

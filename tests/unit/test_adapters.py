@@ -136,3 +136,22 @@ def test_a_missing_lora_file_is_refused_before_the_model_loads(tmp_path, monkeyp
     monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(AdapterError, match="no such file or folder"):
         Omni("tiny-wan", STREAMED, device="cpu", lora=[str(tmp_path / "missing.safetensors")])
+
+
+def test_a_lora_spec_holding_a_path_loads(lora_files):
+    """LoraSpec(Path(...)) passed the early check, then failed with a TypeError once the model
+    was loaded and offloaded: the path is kept as its string. LoraSpec is importable from the
+    package, as the README presents it."""
+    from pathlib import Path
+
+    import omni_dist_offload
+
+    assert omni_dist_offload.LoraSpec is LoraSpec and "LoraSpec" in omni_dist_offload.__all__
+    spec = LoraSpec(Path(lora_files[1]), 0.8)
+    assert spec == LoraSpec(lora_files[1], 0.8) and type(spec.path) is str
+    assert LoraSpec.parse(Path(lora_files[0])).path == lora_files[0]
+    with pytest.raises(TypeError, match="a LoRA's path is a str or a Path, found int 5"):
+        LoraSpec(5)
+    with Omni("tiny-wan", STREAMED, device="cpu", progress=False, lora=spec) as omni:
+        assert omni.loras == [LoraSpec(lora_files[1], 0.8)]
+        assert [n for n, _ in omni.pipeline.transformer.named_parameters() if "lora_" in n]

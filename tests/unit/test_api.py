@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -379,7 +380,7 @@ def test_one_output_per_call_refused_before_compute(wan, wan_reference, monkeypa
     (dict(max_sequence_length=0), "max_sequence_length=0 is not a positive integer"),
     (dict(guidance_scale="5"), "guidance_scale='5' is not a real number"),
     (dict(guidance_scale=True), "guidance_scale=True is not a real number"),
-    (dict(negative_prompt=["a", "b"]), r"WanPipeline \(tiny-wan\) refused the options .*negative_prompt"),
+    (dict(negative_prompt=["a", "b"]), r"negative_prompt=\['a', 'b'\]: the prompt is one string, so the negative"),
     (dict(guidance_scale=np.float32("nan")), "guidance_scale=nan is not a finite number"),
     (dict(guidance_scale=np.array(float("inf"))), "guidance_scale=inf is not a finite number"),
     (dict(guidance_scale=torch.tensor(float("nan"))), "guidance_scale=nan is not a finite number"),
@@ -486,3 +487,92 @@ def test_numpy_and_tensor_numbers_are_recorded_in_the_sidecar() -> None:
             kwargs = flux.generate("a cat", seed=1, negative_prompt="blurry", true_cfg_scale=value,
                                    num_inference_steps=1).metadata["pipeline_kwargs"]
             assert kwargs["true_cfg_scale"] == 2.0 and type(kwargs["true_cfg_scale"]) is float, kwargs
+
+
+# -- what Omni(...) refuses before anything loads ------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(model=123), TypeError, r"model must be a built-in name \['tiny-wan', .*found int 123"),
+    (dict(model=None), TypeError, "model must be a built-in name .*found NoneType None"),
+    (dict(dtype=torch.int8), ValueError, r"dtype torch.int8 is not one a pipeline runs in: use one of \['bfloat16'"),
+    (dict(dtype=torch.float8_e4m3fn), ValueError, "8-bit host storage is storage_dtype="),
+    (dict(lora=5), TypeError, "lora must be a path, 'PATH:SCALE', .* found int 5"),
+    (dict(lora=[5]), TypeError, "a LoRA is a path, 'PATH:SCALE', .* found int 5"),
+    (dict(load_kwargs=5), TypeError, "load_kwargs must be a dict of from_pretrained's keyword arguments, found int"),
+    (dict(load_kwargs={1: 2}), TypeError, r"load_kwargs keys are from_pretrained's keyword names \(strings\)"),
+    (dict(cold_start="no"), TypeError, "cold_start must be True or False, found str 'no'"),
+    (dict(progress="yes"), TypeError, "progress must be True or False, found str 'yes'"),
+    (dict(device="mps"), OffloadConfigError, "device mps is not supported: use a CUDA device or 'cpu'"),
+    (dict(device="cuda:100"), OffloadConfigError, "device cuda:100: .* use"),
+    (dict(device="nowhere"), OffloadConfigError, "device 'nowhere' is not a device here"),
+    (dict(load_kwargs={"variant": "fp16"}), ValueError,
+     r"load_kwargs \['variant'\] go to from_pretrained, and the built-in 'tiny-flux' is built in code, not loaded"),
+    (dict(load_kwargs={"dtype": torch.bfloat16}), ValueError, "load_kwargs sets 'dtype'"),
+])
+@pytest.mark.parametrize("config", [None, STREAM_ALL], ids=["resident", "streamed"])
+def test_bad_constructor_arguments_are_refused_before_anything_loads(monkeypatch, kwargs, error, words,
+                                                                     config) -> None:
+    """Each named, not a torch error from deep in the load or the cast (or, for a device this host
+    lacks, after the whole model was built resident); a truthy string is not a bool."""
+    import omni_dist_offload.app.api as api
+
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(error, match=words) as raised:
+        Omni(**{"model": "tiny-flux", "diffusion_offload_config": config, **kwargs})
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_dtype_in_load_kwargs_is_refused_before_a_folder_loads(monkeypatch, tmp_path: Path, key) -> None:
+    """Omni passes its run dtype to from_pretrained: load_kwargs' own gave a raw TypeError
+    ("multiple values for keyword argument") or a ModelLoadError whose advice did not fit."""
+    import omni_dist_offload.app.api as api
+    import omni_dist_offload.loading.pipelines as pipelines
+
+    monkeypatch.setattr(pipelines, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(pipelines, "_prepare_cold_start", lambda *a, **k: pytest.fail("read the folder"))
+    for config in (None, STREAM_ALL):
+        with pytest.raises(ValueError, match=rf"load_kwargs sets '{key}', which the loader sets itself from the run "
+                                             r"dtype: drop it and pass the dtype as Omni\(dtype=\.\.\.\)"):
+            Omni(str(tmp_path), config, progress=False, load_kwargs={key: torch.bfloat16, "variant": "fp16"})
+        with pytest.raises(ValueError, match=f"load_kwargs sets '{key}'"):  # and the loader alone
+            pipelines.load_and_place(str(tmp_path), None, device=torch.device("cpu"), dtype=torch.float32,
+                                     load_kwargs={key: torch.bfloat16})
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(ValueError, match=rf"load_kwargs sets '{key}'.*Omni\(dtype="):
+        Omni("tiny-wan", None, load_kwargs={key: torch.bfloat16})  # a built-in took it and ran in float32
+    assert pipelines.check_load_kwargs("tiny-wan", {}) == {} and pipelines.check_load_kwargs("x", None) == {}
+
+
+def test_an_omni_is_not_copied_or_pickled(wan, wan_reference) -> None:
+    """copy.copy shared the pipeline, handle and lock, and close() on the copy freed this one's
+    offload; deepcopy and pickle failed on the lock. Refused, naming what to do, and the original
+    goes on."""
+    import copy
+    import pickle
+
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"an Omni cannot be copied \(copy.copy or copy.deepcopy\) or pickled: "
+                                            ".*Build another Omni with the same arguments"):
+            attempt(wan)
+    assert np.array_equal(wan.generate("a cat", seed=1).frames, wan_reference)
+
+
+def test_a_negative_prompt_is_one_prompt(wan, wan_reference, monkeypatch) -> None:
+    """The prompt is one string, so the negative prompt is one too: Flux ran a list of two (twice
+    the compute), dropped the second and recorded both; a number failed mid-run."""
+    calls = []
+    monkeypatch.setattr(type(wan.pipeline), "encode_prompt", lambda *a, **k: calls.append(1))
+    for value in (["a", "b"], ("a", "b"), [], 5, [5], ["a", None]):
+        _refused(wan, re.escape(f"negative_prompt={value!r}: the prompt is one string, so the negative prompt is "
+                                "one too: give a string"), negative_prompt=value)
+    assert calls == []
+    monkeypatch.undo()
+    one = wan.generate("a cat", seed=1, negative_prompt="blurry").frames
+    assert np.array_equal(wan.generate("a cat", seed=1, negative_prompt=["blurry"]).frames, one)
+    with Omni("tiny-flux", None, progress=False) as flux:
+        with pytest.raises(GenerationOptionError, match=r"negative_prompt=\['a', 'b'\]"):
+            flux.call_kwargs(negative_prompt=["a", "b"], true_cfg_scale=4.0)
+        with pytest.raises(GenerationOptionError, match="negative_prompt_2=5"):
+            flux.call_kwargs(negative_prompt="a", negative_prompt_2=5, true_cfg_scale=4.0)
+        assert flux.call_kwargs(negative_prompt=["a"])["negative_prompt"] == ["a"]

@@ -125,7 +125,10 @@ def test_inspect_json(capsys) -> None:
     assert rows["transformer"]["category"] == "resident" and rows["transformer"]["block_bytes"] == 0
 
 
-def test_inspect_resident_bytes_are_what_stays_on_the_device(capsys) -> None:
+def test_inspect_on_device_bytes_are_what_stays_on_the_device(capsys) -> None:
+    """``inspect --json``'s ``on_device_bytes`` counts the tensors outside the blocks as well as
+    the kept blocks, so it is not named ``resident_bytes``, which summary() uses for the kept
+    blocks alone."""
     def rows(*flags: str) -> dict:
         assert main(["inspect", "--model", "tiny-wan", "--json", *flags]) == 0
         return {r["component"]: r for r in json.loads(capsys.readouterr().out)}
@@ -133,15 +136,17 @@ def test_inspect_resident_bytes_are_what_stays_on_the_device(capsys) -> None:
     fp8 = ["--storage-dtype", "float8_e4m3fn"]
     streamed, streamed8 = rows(), rows(*fp8)
     kept, kept8 = rows("--device-budget", "300KiB"), rows("--device-budget", "300KiB", *fp8)
+    assert all("resident_bytes" not in row for row in [*streamed.values(), *kept.values()])
     for c in ("transformer", "text_encoder"):
-        outside = streamed[c]["resident_bytes"]  # every block streams: the tensors outside them
-        assert streamed8[c]["resident_bytes"] == outside  # whatever the blocks are stored in
+        outside = streamed[c]["on_device_bytes"]  # every block streams: the tensors outside them
+        assert outside > 0
+        assert streamed8[c]["on_device_bytes"] == outside  # whatever the blocks are stored in
         assert streamed[c]["streamed_share"] == streamed[c]["block_bytes"] / (outside + streamed[c]["block_bytes"])
         assert streamed8[c]["streamed_share"] == streamed8[c]["block_bytes"] / (outside + streamed8[c]["block_bytes"])
         # Every block kept: in the model's dtype, or as 8-bit images.
         assert kept[c]["num_blocks"] == kept8[c]["num_blocks"] == 0
-        assert kept[c]["resident_bytes"] == outside + streamed[c]["block_bytes"]
-        assert kept8[c]["resident_bytes"] == outside + streamed8[c]["block_bytes"]
+        assert kept[c]["on_device_bytes"] == outside + streamed[c]["block_bytes"]
+        assert kept8[c]["on_device_bytes"] == outside + streamed8[c]["block_bytes"]
 
 
 BAD_INPUT = {
@@ -252,6 +257,42 @@ def test_compile_flag(flags, expected):
 
     plan = _validate(build_parser().parse_args(["generate", "--prompt", "a fox", *flags]))
     assert plan.compile == expected
+
+
+def test_every_built_in_is_named_in_model_help_and_in_the_missing_folder_error(monkeypatch, tmp_path,
+                                                                                capsys) -> None:
+    """``--model``'s help and the missing-folder error list the built-ins from BUILTIN_MODELS
+    (they named two of three)."""
+    from omni_dist_offload.app.cli import build_parser
+    from omni_dist_offload.models import BUILTIN_MODELS
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", "./no-such-model"]) == 2
+    error = capsys.readouterr().err
+    for command in ("generate", "inspect", "serve"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"built-in name ({', '.join(BUILTIN_MODELS)})" in text, command
+    assert f"a built-in name ({', '.join(BUILTIN_MODELS)})" in error
+
+
+def test_serve_offers_no_context_parallel_degrees(capsys) -> None:
+    """serve runs each request on one rank (or a wave of ranks): it takes no
+    --ulysses-degree/--ring-degree, which it offered in --help only to refuse them."""
+    from omni_dist_offload.app.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    assert "--ulysses-degree" not in text and "--ring-degree" not in text
+    for flag in ("--ulysses-degree", "--ring-degree"):
+        assert main(["serve", "--model", "tiny-flux", flag, "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"unrecognized arguments: {flag} 2" in err[0], err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    assert "--ulysses-degree" in capsys.readouterr().out  # generate and inspect split
 
 
 def test_a_bad_compile_mode_exits_2(capsys):

@@ -528,3 +528,9 @@ def test_a_damaged_index_file_is_named_in_one_line(wan_folder, tmp_path, capsys,
     rc = main(["inspect", "--model", str(folder), *([] if cold else ["--no-cold-start"])])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err and str(target) in err, err
+
+
+def test_load_offloaded_takes_the_dtype_once(wan_folder):
+    # torch_dtype in the loader's keywords reached from_pretrained beside the dtype it passes.
+    with pytest.raises(ValueError, match=r"pass dtype=\.\.\. instead"):
+        load_offloaded(wan_folder, BOTH, device="cpu", torch_dtype=torch.float32)
