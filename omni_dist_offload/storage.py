@@ -118,17 +118,18 @@ def cast_layers(root: nn.Module) -> list[nn.Module]:
     walks them (a skipped name skips everything under it)."""
     patterns = skip_patterns(root)
     layers: list[nn.Module] = []
-
-    def walk(module: nn.Module, prefix: str) -> None:
+    # A loop, not a recursive closure: a nested function calling itself is a reference cycle,
+    # which would hold the layers it found (and their weights) until a garbage collection.
+    pending: list[tuple[nn.Module, str]] = [(root, "")]
+    while pending:
+        module, prefix = pending.pop()
         if any(re.search(p, prefix) for p in patterns):
-            return
+            continue
         if isinstance(module, _LAYERS):
             layers.append(module)
-            return
-        for name, child in module.named_children():
-            walk(child, f"{prefix}.{name}" if prefix else name)
-
-    walk(root, "")
+            continue
+        children = [(child, f"{prefix}.{name}" if prefix else name) for name, child in module.named_children()]
+        pending.extend(reversed(children))  # depth first, in order, as diffusers walks them
     return layers
 
 
@@ -386,6 +387,16 @@ def unhook_layerwise_casting(module: nn.Module) -> None:
     if hook is not None:
         hook.deinitalize_hook = lambda m: m
         registry.remove_hook(_LAYERWISE_CASTING_HOOK, recurse=False)
+        # diffusers leaves the hook and its function reference holding each other (and the
+        # module's bound forward), an empty registry and the class's forward bound on the
+        # instance: cycles through the module that only a garbage collection frees.
+        hook.fn_ref = None
+        if not registry.hooks:
+            del module._diffusers_hook
+        forward = vars(module).get("forward")
+        if getattr(forward, "__self__", None) is module and \
+                getattr(forward, "__func__", None) is getattr(type(module), "forward", None):
+            del module.forward
 
 
 def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_blocks: set[int]) -> StoredLayers:

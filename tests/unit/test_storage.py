@@ -758,3 +758,27 @@ def test_a_ctrl_c_inside_an_upcast_layer_leaves_no_layer_on_the_upcast_buffer(re
         hook.remove()
     handle.remove()  # the interrupted layers' 8-bit bytes, upcast for good
     assert torch.equal(model(**x)[0], want)
+
+
+@pytest.mark.parametrize("upcast", ["block", "layer"])
+def test_remove_leaves_every_module_as_it_was_and_frees_it_without_a_collection(upcast):
+    """Flux's layers outside the blocks are stored in 8 bits by diffusers' casting hook, whose
+    removal left an empty hook registry and the bound forward on each: cycles through the module
+    that kept its weights until a garbage collection."""
+    import gc
+    import weakref
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    before = {name: sorted(vars(m)) for name, m in model.named_modules()}
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"],
+                                   "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn", "upcast": upcast}}})
+    handle.remove()
+    assert {name: sorted(vars(m)) for name, m in model.named_modules()} == before
+    weight = weakref.ref(model.context_embedder.weight)
+    del handle
+    gc.disable()
+    try:
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
