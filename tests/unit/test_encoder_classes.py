@@ -8,6 +8,7 @@ import importlib
 import inspect
 import pkgutil
 import types
+from collections.abc import Iterator
 
 import diffusers.pipelines as pipelines_pkg
 import pytest
@@ -24,9 +25,9 @@ CONFIG = {"mode": "layer", "components": ["text_encoder"]}
 _NOT_CLASSES = {"None", "PreTrainedModel", "OnnxRuntimeModel"}
 
 
-def diffusers_text_encoder_classes() -> list[str]:
-    """Class names in the annotations of every pipeline's ``text_encoder*`` arguments."""
-    names: set[str] = set()
+def pipeline_arguments() -> Iterator[tuple[str, str, list[str]]]:
+    """``(pipeline class, argument, annotated class names)`` for every argument of every
+    diffusers pipeline's ``__init__``."""
     for info in pkgutil.walk_packages(pipelines_pkg.__path__, pipelines_pkg.__name__ + "."):
         if info.ispkg:
             continue
@@ -42,15 +43,15 @@ def diffusers_text_encoder_classes() -> list[str]:
             except (TypeError, ValueError):
                 continue
             for pname, param in params.items():
-                if not pname.startswith("text_encoder"):
-                    continue
                 note = param.annotation
                 text = note if isinstance(note, str) else getattr(note, "__name__", None) or str(note)
-                for part in text.split("|"):
-                    name = part.strip().rsplit(".", 1)[-1]
-                    if name.isidentifier() and name[0].isupper() and name not in _NOT_CLASSES:
-                        names.add(name)
-    return sorted(names)
+                yield cls.__name__, pname, [part.strip().rsplit(".", 1)[-1] for part in text.split("|")]
+
+
+def diffusers_text_encoder_classes() -> list[str]:
+    """Class names in the annotations of every pipeline's ``text_encoder*`` arguments."""
+    return sorted({name for _, pname, names in pipeline_arguments() if pname.startswith("text_encoder")
+                   for name in names if name.isidentifier() and name[0].isupper() and name not in _NOT_CLASSES})
 
 
 CLASSES = diffusers_text_encoder_classes()
@@ -67,29 +68,12 @@ def test_every_dit_or_text_encoder_a_pipeline_takes_is_named_by_its_attribute():
     from omni_dist_offload.plan import DIT_BLOCK_ALTERNATIVES, DIT_BLOCK_ATTRS, ENCODER_BLOCK_ATTRS, name_category
 
     wrong = []
-    for info in pkgutil.walk_packages(pipelines_pkg.__path__, pipelines_pkg.__name__ + "."):
-        if info.ispkg:
-            continue
-        try:
-            mod = importlib.import_module(info.name)
-        except ImportError:
-            continue
-        for cls in vars(mod).values():
-            if not (inspect.isclass(cls) and issubclass(cls, DiffusionPipeline) and cls.__module__ == mod.__name__):
-                continue
-            try:
-                params = inspect.signature(cls.__init__).parameters
-            except (TypeError, ValueError):
-                continue
-            for pname, param in params.items():
-                note = param.annotation
-                text = note if isinstance(note, str) else getattr(note, "__name__", None) or str(note)
-                for part in text.split("|"):
-                    name = part.strip().rsplit(".", 1)[-1]
-                    want = ("dit" if name in DIT_BLOCK_ATTRS or name in DIT_BLOCK_ALTERNATIVES else
-                            "text_encoder" if name in ENCODER_BLOCK_ATTRS else None)
-                    if want and name_category(pname) != want and (cls.__name__, pname) not in UNNAMED:
-                        wrong.append((cls.__name__, pname, name, want))
+    for pipeline, pname, names in pipeline_arguments():
+        for name in names:
+            want = ("dit" if name in DIT_BLOCK_ATTRS or name in DIT_BLOCK_ALTERNATIVES else
+                    "text_encoder" if name in ENCODER_BLOCK_ATTRS else None)
+            if want and name_category(pname) != want and (pipeline, pname) not in UNNAMED:
+                wrong.append((pipeline, pname, name, want))
     assert not wrong, f"(pipeline, attribute, class, category) the name fallback misses: {sorted(set(wrong))}"
 
 
