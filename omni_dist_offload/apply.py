@@ -292,11 +292,7 @@ class OffloadHandle:
             ring.release()
         for stored in self._stored:
             stored.unstore()
-        self._ring_refs = []
-        self._undo_moves = []
-        self._groups.close()
-        self._unmark()
-        self._removed = True
+        self._ended()
 
     def discard(self) -> None:
         """End the offload without bringing the model back, for when the model is done with:
@@ -317,7 +313,12 @@ class OffloadHandle:
             ring.release()
             for tensor in tensors.values():  # its data was a slot, a device buffer or host bytes
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self._ended()
+
+    def _ended(self) -> None:
+        """The end of :meth:`remove` and :meth:`discard`: nothing left to own or undo."""
         self._ring_refs = []
+        self._undo_moves = []
         self._groups.close()
         self._unmark()
         self._removed = True

@@ -470,7 +470,7 @@ class Omni:
             # diffusers' context-parallel split asserts the sequence divides by the group's size.
             # Every rank of the group fails there alike (same sizes, same plan), before any block
             # computes: the next generation starts afresh.
-            sharder = _sharder_frame(exc)
+            sharder = _raised_in(exc, "shard", "diffusers.hooks.context_parallel")
             if self.parallel is None or sharder is None:
                 raise
             raise self._unsplittable(call, sharder) from exc
@@ -648,24 +648,14 @@ def _one_prompt(value: Any) -> bool:
     return isinstance(value, str)
 
 
-def _raised_in(exc: BaseException, function: str) -> bool:
-    """Whether ``exc`` passed through a frame of a function of that name (diffusers pipelines
-    check their arguments in ``check_inputs`` before they run)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == function:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _sharder_frame(exc: BaseException) -> types.FrameType | None:
-    """The frame of diffusers' context-parallel ``EquipartitionSharder.shard`` that ``exc``
-    passed through (the innermost), or None."""
+def _raised_in(exc: BaseException, function: str, module: str | None = None) -> types.FrameType | None:
+    """The innermost frame of a function of that name (in that module, if given) that ``exc``
+    passed through, or None: diffusers pipelines check their arguments in ``check_inputs``
+    before they run; its context-parallel split asserts in ``EquipartitionSharder.shard``."""
     tb, found = exc.__traceback__, None
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code.co_name == "shard" and frame.f_globals.get("__name__") == "diffusers.hooks.context_parallel":
+        if frame.f_code.co_name == function and (module is None or frame.f_globals.get("__name__") == module):
             found = frame
         tb = tb.tb_next
     return found
