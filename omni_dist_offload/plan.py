@@ -191,13 +191,10 @@ ENCODER_BLOCK_ATTRS: dict[str, tuple[tuple[str, ...], ...]] = {
 #: and any ``transformer_<n>`` / ``text_encoder_<n>`` (HiDream's fourth encoder is an 8B Llama).
 _NAME_CATEGORIES: dict[str, str] = {
     "transformer": "dit",
-    "transformer_2": "dit",
     "unconditional_transformer": "dit",  # Ideogram 4: a second DiT, run at every guided step
     "prior": "dit",  # unCLIP, Kandinsky and Shap-E priors (PriorTransformer)
     "prior_prior": "dit",  # the same prior in Kandinsky's combined pipelines
     "text_encoder": "text_encoder",
-    "text_encoder_2": "text_encoder",
-    "text_encoder_3": "text_encoder",
     "prior_text_encoder": "text_encoder",  # Kandinsky's combined pipelines
 }
 _NUMBERED_NAMES = re.compile(r"(transformer|text_encoder)_[0-9]+")
