@@ -46,7 +46,7 @@ from .plan import (
     pipeline_modules,
 )
 from .residency import image_slot_bytes
-from .ring import NUM_SLOTS, BlockRing, check_not_cuda_graphs, refuse_copy
+from .ring import BlockRing, check_not_cuda_graphs, refuse_copy
 from .tenants import BlockWatch
 from .trace import trace_enabled
 from .storage import (LayerUpcasts, StoredLayers, cast_tensors, layerwise_cast_modules, store_outside_blocks, upcast,
@@ -718,8 +718,7 @@ class _RingSpec:
         block from a slot and also holds two staging buffers of the largest streamed image
         (``image_slot_bytes``)."""
         if self.stored:
-            return list(image_slot_bytes([l.nbytes for l in self.layouts], [l.image_nbytes for l in self.layouts],
-                                         slots=NUM_SLOTS))
+            return list(image_slot_bytes([l.nbytes for l in self.layouts], [l.image_nbytes for l in self.layouts]))
         if self.group is None:
             return [l.nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]
@@ -1169,7 +1168,7 @@ def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.d
                                tuple(l.image_nbytes if s.stored else l.nbytes for l in s.layouts),
                                tuple(s.slot_bytes()),
                                _resident_indices(s.component, asked) if asked is not None else None,
-                               through_slots=s.stored))
+                               run_slot_bytes=max(l.nbytes for l in s.layouts) if s.stored else 0))
     group = next((s.group for s in specs if s.group is not None), None)
     blocks = [e.tensor for s in specs for l in s.layouts for e in l.entries]
     try:

@@ -22,6 +22,7 @@ from .residency import (
     plan_fewest,
     plan_residency,
     prior_costs,
+    whole_bytes,
 )
 from .ring import NUM_SLOTS, BlockRing
 from .transfer.groups import WeightGroup
@@ -62,8 +63,12 @@ class RingSizes:
     """Per block: slot bytes when it streams (allgather: the gathered, padded size)."""
     fixed: tuple[int, ...] | None = None
     """``layer_options.<c>.resident_blocks``, checked: the ring is not planned."""
-    through_slots: bool = False
-    """Every block runs from a slot, kept ones too (see ``RingCosts.through_slots``)."""
+    run_slot_bytes: int = 0
+    """Every block runs from a slot of this size, kept ones too (see ``RingCosts.run_slot_bytes``)."""
+
+    @property
+    def through_slots(self) -> bool:
+        return self.run_slot_bytes > 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,8 +98,8 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
         return out
     planned = [r for r in rings if r.fixed is None]
     held = sum(_fixed_bytes(r) for r in rings if r.fixed is not None)
-    floors = {r.name: min_budget(r.nbytes, r.slot_bytes, r.through_slots) for r in planned}
-    whole = {r.name: sum(r.nbytes) + (floors[r.name] if r.through_slots else 0) for r in planned}
+    floors = {r.name: min_budget(r.nbytes, r.slot_bytes, r.run_slot_bytes) for r in planned}
+    whole = {r.name: whole_bytes(r.nbytes, r.run_slot_bytes) for r in planned}
     budget = device_budget
     auto = budget == "auto"
     if auto:
@@ -122,7 +127,7 @@ def initial_residency(rings: Sequence[RingSizes], device_budget: int | str | Non
     shares = _shares(planned, budget - held, floors, whole)
     for r in planned:
         share = shares[r.name]
-        prior = plan_residency(prior_costs(r.nbytes, r.slot_bytes, share, r.through_slots), share)
+        prior = plan_residency(prior_costs(r.nbytes, r.slot_bytes, share, r.run_slot_bytes), share)
         everything = len(prior.resident) == len(r.nbytes)
         out[r.name] = Residency(resident=prior.resident, num_slots=prior.slots or NUM_SLOTS,
                                 settled=everything,  # everything fits: nothing to measure

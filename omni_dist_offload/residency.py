@@ -37,6 +37,8 @@ __all__ = [
     "plan_residency",
     "prior_costs",
     "simulate",
+    "slots_bytes",
+    "whole_bytes",
 ]
 
 #: Slot counts the planner considers: two (the block that runs and the one arriving), or a third
@@ -106,10 +108,12 @@ class RingCosts:
     """Per block, the byte counts of a leading part it can keep on the device while the rest
     streams (a block splits between two of its tensors), ascending, each above 0 and below the
     block's slot bytes. None: blocks stay resident or stream whole (rings of 8-bit images)."""
-    through_slots: bool = False
-    """Every block runs from a slot, those kept on the device too (a ring of 8-bit images,
-    whose kept blocks are upcast into a slot when they run): the slots are needed whatever the
-    plan keeps."""
+    run_slot_bytes: int = 0
+    """A ring that runs every block from a slot, those kept on the device too (a ring of 8-bit
+    images, whose kept blocks are upcast into a slot when they run): one slot's bytes, its
+    largest block in the compute dtype. Its ``slot_bytes`` add to that a block's share of the
+    staging buffers its image passes through when it streams (:func:`image_slot_bytes`). 0: an
+    ordinary ring."""
 
     def __post_init__(self) -> None:
         n = len(self.nbytes)
@@ -117,6 +121,14 @@ class RingCosts:
             raise ValueError("RingCosts: every per-block sequence must have one entry per block")
         if self.cuts is not None and len(self.cuts) != n:
             raise ValueError("RingCosts: cuts needs one entry per block")
+        if self.run_slot_bytes and any(b < self.run_slot_bytes for b in self.slot_bytes):
+            raise ValueError("RingCosts: a ring that runs every block from a slot has slot_bytes of at "
+                             "least run_slot_bytes")
+
+    @property
+    def through_slots(self) -> bool:
+        """Every block runs from a slot (see ``run_slot_bytes``)."""
+        return self.run_slot_bytes > 0
 
     def streamed_ms(self, i: int, kept: int) -> float:
         """Block ``i``'s copy when its first ``kept`` bytes stay on the device (in proportion to
@@ -228,32 +240,44 @@ def _simulate(costs: RingCosts, resident: frozenset[int], slots: int,
     return _Outcome(t - starts[-1], slack, stalls)
 
 
-def image_slot_bytes(compute_nbytes: Sequence[int], image_nbytes: Sequence[int], staging: int = 2,
-                     slots: int = 2) -> tuple[int, ...]:
+def image_slot_bytes(compute_nbytes: Sequence[int], image_nbytes: Sequence[int]) -> tuple[int, ...]:
     """Per block, one slot's share of what streaming it costs in a ring of 8-bit images: every
     block, kept ones too, is upcast into a slot, so each slot holds the largest block in its
-    compute dtype whichever blocks stream; only the streamed images pass through the ``staging``
-    buffers (``transfer/casting.py``), counted here spread over ``slots`` slots. With these, a
-    plan's slots cost ``slots`` times the largest share among the blocks it streams, as for
-    any ring."""
+    compute dtype whichever blocks stream; the streamed images pass through two staging buffers
+    (``transfer/casting.py``), here one image per slot of a two-slot ring. With these, a
+    two-slot plan costs two times the largest share among the blocks it streams, as for any
+    ring; :func:`slots_bytes` counts other slot counts."""
     most = max(compute_nbytes)
-    return tuple(most + -(-image * staging // slots) for image in image_nbytes)
+    return tuple(most + image for image in image_nbytes)
 
 
-def min_budget(nbytes: Sequence[int], slot_bytes: Sequence[int], through_slots: bool = False) -> int:
+def slots_bytes(slots: int, cap: int, run_slot_bytes: int = 0) -> int:
+    """Device bytes of a ring's ``slots`` slots when the largest block it streams needs ``cap``
+    (its ``slot_bytes``). On a ring of 8-bit images (``run_slot_bytes``) the slots hold its
+    largest block and the two staging buffers hold the largest streamed image, whatever the
+    slot count."""
+    if not run_slot_bytes:
+        return slots * cap
+    return slots * run_slot_bytes + SLOT_CHOICES[0] * (cap - run_slot_bytes)
+
+
+def whole_bytes(nbytes: Sequence[int], run_slot_bytes: int = 0) -> int:
+    """Device bytes with every block kept: the blocks, and on a ring of 8-bit images the two
+    slots they are upcast into (no staging buffer: no image streams)."""
+    return sum(nbytes) + SLOT_CHOICES[0] * run_slot_bytes
+
+
+def min_budget(nbytes: Sequence[int], slot_bytes: Sequence[int], run_slot_bytes: int = 0) -> int:
     """The smallest budget a ring runs in: two slots of its largest block, unless less will do,
     where blocks differ in size or are few: every block resident, or the blocks larger than a
     smaller slot resident and the rest streamed through two such slots (what :func:`_search`
-    plans at that budget). A ring that runs every block from a slot always needs two slots of
-    its largest."""
+    plans at that budget). ``run_slot_bytes``: see ``RingCosts``."""
     slots = SLOT_CHOICES[0]
-    if through_slots:
-        return slots * max(slot_bytes)
-    n, best = len(nbytes), sum(nbytes)
+    n, best = len(nbytes), whole_bytes(nbytes, run_slot_bytes)
     for cap in set(slot_bytes):
         forced = [i for i in range(n) if slot_bytes[i] > cap]
         if n - len(forced) > slots:  # more streamed blocks than slots, as _search plans them
-            best = min(best, slots * cap + sum(nbytes[i] for i in forced))
+            best = min(best, slots_bytes(slots, cap, run_slot_bytes) + sum(nbytes[i] for i in forced))
     return best
 
 
@@ -271,16 +295,14 @@ def plan_fewest(costs: RingCosts, budget: int, tolerance: float = 0.01) -> Resid
 
 def _search(costs: RingCosts, budget: int, tolerance: float | None) -> ResidencyPlan:
     n = len(costs.nbytes)
-    total = sum(costs.nbytes)
-    floor = min_budget(costs.nbytes, costs.slot_bytes, costs.through_slots)
+    floor = min_budget(costs.nbytes, costs.slot_bytes, costs.run_slot_bytes)
     if budget < floor:
         raise ValueError(f"a budget of {format_bytes(budget)} is below the {format_bytes(floor)} the ring "
                          "needs at least (see min_budget)")
     # Every block on the device; a ring that runs every block from a slot keeps two slots too.
-    slots_kept = floor if costs.through_slots else 0
-    everything = ResidencyPlan(tuple(range(n)), 2 if costs.through_slots else 0, total + slots_kept,
+    total = whole_bytes(costs.nbytes, costs.run_slot_bytes)
+    everything = ResidencyPlan(tuple(range(n)), SLOT_CHOICES[0] if costs.through_slots else 0, total,
                                costs.resident_ms, costs.resident_ms, costs.measured, every_block=True)
-    total += slots_kept
     if total <= budget and tolerance is None:
         return everything
     goal = costs.resident_ms * (1 + tolerance) if tolerance is not None else -math.inf
@@ -295,7 +317,7 @@ def _search(costs: RingCosts, budget: int, tolerance: float | None) -> Residency
     for cap in sorted(set(costs.slot_bytes)):
         forced = frozenset(i for i in range(n) if costs.slot_bytes[i] > cap)
         for slots in SLOT_CHOICES:
-            room = budget - slots * cap - sum(costs.nbytes[i] for i in forced)
+            room = budget - slots_bytes(slots, cap, costs.run_slot_bytes) - sum(costs.nbytes[i] for i in forced)
             if room < 0 or n - len(forced) <= slots:
                 continue
             for plan, outcome in _greedy(costs, forced, cap, slots, room):
@@ -433,13 +455,17 @@ def _greedy(costs: RingCosts, forced: frozenset[int], cap: int, slots: int, room
 
 
 def _plan(costs: RingCosts, resident: set[int], slots: int, cap: int, outcome: _Outcome) -> ResidencyPlan:
-    device = sum(costs.nbytes[i] for i in resident) + slots * cap
+    # The ring sizes its slots to the largest block it streams, which may be below the cap once
+    # the largest ones are resident.
+    need = max(b for i, b in enumerate(costs.slot_bytes) if i not in resident)
+    assert need <= cap
+    device = sum(costs.nbytes[i] for i in resident) + slots_bytes(slots, need, costs.run_slot_bytes)
     return ResidencyPlan(tuple(sorted(resident)), slots, device, outcome.forward_ms, costs.resident_ms,
                          costs.measured)
 
 
 def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int,
-                through_slots: bool = False) -> RingCosts:
+                run_slot_bytes: int = 0) -> RingCosts:
     """Costs to plan with before anything is measured: compute in proportion to bytes, at the
     ratio where the blocks the budget cannot hold take as long to copy as the whole ring takes to
     compute. That is where the choice of which blocks stream matters most, so the plan spreads
@@ -448,4 +474,4 @@ def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int,
     streamed = max(total - max(0, budget - SLOT_CHOICES[0] * max(slot_bytes)), max(slot_bytes))
     scale = streamed / total  # copy of all streamed bytes == compute of the whole ring
     return RingCosts(tuple(nbytes), tuple(slot_bytes), tuple(b * scale for b in nbytes),
-                     tuple(float(b) for b in nbytes), measured=False, through_slots=through_slots)
+                     tuple(float(b) for b in nbytes), measured=False, run_slot_bytes=run_slot_bytes)

@@ -1144,13 +1144,12 @@ class BlockRing:
                      else whole[i] * ms_per_byte for i in range(len(self.layouts)))
         issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
         # A ring of 8-bit images pays for its staging buffers too, as its first plan counted them.
-        slot_bytes = (image_slot_bytes(sizes, [l.image_nbytes for l in self.layouts], slots=NUM_SLOTS)
-                      if self._images else tuple(sizes))
+        slot_bytes = image_slot_bytes(sizes, [l.image_nbytes for l in self.layouts]) if self._images else tuple(sizes)
         return RingCosts(tuple(self.resident_nbytes(i) for i in range(len(self.layouts))), slot_bytes,
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,
                          issued_ms=issued if None not in issued else None, cuts=self.cuts(),
-                         through_slots=self._images)
+                         run_slot_bytes=max(sizes) if self._images else 0)
 
     def apply_plan(self, resident: Iterable[int], num_slots: int, settle: bool,
                    kept: Mapping[int, int] | None = None) -> None:

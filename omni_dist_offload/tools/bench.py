@@ -834,7 +834,7 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         cast = cast_tensors(model, torch.float8_e4m3fn)
         stored = [layout_block(i, n, b, cast=cast) for i, (n, b) in enumerate(component.blocks)]
         slots = image_slot_bytes([l.nbytes for l in stored], [l.image_nbytes for l in stored])
-        least = min_budget(slots, slots, through_slots=True)
+        least = min_budget([l.image_nbytes for l in stored], slots, max(l.nbytes for l in stored))
         fp8_budgets = {b.label: b.config_value(block_nbytes, least) for b in opts.budgets}
         # upcast "layer": two slots of the largest block in 8 bits.
         per_layer = [layout_block(i, n, b, cast=cast, per_layer=True).nbytes for i, (n, b) in enumerate(component.blocks)]

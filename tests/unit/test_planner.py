@@ -17,6 +17,7 @@ from omni_dist_offload.models import PRESETS, build_model
 from omni_dist_offload.plan import discover
 from omni_dist_offload.residency import (
     RingCosts,
+    image_slot_bytes,
     min_budget,
     parse_bytes,
     plan_fewest,
@@ -351,7 +352,12 @@ def test_the_smallest_budget_keeps_large_or_few_blocks_resident_where_that_takes
     assert plan.resident == (0,) and plan.slots == 2 and plan.device_bytes == 26880 + 2 * 1536
     assert min_budget([13568], [13568]) == 13568
     assert plan_residency(prior_costs([13568], [13568], 13568), 13568).resident == (0,)
-    assert min_budget([4096] * 3, [4096] * 3, through_slots=True) == 2 * 4096
+    # A ring of 8-bit images (1024-byte images, 2048-byte blocks upcast): two slots of the
+    # largest block and two staging buffers of an image, or every image kept and the two slots
+    # (no staging: nothing streams), whichever is smaller.
+    slots = image_slot_bytes([2048] * 3, [1024] * 3)
+    assert min_budget([1024] * 3, slots, run_slot_bytes=2048) == 2 * 2048 + 2 * 1024
+    assert min_budget([1024], slots[:1], run_slot_bytes=2048) == 1024 + 2 * 2048
 
 
 def test_a_prior_plan_spreads_the_streamed_blocks_and_predicts_nothing():

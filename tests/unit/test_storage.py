@@ -224,13 +224,38 @@ def test_a_device_that_cannot_cast_is_named_and_nothing_changes(monkeypatch):
 
 
 def test_a_ring_that_runs_every_block_from_a_slot_pays_for_its_slots_when_all_are_kept():
-    from omni_dist_offload.residency import RingCosts, plan_residency
+    from omni_dist_offload.residency import RingCosts, plan_residency, slots_bytes
 
-    costs = RingCosts((10,) * 4, (30,) * 4, (1.0,) * 4, (2.0,) * 4, through_slots=True)
-    plan = plan_residency(costs, 4 * 10 + 2 * 30)  # four images and the two slots they run from
-    assert plan.resident == (0, 1, 2, 3) and plan.slots == 2 and plan.device_bytes == 100
-    plan = plan_residency(costs, 99)
-    assert len(plan.resident) < 4 and plan.device_bytes <= 99
+    # Images of 10 bytes, blocks of 20 upcast: a slot's share is the block and one image.
+    costs = RingCosts((10,) * 4, (30,) * 4, (1.0,) * 4, (2.0,) * 4, run_slot_bytes=20)
+    plan = plan_residency(costs, 4 * 10 + 2 * 20)  # four images and the two slots they run from
+    assert plan.resident == (0, 1, 2, 3) and plan.slots == 2 and plan.device_bytes == 80
+    plan = plan_residency(costs, 79)
+    assert len(plan.resident) < 4 and plan.device_bytes <= 79
+    # Three slots: three of the block, and still two staging buffers of an image.
+    assert slots_bytes(3, 30, run_slot_bytes=20) == 3 * 20 + 2 * 10 and slots_bytes(3, 30) == 90
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.97, 0.9, 0.85])
+def test_a_budget_plans_exactly_the_bytes_a_ring_of_images_allocates(fraction):
+    """The plan's device bytes are what the ring allocates: its slots, the images it keeps and,
+    when an image streams, two staging buffers of the largest (one on the CPU, which has no copy
+    stream to overlap them). A budget of exactly what every block takes keeps every block."""
+    model = tiny.tiny_flux_transformer(num_layers=2, num_single_layers=4)
+    probe = apply_offload(model, stored(), device="cpu")
+    blocks = probe.rings[0].layouts
+    whole = sum(l.image_nbytes for l in blocks) + 2 * max(l.nbytes for l in blocks)
+    probe.remove()
+    cfg = stored()
+    cfg["device_budget"] = int(whole * fraction)
+    handle = apply_offload(model, cfg, device="cpu")
+    ring = handle.rings[0]
+    staging = ring.transfer.staging_nbytes() if len(ring.transfer.held) < len(ring.layouts) else 0
+    allocated = (sum(s.numel() for s in ring.slots) + 2 * staging
+                 + sum(t.numel() for t in ring.transfer.held.values()))
+    assert ring.plan.device_bytes == allocated <= cfg["device_budget"]
+    assert (len(ring.transfer.held) == len(ring.layouts)) == (fraction == 1.0)
+    handle.remove()
 
 
 class _Mixed(torch.nn.Module):
