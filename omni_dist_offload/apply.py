@@ -1002,6 +1002,11 @@ def _with_shared_copies(specs: Sequence[_RingSpec], groups: GroupSession) -> lis
             if spec.shared is not None:
                 spec.shared.close()
         raise
+    if not any(spec.shared is not None for spec in out):
+        # Every shared ring fell back: the ranks no longer depend on each other's setup (unless a
+        # weight group ties them). While one copy is in use, setup's end stays agreed (its
+        # ranks wrote it together).
+        groups.host = None
     return out
 
 
@@ -1124,7 +1129,6 @@ def _map_shared_copy(specs: list[_RingSpec], layout: CopyLayout, per_block: Sequ
         for j, other in enumerate(specs):  # every shared ring from this one on falls back
             if other.host is not None:
                 out[j] = dataclasses.replace(other, host=None, fallback_reason=failed[0])
-        groups.host = None
         return out
     out[0] = dataclasses.replace(spec, shared=blocks)
     return out

@@ -242,11 +242,38 @@ def failures(rank: Rank) -> dict:
     out["fallback"] = handle.summary()[0]
     handle.remove()
     out["left_after_fallback"] = _segments_mapped()
+    # Two shared rings: rank 1 cannot collect the second copy (that ring falls back on every
+    # rank) and then cannot page-lock a block of it. The first copy is in use, so the ranks still
+    # agree on setup's end: rank 0 raised nothing and streamed on while rank 1 undid its setup.
+    pipe = types.SimpleNamespace(transformer=tiny.tiny_wan_transformer(num_layers=3),
+                                 text_encoder=tiny.tiny_umt5_encoder(num_layers=3))
+    pipe_before = snapshot(pipe.transformer), snapshot(pipe.text_encoder)
+    calls = []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return real_receive(*args)
+
+    if rank.rank == 1:
+        apply_mod.receive = second_fails
+    try:
+        with failing_pin(4 if rank.rank == 1 else None):
+            apply_offload(pipe, dict(shared_config(text_encoder=True), pin_memory=True))
+        out["second_fails"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is checked
+        out["second_fails"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        apply_mod.receive = real_receive
+    assert_same(pipe_before[0], pipe.transformer)
+    assert_same(pipe_before[1], pipe.text_encoder)
+    out["left_after_second_fails"] = _segments_mapped()
     # Rank 1 dies (SIGKILL) after setup; rank 0 goes on streaming from the copy it maps.
     handle = apply_offload(model, shared_config())
     dist.barrier()
     if rank.rank == 1:
-        rank.report({"killed": True, "budget": out["budget"]})
+        rank.report({"killed": True, "budget": out["budget"], "second_fails": out["second_fails"]})
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)
     with torch.no_grad():
@@ -269,6 +296,9 @@ def test_exception_space_and_a_killed_rank_leave_nothing():
     assert r0["fallback"]["weight_transfer"] == "rank-local"
     assert "rank 1 could not map the shared host copy" in r0["fallback"]["fallback_reason"], r0["fallback"]
     assert r0["left_after_fallback"] == []
+    assert r0["second_fails"].startswith("RuntimeError: apply_offload failed on rank 1"), r0["second_fails"]
+    assert r1["second_fails"].startswith("PinMemoryError"), r1["second_fails"]
+    assert r0["left_after_second_fails"] == []
     assert r0["left_after_exception"] == r0["left_after_space"] == r0["left_after_remove"] == []
 
 
