@@ -310,9 +310,12 @@ class OffloadHandle:
         self._close_watch()
         for ring in self.rings:
             tensors = {id(e.tensor): e.tensor for layout in ring.layouts for e in layout.entries}
-            ring.release()
-            for tensor in tensors.values():  # its data was a slot, a device buffer or host bytes
+            # Emptied first: its data was a slot, a device buffer or host bytes, and on a shared
+            # ring a view of the host's copy, which leaving would otherwise take for a caller's
+            # tensor and copy into this rank's memory.
+            for tensor in tensors.values():
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            ring.release()
         self._ended()
 
     def _ended(self) -> None:
@@ -538,6 +541,11 @@ def _free_dropped(ring: BlockRing) -> None:
     try:
         if ring.device.type == "cuda":
             torch.cuda.synchronize(ring.device)  # its last copies may still be in flight
+        shared = _shared_of(ring.transfer)
+        if shared is not None:
+            # The module's parameters still view the shared copy (they go just after this, with
+            # the module's attributes): leaving now would copy every block to keep them valid.
+            shared.leave_after({id(e.tensor): e.tensor for layout in ring.layouts for e in layout.entries})
         ring.release()
     except Exception:  # noqa: BLE001 - called as the module is freed: nothing to raise into
         logger.warning("%s: freeing the offload of the dropped component failed", ring.component.name,

@@ -5,7 +5,7 @@ does, never waiting for another rank."""
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -85,13 +85,39 @@ class SharedTransfer(RankLocalTransfer):
         super().write_back(block, src, start)
         return moved
 
+    def leave_after(self, tensors: Mapping[int, torch.Tensor]) -> None:
+        """:meth:`release` will unregister this rank's pages at once, but leave the shared copy
+        only once every tensor of ``tensors`` (by id) is gone: the parameters of a dropped
+        component, which view it until the module's attributes are cleared. Leaving while they
+        did would copy each block to keep them valid; a tensor a caller still holds then keeps
+        the pages until it goes."""
+        pending = set(tensors)
+        # Not when this transfer goes any more (the ring, and this transfer with it, go before
+        # the module's parameters do): when the last of them goes.
+        detached = self._finalizer.detach() if pending else None
+        if detached is None:  # nothing views the copy, or this rank has left it already
+            return
+        _, leave, args, _ = detached
+        # Which block's mapping each tensor views (None: a slot, a device buffer): the last one
+        # still holds its storage while its callback runs, and is not a caller's.
+        files = {f.tensor.untyped_storage().data_ptr(): b for b, f in enumerate(self.blocks.files) if f is not None}
+        viewing = {key: files.get(t.untyped_storage().data_ptr()) for key, t in tensors.items()}
+
+        def gone(key: int) -> None:
+            pending.discard(key)
+            if not pending:
+                leave(*args, {viewing[key]: 1} if viewing[key] is not None else None)
+
+        for key, tensor in tensors.items():
+            weakref.finalize(tensor, gone, key).atexit = False
+
     def release(self) -> None:
         super().release()
-        self._finalizer()
+        self._finalizer()  # does nothing once leave_after has taken it
 
 
-def _leave(buffers: list[HostBuffer | None], blocks: SharedBlocks) -> None:
+def _leave(buffers: list[HostBuffer | None], blocks: SharedBlocks, dying: dict[int, int] | None = None) -> None:
     for buf in buffers:  # unregister this rank's pages before leaving them (as drop() does)
         if buf is not None:
             buf.release()
-    blocks.close()
+    blocks.close(dying)

@@ -336,6 +336,57 @@ def test_sigkill_of_every_rank_leaves_no_shared_memory():
     assert f"@omni-offload/{results[0]['job']}/" not in Path("/proc/net/unix").read_text()
 
 
+# -- discard() and a dropped component ---------------------------------------------------------
+@torch.no_grad()
+def freed_without_copies(rank: Rank) -> dict:
+    """discard() and dropping the component free this rank's use of the copy without copying
+    it into private memory (the parameters viewed it until then); a caller's tensors over it keep
+    their values: a state_dict through discard(), a parameter through the drop (the copy is left
+    once it goes too)."""
+    from omni_dist_offload.sharedmem import SharedSegment
+
+    copied = []
+    keep_private = SharedSegment.keep_private
+    SharedSegment.keep_private = lambda self: (copied.append(self.nbytes), keep_private(self))[1]
+    out = {}
+    try:
+        x = torch.randn(2, 64)
+        model = ToyDiT(4, dim=64)
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = apply_offload(model, shared_config())
+        model(x)
+        kept = {k: v for k, v in model.state_dict().items() if k.startswith("blocks.1.")}
+        handle.discard()
+        out["discard_copies"] = len(copied)
+        out["discard_kept_equal"] = all(torch.equal(v, want[k]) for k, v in kept.items())
+        out["discard_emptied"] = model.blocks[0].lin.weight.numel() == 0
+        del kept, handle
+        out["after_discard"] = _segments_mapped()
+        copied.clear()
+        pipe = types.SimpleNamespace(transformer=ToyDiT(4, dim=64))
+        handle = apply_offload(pipe, shared_config())
+        pipe.transformer(x)
+        held = pipe.transformer.blocks[2].lin.weight
+        pipe.transformer = None
+        out["drop_copies"] = len(copied)
+        out["held_equal"] = torch.equal(held, want["blocks.2.lin.weight"])
+        out["held_mapped"] = bool(_segments_mapped())
+        del held
+        out["after_drop"] = _segments_mapped()
+        out["drop_copies_at_end"] = len(copied)
+    finally:
+        SharedSegment.keep_private = keep_private
+    return out
+
+
+def test_discard_and_a_dropped_component_copy_nothing():
+    for r in run_ranks(freed_without_copies, 2):
+        # discard(): only the block the state_dict views was copied (for it); the rest were not.
+        assert r["discard_copies"] == 1 and r["discard_kept_equal"] and r["discard_emptied"], r
+        assert r["drop_copies"] == 0 and r["drop_copies_at_end"] == 0 and r["held_equal"], r
+        assert r["held_mapped"] and r["after_discard"] == [] and r["after_drop"] == [], r
+
+
 # -- fallbacks ---------------------------------------------------------------------------------
 def one_rank_per_host(rank: Rank) -> dict:
     model = ToyDiT(3, dim=64)
