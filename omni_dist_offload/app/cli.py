@@ -49,7 +49,7 @@ from ..runtime.flags import (
     positive_int,
     user_path,
 )
-from ..runtime.logs import rank_prefix, setup_logging
+from ..runtime.logs import error_line, rank_prefix, setup_logging
 from ..runtime.proc import exit_with
 from ..tools import bench
 from ..trace import summary_line
@@ -616,7 +616,7 @@ def _fmt_bytes(n: int) -> str:
 def _report(message: str) -> None:
     """An error, on stderr, from whichever rank met it (``[rankN]`` under torchrun): a rank's own
     input (its prompts file, its pipeline call) can fail there alone, and must not fail silently."""
-    print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
+    error_line(f"{rank_prefix()}{message}")
 
 
 def _version() -> str:

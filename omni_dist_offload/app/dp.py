@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # Prefix of the store keys whose counters hand out prompt indices (one key per run).
 _CLAIM_KEY = "omni_offload/dp"
+#: How often a rank that has run out of prompts looks whether the others have too (_arrive).
+_ARRIVAL_POLL_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,9 +266,10 @@ def run_free(
     logger.info("%d prompt(s) on %d rank(s), each rank taking the next prompt when it is free "
                 "(no ring gathers its weights, so no lockstep)", len(prompts), ctx.world_size)
     ran = []
+    key = _run_key(ctx)
     start = _started(ctx)
     try:
-        for index in claim_indices(len(prompts), ctx):
+        for index in claim_indices(len(prompts), ctx, key):
             job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
             _generate(omni, job, ctx, out, report, "")
             ran.append(index)
@@ -276,12 +279,12 @@ def run_free(
         if ctx.backend is not None and ctx.world_size > 1:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             try:
-                _finish(report.local_count, time.perf_counter() - start, f"{type(exc).__name__}: {first}", ctx)
+                _finish(report.local_count, time.perf_counter() - start, f"{type(exc).__name__}: {first}", ctx, key)
             except Exception:  # noqa: BLE001 - the group is gone too: the original error says more
                 pass
         raise
     report.elapsed_s = time.perf_counter() - start
-    report.total_count, report.elapsed_s = _finish(report.local_count, report.elapsed_s, None, ctx)
+    report.total_count, report.elapsed_s = _finish(report.local_count, report.elapsed_s, None, ctx, key)
     _log_by_rank(ran, ctx)
     return report
 
@@ -290,12 +293,14 @@ class PeerStopped(RuntimeError):
     """Another rank's generation raised: this rank ran its own prompts, and the job fails."""
 
 
-def _finish(count: int, elapsed_s: float, error: str | None, ctx: DistContext) -> tuple[int, float]:
+def _finish(count: int, elapsed_s: float, error: str | None, ctx: DistContext,
+            key: str | None) -> tuple[int, float]:
     """Free mode's end: the sum of outputs and the slowest rank's time, and whether a rank
     stopped on an error (:class:`PeerStopped` on the others, naming it). Also a barrier, so rank
     0's final line comes after every rank has written."""
     if ctx.backend is None:
         return count, elapsed_s
+    _arrive(ctx, key)
     everyone: list[tuple | None] = [None] * ctx.world_size
     dist.all_gather_object(everyone, (count, elapsed_s, error))
     if error is None:
@@ -315,16 +320,39 @@ def _started(ctx: DistContext) -> float:
     return time.perf_counter()
 
 
-def claim_indices(total: int, ctx: DistContext) -> Iterator[int]:
+def _run_key(ctx: DistContext) -> str | None:
+    """A key of this run's own in the default store, whatever it held (collective: rank 0
+    names it); None without a process group."""
+    if ctx.backend is None:
+        return None
+    box = [f"{_CLAIM_KEY}/{secrets.token_hex(8)}" if ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _arrive(ctx: DistContext, key: str | None) -> None:
+    """Wait until every rank has reached the end of its prompts, polling the store rather than
+    sitting in a collective: a rank that runs out of prompts waits for the others' last
+    generations, which may take longer than the default group's collective timeout (10 minutes
+    on NCCL, 30 on gloo: a 720p video, or the prompts the others finish after one rank failed)."""
+    store = _default_store() if key is not None else None
+    if store is None or ctx.world_size == 1:
+        return  # the collective that follows is the barrier
+    arrived = f"{key}/arrived"
+    store.add(arrived, 1)
+    while store.add(arrived, 0) < ctx.world_size:
+        time.sleep(_ARRIVAL_POLL_S)
+
+
+def claim_indices(total: int, ctx: DistContext, key: str | None = None) -> Iterator[int]:
     """The prompt indices this rank runs, each claimed when the rank is ready for it: every
-    index in ``range(total)`` goes to exactly one rank. Collective when it starts (all ranks
-    must call it): rank 0 names the run's counter."""
+    index in ``range(total)`` goes to exactly one rank. Collective when it starts unless
+    ``key`` (from :func:`_run_key`) is given (all ranks must call it): rank 0 names the run's
+    counter."""
     store = None
     if ctx.backend is not None:
         store = _default_store()
-        box = [f"{_CLAIM_KEY}/{secrets.token_hex(8)}" if ctx.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)  # a key of this run's own, whatever the store held
-        key = box[0]
+        key = key if key is not None else _run_key(ctx)
     if store is None:
         if ctx.world_size > 1:
             logger.warning("no c10d store to share prompts through: prompt k goes to rank k %% %d, "

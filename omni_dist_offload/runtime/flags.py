@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
+
+from .logs import error_line
 
 __all__ = ["OneLineParser", "UsageError", "expand_home", "finite_float", "non_negative_float", "non_negative_int",
            "output_dir_check", "output_file", "port", "positive_float", "positive_int", "report_usage_error",
@@ -46,7 +47,7 @@ def report_usage_error(prog: str, error: BaseException | str, *, show: bool = Tr
     """Print ``prog: error: <error> (see prog --help)`` on stderr (unless ``show`` is false: a
     rank other than the one that reports) and return 2, the exit status of a usage error."""
     if show:
-        print(f"{prog}: error: {error} (see {prog} --help)", file=sys.stderr, flush=True)
+        error_line(f"{prog}: error: {error} (see {prog} --help)")
     return 2
 
 

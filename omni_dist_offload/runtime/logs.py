@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-__all__ = ["LOG_RANK_ENV", "RankFilter", "current_rank", "is_logged_rank", "logged_ranks", "rank_prefix", "setup_logging"]
+__all__ = ["LOG_RANK_ENV", "RankFilter", "current_rank", "error_line", "is_logged_rank", "logged_ranks", "rank_prefix",
+           "setup_logging"]
 
 #: Comma-separated ranks whose INFO logs show (default 0); warnings show from every rank.
 LOG_RANK_ENV = "LOG_RANK"
@@ -36,6 +37,14 @@ def rank_prefix() -> str:
         return f"[rank{torch.distributed.get_rank()}] "
     rank = os.environ.get("RANK")
     return f"[rank{rank}] " if rank is not None else ""
+
+
+def error_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write: ranks that share the stream (torchrun's
+    workers) then never run two lines into one, as ``print``'s separate writes of the text and
+    the newline let them."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()
 
 
 def logged_ranks() -> set[int]:

@@ -155,7 +155,7 @@ from ..runtime.flags import (
     report_usage_error,
     user_path,
 )
-from ..runtime.logs import current_rank
+from ..runtime.logs import current_rank, error_line
 from ..runtime.proc import exit_with
 from ..storage import cast_tensors, unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
@@ -1185,7 +1185,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") ->
                 check_ranks(args.context_parallel)
             except ContextParallelError as exc:
                 if ctx.rank == 0:
-                    print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+                    error_line(f"{prog}: error: {exc}")
                 return 2
         if ctx.rank == 0:  # the run starts: the folders of its outputs are made (_check_args checked them)
             try:

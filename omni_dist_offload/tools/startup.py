@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -65,7 +64,7 @@ from ..runtime.flags import (
     positive_int,
     report_usage_error,
 )
-from ..runtime.logs import current_rank, rank_prefix
+from ..runtime.logs import current_rank, error_line, rank_prefix
 from ..runtime.proc import exit_with
 
 __all__ = ["main", "write_folder"]
@@ -304,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         row = {"rank": ctx.rank, "world": ctx.world_size, **_load(args)}
     except (ModelLoadError, CheckpointError) as exc:
-        print(f"{rank_prefix()}{PROG} load: error: {exc}", file=sys.stderr, flush=True)
+        error_line(f"{rank_prefix()}{PROG} load: error: {exc}")
         return 1
     finally:
         destroy_dist(ctx)

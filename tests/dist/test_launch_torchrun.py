@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from media import read_frames
 from omni_dist_offload import Omni
@@ -169,6 +170,44 @@ def test_free_ranks_take_the_next_prompt_when_free_and_write_each_once(tmp_path)
         assert sorted(p.name for p in (tmp_path / split).iterdir()) == [
             f"{k:05d}.{ext}" for k in range(5) for ext in ("json", "png")]
     assert [m for m in range(5) if json.loads((tmp_path / "free" / f"{m:05d}.json").read_text())["rank"] == 0] == free0
+
+
+def long_tail(rank: Rank, out_dir: str) -> dict:
+    """Free mode with the default group's collectives timing out after 2 s (stand-in for NCCL's
+    10 minutes): rank 1's one prompt raises at once (as an out-of-memory would) and rank 0's
+    take 1.5 s each, so rank 1 waits at the run's end for longer than the timeout."""
+    import types
+    from datetime import timedelta
+
+    dist.distributed_c10d._get_default_group().set_timeout(timedelta(seconds=2))
+    ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
+    ran = []
+
+    class Slow:
+        pipeline = types.SimpleNamespace(__call__=lambda prompt: None)
+
+        def generate(self, prompt: str, *, name: str, **kwargs):
+            if rank.rank == 1:
+                raise RuntimeError("out of memory (simulated)")
+            time.sleep(1.5)
+            ran.append(name)
+            saved = types.SimpleNamespace(media=Path(out_dir, name))
+            return types.SimpleNamespace(kind="image", metadata={"timings": {}}, save=lambda *a, **k: saved)
+
+    try:
+        dp.run_free(Slow(), ["a", "b", "c", "d"], 0, ctx, sampling=SamplingOptions(), output_dir=Path(out_dir))
+    except Exception as exc:  # noqa: BLE001 - the type is checked
+        return {"error": type(exc).__name__, "message": str(exc), "ran": ran}
+    return {"error": None, "ran": ran}
+
+
+def test_a_rank_out_of_prompts_waits_past_the_collective_timeout(tmp_path) -> None:
+    """The others finish the prompts left, then stop naming the failed rank, however long that
+    takes: the rank out of prompts waits outside any collective."""
+    results = run_ranks(long_tail, 2, args=(str(tmp_path),))
+    assert results[1]["error"] == "RuntimeError" and "simulated" in results[1]["message"], results
+    assert results[0]["error"] == "PeerStopped" and "rank 1 stopped" in results[0]["message"], results
+    assert len(results[0]["ran"]) == 3, results
 
 
 def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> None:

@@ -115,6 +115,31 @@ def test_the_library_never_filters_ranks_itself(monkeypatch, caplog):
                for r in caplog.records)
 
 
+def test_an_error_line_is_one_write(monkeypatch):
+    """Ranks sharing torchrun's stderr: a line written in two parts (print's text, then its
+    newline) let another rank's line land between them."""
+    import io
+    import sys
+
+    from omni_dist_offload.app import cli
+    from omni_dist_offload.runtime.flags import report_usage_error
+
+    writes = []
+
+    class Recording(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recording())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cli._report("omni-offload generate: error: bad")
+    assert report_usage_error("omni-offload", "worse") == 2
+    assert writes == ["[rank1] omni-offload generate: error: bad\n",
+                      "omni-offload: error: worse (see omni-offload --help)\n"], writes
+
+
 def test_setup_logging_installs_one_handler(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     setup_logging()
