@@ -75,6 +75,8 @@ _STATE_ATTR = "_omni_offload_handle"
 #: Attribute set on each streamed component's module: its rings and 8-bit layers, which the
 #: module owns and the handle reaches weakly (see OffloadHandle).
 _OWNED_ATTR = "_omni_offload_owned"
+#: Set on a streamed component by OffloadHandle.discard(), which emptied its block tensors.
+_DISCARDED_ATTR = "_omni_offload_discarded"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -298,7 +300,7 @@ class OffloadHandle:
         """End the offload without bringing the model back, for when the model is done with:
         remove the hooks; free the slots, device buffers and host copy (a shared copy is left to
         its other ranks) and the process groups setup created; and leave every streamed tensor
-        empty (no elements). The streamed components cannot run after it (drop them);
+        empty (no elements). The streamed components cannot run after it (drop them; apply_offload refuses them);
         what did not stream stays where it is. :meth:`remove` restores the streamed tensors on
         the device instead, which needs room for all of them: a model that fits only streamed
         cannot have it. No collective but the process groups' release (every rank of a weight
@@ -309,6 +311,8 @@ class OffloadHandle:
         self._unguard_casts()
         self._close_watch()
         for ring in self.rings:
+            # A later apply_offload refuses the module by this mark (its weights are gone).
+            ring.component.module.__dict__[_DISCARDED_ATTR] = True
             tensors = {id(e.tensor): e.tensor for layout in ring.layouts for e in layout.entries}
             # Emptied first: its data was a slot, a device buffer or host bytes, and on a shared
             # ring a view of the host's copy, which leaving would otherwise take for a caller's
@@ -829,6 +833,11 @@ def _fresh_modules(target: Any) -> dict[str, nn.Module]:
     """The target's modules by attribute name; none may be offloaded already."""
     modules = {"transformer": target} if is_bare_module(target) else pipeline_modules(target)
     for name, mod in modules.items():
+        if mod.__dict__.get(_DISCARDED_ATTR):
+            raise OffloadConfigError(
+                f"{name} ({type(mod).__name__}) was emptied by OffloadHandle.discard() (Omni.close() calls it): "
+                "its streamed weights are gone. Load the model again; to keep a model after offloading, "
+                "end the offload with remove() instead.")
         handle = getattr(mod, _STATE_ATTR, None)
         if handle is not None:
             streamed = sorted({ring.component.name for ring in handle.rings})

@@ -472,6 +472,6 @@ def prior_costs(nbytes: Sequence[int], slot_bytes: Sequence[int], budget: int,
     them as well as the budget allows; the first measured forward replaces it."""
     total = sum(nbytes)
     streamed = max(total - max(0, budget - SLOT_CHOICES[0] * max(slot_bytes)), max(slot_bytes))
-    scale = streamed / total  # copy of all streamed bytes == compute of the whole ring
+    scale = streamed / total if total else 0.0  # copy of all streamed bytes == compute of the whole ring
     return RingCosts(tuple(nbytes), tuple(slot_bytes), tuple(b * scale for b in nbytes),
                      tuple(float(b) for b in nbytes), measured=False, run_slot_bytes=run_slot_bytes)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from toys import ToyDiT
 
-from omni_dist_offload import RingSummary, apply_offload
+from omni_dist_offload import OffloadConfigError, RingSummary, apply_offload
 from omni_dist_offload.config import OffloadConfig
 from omni_dist_offload.hostmem import HostBuffer
 from omni_dist_offload.layout import layout_block
@@ -179,3 +179,8 @@ def test_discard_frees_the_offload_without_restoring_it(options):
     handle.remove()
     gc.collect()
     assert all(r() is None for r in rings)
+    # Offloading the emptied model again is refused up front, naming why (it had planned empty
+    # blocks, then failed in the forward, or divided by zero bytes under a budget).
+    for config in ({}, {"device_budget": "100KiB"}):
+        with pytest.raises(OffloadConfigError, match=r"transformer \(ToyDiT\) was emptied by OffloadHandle.discard"):
+            apply_offload(model, {"mode": "layer", "components": ["dit"], **config})
