@@ -300,8 +300,8 @@ class OffloadHandle:
         """End the offload without bringing the model back, for when the model is done with:
         remove the hooks; free the slots, device buffers and host copy (a shared copy is left to
         its other ranks) and the process groups setup created; and leave every streamed tensor
-        empty (no elements). The streamed components cannot run after it (drop them; apply_offload refuses them);
-        what did not stream stays where it is. :meth:`remove` restores the streamed tensors on
+        empty (no elements). The streamed components cannot run after it (drop them;
+        apply_offload refuses them); what did not stream stays where it is. :meth:`remove` restores the streamed tensors on
         the device instead, which needs room for all of them: a model that fits only streamed
         cannot have it. No collective but the process groups' release (every rank of a weight
         group calls it); calling it again, or after :meth:`remove`, does nothing."""
