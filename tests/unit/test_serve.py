@@ -140,7 +140,9 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_stays_up(flux) -> 
                  metric(before, "omni_serve_request_errors_total", endpoint=IMAGES, code=str(c))
                  for c in (400, 422))
     assert errors == len(BAD_REQUESTS) + 2  # and the two prompts too long
-    for status, answer in _oversized(flux.port):
+    oversized = _oversized(flux.port)
+    assert len(oversized) == 3
+    for status, answer in oversized:
         assert status == 413 and answer["error"]["code"] == "request_too_large"
     status, card = call(flux.port, "/v1/models/tiny-flux")
     assert status == 200 and card["id"] == "tiny-flux" and card["object"] == "model"
@@ -569,18 +571,23 @@ def test_front_answers_an_exception_before_the_answer_and_leaves_a_started_one()
 
 
 def _oversized(port: int) -> list[tuple[int, dict]]:
-    """Bodies over the 1 MiB default: one that declares 2 MiB (answered from its headers, before
-    any of it is sent) and one sent in chunks without a length (answered once 1 MiB is read)."""
+    """Bodies over the 1 MiB default, each sent whole before the answer is read (as Python's
+    http.client and requests do): 8 MiB in chunks without a length, 8 MiB with its length
+    declared; and a length declared with no body sent (answered from the headers). The server
+    read on and dropped the rest of a body before answering: closing with it unread, it reset
+    the connection, and the client lost the answer (ConnectionResetError)."""
     import http.client
 
     answers = []
-    for chunked in (False, True):
+    for kind in ("chunked", "declared", "headers only"):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         try:
-            if chunked:
-                chunks = (b"x" * 65536 for _ in range(40))
+            if kind == "chunked":
+                chunks = (b"x" * 65536 for _ in range(128))
                 conn.request("POST", IMAGES, body=chunks, encode_chunked=True,
                              headers={"Content-Type": "application/json"})
+            elif kind == "declared":
+                conn.request("POST", IMAGES, body=b"x" * (8 << 20), headers={"Content-Type": "application/json"})
             else:
                 conn.putrequest("POST", IMAGES)
                 conn.putheader("Content-Type", "application/json")

@@ -48,6 +48,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+#: A body over the limit is read on and dropped up to this many more bytes before the 413.
+_DRAIN_BYTES = 16 << 20
+#: ...until no more of it arrives for this long.
+_DRAIN_PAUSE_S = 0.5
+
+
 class Buffered:
     """ASGI wrapper outside the framework: reads a request's whole body before the app sees the
     request, as a reverse proxy's request buffering does. A body over ``limit`` bytes gets 413,
@@ -71,10 +77,10 @@ class Buffered:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, receive, send)
-        chunks, seen = [], 0
         deadline = time.monotonic() + self.deadline_s
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send, deadline)
+        chunks, seen = [], 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
@@ -94,7 +100,8 @@ class Buffered:
             body = message.get("body", b"")
             seen += len(body)
             if seen > self.limit:
-                return await self._refuse(scope, receive, send)
+                return await self._refuse(scope, receive, send, deadline,
+                                          more=message.get("more_body", False))
             chunks.append(body)
             if not message.get("more_body", False):
                 break
@@ -109,7 +116,30 @@ class Buffered:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+    async def _refuse(self, scope: dict, receive: Any, send: Any, deadline: float, more: bool = True) -> None:
+        """413, once the rest of the body (``more``: some may still come) has been read and
+        dropped while it keeps coming: up to :data:`_DRAIN_BYTES`, within the request's deadline,
+        until a pause of :data:`_DRAIN_PAUSE_S`. A client that sends its whole body before it
+        reads the answer (Python's http.client, requests) would otherwise meet a reset as the
+        connection closes with its body unread, and lose the answer (the kernel drops what it
+        had received). A client waiting for ``100 Continue`` is answered at once (reading
+        would ask it for the body)."""
+        headers = dict(scope.get("headers") or [])
+        drained = 0
+        if headers.get(b"expect", b"").lower() == b"100-continue":
+            more = False
+        while more and drained <= _DRAIN_BYTES:
+            wait = min(_DRAIN_PAUSE_S, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                message = await asyncio.wait_for(receive(), wait)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                break
+            if message["type"] != "http.request":
+                return  # the client left: no one to answer
+            drained += len(message.get("body", b""))
+            more = message.get("more_body", False)
         response = error_response(413, f"the request body is larger than this service takes (--max-body "
                           f"{self.limit} bytes).", code="request_too_large", headers={"Connection": "close"})
         await response(scope, receive, send)
