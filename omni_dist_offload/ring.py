@@ -1282,15 +1282,23 @@ class BlockRing:
             self._note_device_versions(i)
 
     def _whole_on_device(self, i: int) -> torch.Tensor:
-        """Block ``i`` filled whole into slot 0 (or, on a rank-local ring whose slots hold only
-        the streamed parts of blocks, a buffer of its own), synchronised. Plan changes only."""
+        """Block ``i`` filled whole into slot 0 (or, where slot 0 is smaller than the block: on a
+        rank-local ring a buffer of its own, under a gather a new slot 0 of its size), synchronised.
+        Plan changes only."""
         need = self.transfer.device_nbytes(i)
         if self.slots and self.slots[0].numel() >= need:
             dst = self.slots[0][:need]
         elif self.transfer.gather is None:
             dst = torch.empty(need, dtype=torch.uint8, device=self.device)
         else:
-            raise RuntimeError(f"{self.component.name}: no slot to bring block {self.layouts[i].name} in through")
+            # A gather fills only its own slots (the copy-engine gather's are mapped into every
+            # rank of the group): one of this block's size in place of the old plan's, until the
+            # new plan's come. Every rank applies the same plan in the same order, so every rank
+            # allocates alike.
+            self.slots, self._slot_views, self._fill_views = [], [], []
+            self.transfer.allocate_slots(need, 1)
+            self.slots = list(self.transfer.slots)
+            dst = self.slots[0][:need]
         # fill() records its ready event; this one-off is synchronised at once (plan time, never per block).
         self.transfer.fill(i, dst, None, torch.cuda.Event() if self._cuda else None)
         if self._cuda:

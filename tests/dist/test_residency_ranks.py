@@ -72,3 +72,33 @@ def test_every_rank_of_a_weight_group_takes_the_same_measured_plan():
         assert r["row"]["host_bytes"] < r["first"]["host_bytes"]
     # Planned from the slowest rank's figures: the same plan everywhere.
     assert results[0]["plan"] == results[1]["plan"]
+
+
+@torch.no_grad()
+def _kept_after_resident(rank) -> dict:
+    """Tiny Flux (two large dual-stream blocks, four small single-stream ones) under a budget
+    whose first plan keeps the large blocks resident, so the slots are sized to the small ones;
+    the measured plan keeps parts of the large blocks instead. Bringing them in went through
+    slot 0, smaller than a large block: the second forward raised "no slot to bring block ... in
+    through" on every rank."""
+    import tiny_models as tiny
+
+    model = tiny.tiny_flux_transformer(num_layers=2, num_single_layers=4)
+    x = tiny.flux_transformer_inputs(model)
+    ref = model(**x)[0]
+    cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 20, "device_budget": 535040,
+           "layer_options": {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.01}}}
+    handle = apply_offload(model, cfg)
+    ring = handle.rings[0]
+    first = (sorted(ring.resident), max(s.numel() for s in ring.slots))
+    equal = [torch.equal(model(**x)[0], ref) for _ in range(4)]
+    out = {"first": first, "largest": max(ring.transfer.device_nbytes(i) for i in range(len(ring.layouts))),
+           "kept": ring.kept_blocks(), "equal": equal, "transfer": ring.transfer.name}
+    handle.remove()
+    return out
+
+
+def test_an_allgather_re_plan_brings_blocks_larger_than_its_slots_in():
+    for r in run_ranks(_kept_after_resident, 2):
+        assert r["transfer"] == "allgather" and r["first"][1] < r["largest"], r  # slots below a large block
+        assert r["kept"] and all(r["equal"]), r
