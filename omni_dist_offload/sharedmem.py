@@ -49,7 +49,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -647,17 +647,16 @@ class SharedBlocks:
         """Whether this rank streams ``block`` from the shared copy."""
         return self.files[block] is not None and bool(self._flags[block, self.me])
 
-    def leave(self, block: int, dying: int = 0) -> None:
+    def leave(self, block: int) -> None:
         """This rank no longer reads ``block`` here (it has unregistered its pages); the last
         rank to leave gives the pages back. Tensors a caller still holds over this rank's
         mapping of it (a ``state_dict()`` taken while the ring ran) keep their values: the
         mapping becomes a private copy first (:meth:`SharedSegment.keep_private`), which goes
-        with them. ``dying``: tensors over the mapping that are being freed as this runs (a
-        weakref callback runs before its tensor lets go of the storage), not counted."""
+        with them."""
         file = self.files[block]
         if file is None or file.fd < 0:
             return
-        if self._flags[block, self.me] and not file.private and self.outside_views(block) > dying:
+        if self._flags[block, self.me] and not file.private and self.outside_views(block):
             file.keep_private()  # while this rank's byte still keeps the pages from being punched
         with self._locked():
             if not self._flags[block, self.me]:
@@ -668,9 +667,9 @@ class SharedBlocks:
                 if not bool(self._flags.any()):  # no rank reads any block: the header goes too
                     self.header.punch(0, self.header.nbytes)
 
-    def leave_all(self, dying: Mapping[int, int] | None = None) -> None:
+    def leave_all(self) -> None:
         for b in range(len(self.files)):
-            self.leave(b, (dying or {}).get(b, 0))
+            self.leave(b)
 
     def share_bytes(self) -> int:
         """This rank's share of the live copy: each block it streams from here, divided by the
@@ -690,11 +689,10 @@ class SharedBlocks:
         """Host memory the files hold now (pages written and not given back)."""
         return sum(f.allocated_bytes() for f in [self.header, *self.files] if f is not None and f.fd >= 0)
 
-    def close(self, dying: Mapping[int, int] | None = None) -> None:
-        """Leave every block (``dying``: per block, as :meth:`leave`), then close the
-        descriptors. Idempotent."""
+    def close(self) -> None:
+        """Leave every block, then close the descriptors. Idempotent."""
         if self.header.fd >= 0:
-            self.leave_all(dying)
+            self.leave_all()
             for file in [*self.files, self.header]:
                 if file is not None:
                     file.close()

@@ -98,15 +98,14 @@ class SharedTransfer(RankLocalTransfer):
         if detached is None:  # nothing views the copy, or this rank has left it already
             return
         _, leave, args, _ = detached
-        # Which block's mapping each tensor views (None: a slot, a device buffer): the last one
-        # still holds its storage while its callback runs, and is not a caller's.
-        files = {f.tensor.untyped_storage().data_ptr(): b for b, f in enumerate(self.blocks.files) if f is not None}
-        viewing = {key: files.get(t.untyped_storage().data_ptr()) for key, t in tensors.items()}
 
+        # The last tensor still holds its storage while its callback runs: if it viewed a block,
+        # that block alone is copied (what it viewed then is not known for sure: a caller may
+        # have rebound it, and a view of it would be lost if it were not counted).
         def gone(key: int) -> None:
             pending.discard(key)
             if not pending:
-                leave(*args, {viewing[key]: 1} if viewing[key] is not None else None)
+                leave(*args)
 
         for key, tensor in tensors.items():
             weakref.finalize(tensor, gone, key).atexit = False
@@ -116,8 +115,8 @@ class SharedTransfer(RankLocalTransfer):
         self._finalizer()  # does nothing once leave_after has taken it
 
 
-def _leave(buffers: list[HostBuffer | None], blocks: SharedBlocks, dying: dict[int, int] | None = None) -> None:
+def _leave(buffers: list[HostBuffer | None], blocks: SharedBlocks) -> None:
     for buf in buffers:  # unregister this rank's pages before leaving them (as drop() does)
         if buf is not None:
             buf.release()
-    blocks.close(dying)
+    blocks.close()
