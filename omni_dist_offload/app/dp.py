@@ -22,6 +22,7 @@ runs alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -29,6 +30,7 @@ import json
 import logging
 import math
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +53,12 @@ logger = logging.getLogger(__name__)
 
 # Prefix of the store keys whose counters hand out prompt indices (one key per run).
 _CLAIM_KEY = "omni_offload/dp"
-#: How often a rank that has run out of prompts looks whether the others have too (_arrive).
+#: How often a rank that has run out of prompts looks whether the others have too (_Alive).
 _ARRIVAL_POLL_S = 0.2
+#: How often a rank running its prompts shows it is alive, and a waiting rank looks.
+_BEAT_S = 2.0
+#: A rank that has shown no sign of life this long before the end is named as stopped.
+_SILENT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,23 +274,28 @@ def run_free(
     ran = []
     key = _run_key(ctx)
     start = _started(ctx)
+    alive = _Alive(ctx, key)
     try:
-        for index in claim_indices(len(prompts), ctx, key):
-            job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
-            _generate(omni, job, ctx, out, report, "")
-            ran.append(index)
-    except Exception as exc:
-        # The others go on with the prompts left (none waits on this rank until the end), then
-        # learn why this rank stopped, instead of a lost connection when its process exits.
-        if ctx.backend is not None and ctx.world_size > 1:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            try:
-                _finish(report.local_count, time.perf_counter() - start, f"{type(exc).__name__}: {first}", ctx, key)
-            except Exception:  # noqa: BLE001 - the group is gone too: the original error says more
-                pass
-        raise
-    report.elapsed_s = time.perf_counter() - start
-    report.total_count, report.elapsed_s = _finish(report.local_count, report.elapsed_s, None, ctx, key)
+        try:
+            for index in claim_indices(len(prompts), ctx, key):
+                job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
+                _generate(omni, job, ctx, out, report, "")
+                ran.append(index)
+        except Exception as exc:
+            # The others go on with the prompts left (none waits on this rank until the end), then
+            # learn why this rank stopped, instead of a lost connection when its process exits.
+            if ctx.backend is not None and ctx.world_size > 1:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                try:
+                    _finish(report.local_count, time.perf_counter() - start, f"{type(exc).__name__}: {first}",
+                            ctx, key, alive)
+                except Exception:  # noqa: BLE001 - the group is gone too: the original error says more
+                    pass
+            raise
+        report.elapsed_s = time.perf_counter() - start
+        report.total_count, report.elapsed_s = _finish(report.local_count, report.elapsed_s, None, ctx, key, alive)
+    finally:
+        alive.stop()  # an interrupt: the others are told at once that this rank will not come
     _log_by_rank(ran, ctx)
     return report
 
@@ -294,13 +305,13 @@ class PeerStopped(RuntimeError):
 
 
 def _finish(count: int, elapsed_s: float, error: str | None, ctx: DistContext,
-            key: str | None) -> tuple[int, float]:
+            key: str | None, alive: "_Alive") -> tuple[int, float]:
     """Free mode's end: the sum of outputs and the slowest rank's time, and whether a rank
     stopped on an error (:class:`PeerStopped` on the others, naming it). Also a barrier, so rank
     0's final line comes after every rank has written."""
     if ctx.backend is None:
         return count, elapsed_s
-    _arrive(ctx, key)
+    alive.arrive()
     everyone: list[tuple | None] = [None] * ctx.world_size
     dist.all_gather_object(everyone, (count, elapsed_s, error))
     if error is None:
@@ -330,18 +341,75 @@ def _run_key(ctx: DistContext) -> str | None:
     return box[0]
 
 
-def _arrive(ctx: DistContext, key: str | None) -> None:
-    """Wait until every rank has reached the end of its prompts, polling the store rather than
-    sitting in a collective: a rank that runs out of prompts waits for the others' last
-    generations, which may take longer than the default group's collective timeout (10 minutes
-    on NCCL, 30 on gloo: a 720p video, or the prompts the others finish after one rank failed)."""
-    store = _default_store() if key is not None else None
-    if store is None or ctx.world_size == 1:
-        return  # the collective that follows is the barrier
-    arrived = f"{key}/arrived"
-    store.add(arrived, 1)
-    while store.add(arrived, 0) < ctx.world_size:
-        time.sleep(_ARRIVAL_POLL_S)
+class _Alive:
+    """Free mode's end without a collective that times out. A rank that runs out of prompts waits
+    for the others' last generations, which may take longer than the default group's collective
+    timeout (10 minutes on NCCL, 30 on gloo: a 720p video, or the prompts the others finish after
+    one rank failed): it polls the store instead (:meth:`arrive`). While it runs its prompts, a
+    daemon thread adds to a counter of its own every :data:`_BEAT_S`, so a rank that dies (no
+    launcher to stop the others: several hosts, srun, mpirun) is named once it has shown no
+    sign of life for :data:`_SILENT_S`; one that leaves the run without arriving (an interrupt)
+    says so, and is named at once."""
+
+    def __init__(self, ctx: DistContext, key: str | None) -> None:
+        self.ctx, self.key = ctx, key
+        self.store = _default_store() if key is not None and ctx.world_size > 1 else None
+        self._arrived = False
+        self._stop = threading.Event()
+        if self.store is not None:
+            threading.Thread(target=self._beat, args=(f"{key}/alive/{ctx.rank}",), daemon=True,
+                             name="omni-offload-alive").start()
+
+    def _beat(self, name: str) -> None:
+        while True:
+            try:
+                self.store.add(name, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the others find out on their own
+                return
+            if self._stop.wait(_BEAT_S):
+                return
+
+    def stop(self) -> None:
+        """This rank leaves the run: no more beats; unless it arrived, the others are told."""
+        self._stop.set()
+        if self.store is not None and not self._arrived:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self.key}/left/{self.ctx.rank}", "1")
+
+    def arrive(self) -> None:
+        """Wait until every rank has reached the end of its prompts; :class:`PeerStopped` naming
+        a rank that left the run without arriving, or has shown no sign of life for
+        :data:`_SILENT_S`."""
+        if self.store is None:
+            return  # the collective that follows is the barrier
+        store, key, me, world = self.store, self.key, self.ctx.rank, self.ctx.world_size
+        store.set(f"{key}/arrived/{me}", "1")
+        self._arrived = True
+        self._stop.set()
+        arrived = f"{key}/arrived"
+        store.add(arrived, 1)
+        beats: dict[int, tuple[int, float]] = {}
+        check = time.monotonic() + _BEAT_S
+        while store.add(arrived, 0) < world:
+            time.sleep(_ARRIVAL_POLL_S)
+            now = time.monotonic()
+            if now < check:
+                continue
+            check = now + _BEAT_S
+            for rank in range(world):
+                if rank == me or store.check([f"{key}/arrived/{rank}"]):
+                    continue
+                if store.check([f"{key}/left/{rank}"]):
+                    raise PeerStopped(f"rank {rank} left the run before the end of its prompts (interrupted); "
+                                      "this rank ran its own prompts. The outputs written stay.")
+                count = store.add(f"{key}/alive/{rank}", 0)
+                seen = beats.get(rank)
+                if seen is None or seen[0] != count:
+                    beats[rank] = (count, now)
+                elif now - seen[1] > _SILENT_S:
+                    raise PeerStopped(f"rank {rank} has shown no sign of life for {_SILENT_S:g} s before the end "
+                                      "of its prompts (it died, or hangs); this rank ran its own prompts. See "
+                                      "that rank's log; the outputs written stay.")
 
 
 def claim_indices(total: int, ctx: DistContext, key: str | None = None) -> Iterator[int]:

@@ -210,6 +210,45 @@ def test_a_rank_out_of_prompts_waits_past_the_collective_timeout(tmp_path) -> No
     assert len(results[0]["ran"]) == 3, results
 
 
+def lost_rank(rank: Rank, out_dir: str, how: str) -> dict:
+    """Free mode: rank 1 is interrupted, or dies, on its first prompt while rank 0 works on.
+    Rank 0, at the run's end, must not wait for it forever (no launcher stops it on several
+    hosts, under srun or mpirun)."""
+    import types
+
+    dp._BEAT_S, dp._SILENT_S = 0.2, 2.0
+    ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
+
+    class Gen:
+        pipeline = types.SimpleNamespace(__call__=lambda prompt: None)
+
+        def generate(self, prompt: str, *, name: str, **kwargs):
+            if rank.rank == 1:
+                if how == "dies":
+                    rank.report({"died": True})
+                    os._exit(1)
+                raise KeyboardInterrupt
+            time.sleep(0.3)
+            saved = types.SimpleNamespace(media=Path(out_dir, name))
+            return types.SimpleNamespace(kind="image", metadata={"timings": {}}, save=lambda *a, **k: saved)
+
+    start = time.monotonic()
+    try:
+        dp.run_free(Gen(), ["a", "b", "c"], 0, ctx, sampling=SamplingOptions(), output_dir=Path(out_dir))
+    except BaseException as exc:  # noqa: BLE001 - the type is checked
+        return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["interrupted", "dies"])
+def test_a_rank_lost_before_the_end_is_named_not_waited_for(tmp_path, how) -> None:
+    r0, r1 = run_ranks(lost_rank, 2, args=(str(tmp_path), how), broken_group=True, timeout=60)
+    assert r0["error"] == "PeerStopped" and "rank 1" in r0["message"], r0
+    assert ("interrupted" if how == "interrupted" else "no sign of life") in r0["message"], r0
+    assert r1 == ({"error": "KeyboardInterrupt", "message": "", "after_s": r1.get("after_s")}
+                  if how == "interrupted" else {"died": True}), r1
+
+
 def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> None:
     """Rank 1 cannot write its output (a folder in the way) while rank 0 goes on to the next
     wave's gathers: rank 1 says why and exits, without the collective teardown that would not
