@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.nn.utils import parametrize as _parametrize
 
 from .layout import BlockLayout, bind, restored
@@ -197,6 +198,15 @@ def _on_top(guard: _NoBackward) -> bool:
     except (RuntimeError, TypeError):
         return False
     return hooks is not None and hooks[0] == guard.pack and hooks[1] == guard.unpack
+
+
+#: Bytes of an edited block compared across the weight group per collective (_check_same_edit).
+_EDIT_CHUNK = 16 << 20
+
+
+def _weight_group(transfer: Any) -> Any:
+    """The weight group of an allgather transfer (under an 8-bit upcast too), else None."""
+    return getattr(transfer, "group", None) or getattr(getattr(transfer, "inner", None), "group", None)
 
 
 class BlockRing:
@@ -996,6 +1006,10 @@ class BlockRing:
                 result = edit()
                 for entry, view in zip(layout.entries, views):
                     _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
+                if self._lockstep and (slot is not None or self.transfer.has_host_copy(i)):
+                    self._check_same_edit(i, [self._fill_views[slot][i], *([self._kept_bufs[i]] if i in self._kept
+                                                                         else [])] if slot is not None
+                                          else [self._device_blocks[i]])
                 if slot is not None:
                     self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
                     if layout.image is not None:
@@ -1024,6 +1038,33 @@ class BlockRing:
                 else:
                     bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
+
+    def _check_same_edit(self, i: int, parts: Sequence[torch.Tensor]) -> None:
+        """Under allgather every rank must leave the same bytes in a block it edits: each writes
+        back its own shard only, so different edits (adapters, or scales, fused differently on
+        different ranks) would be stitched into one block at the next gather, wrong on every
+        rank. Compared exactly, a chunk at a time over the weight group: where ranks differ, the
+        element-wise maximum or minimum differs from each rank's own bytes, so every rank finds
+        it. Raises before anything is written back (the host shards keep the block as it was)."""
+        group = _weight_group(self.transfer)
+        if group is None or group.size == 1:
+            return
+        differs = torch.zeros((), dtype=torch.bool, device=self.device)
+        for part in parts:
+            flat = part.reshape(-1)
+            for start in range(0, flat.numel(), _EDIT_CHUNK):
+                own = flat[start: start + _EDIT_CHUNK]
+                most, least = own.clone(), own.clone()
+                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group.group)
+                dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group.group)
+                differs |= (most != own).any() | (least != own).any()
+        if bool(differs):  # an edit, not the per-block path
+            raise RuntimeError(
+                f"{self.component.name}: the ranks of the weight group edited block {self.layouts[i].name} "
+                "differently (fused different LoRA adapters, or with different scales); under allgather each "
+                "rank holds a shard of the block, so every rank must make the same edit. The edit was not "
+                "kept (the block's shards are as they were), but the adapter library may count it as done "
+                "(peft marks the layers merged): reload the adapters, or the model, the same on every rank.")
 
     def _write_back_resident(self, i: int) -> None:
         """Resident block ``i``'s device bytes into its host copy (a plan that is not final may

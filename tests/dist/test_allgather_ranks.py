@@ -412,3 +412,34 @@ def test_remove_names_ranks_out_of_step_and_changes_nothing():
     for r in run_ranks(uneven_counts, 2):
         assert "out of step at remove()" in r["message"] and "rank 0: " in r["message"], r
         assert r["message"].startswith("remove() changed nothing") and r["hooks"] > 0
+
+
+@torch.no_grad()
+def different_edits(rank: Rank) -> dict:
+    """Rank 1 edits a streamed block differently from rank 0 (as fusing another adapter, or
+    another scale, does): each would write back its own shard of a different edit, and the next
+    gather would stitch them, wrong on both. Then the same edit on both ranks, kept."""
+    model = ToyDiT(3, dim=64)
+    x = torch.randn(2, 64)
+    ref = model(x)
+    handle = apply_offload(model, allgather_config(text_encoder=False))
+    ring = handle.rings[0]
+    out = {"transfer": handle.summary()[0]["weight_transfer"]}
+    try:
+        ring.edit_block(1, lambda: model.blocks[1].lin.weight.add_(1.0 + rank.rank))
+        out["edit"] = None
+    except RuntimeError as exc:
+        out["edit"] = str(exc)
+    out["unchanged"] = torch.equal(model(x), ref)  # the shards kept the block as it was
+    ring.edit_block(1, lambda: model.blocks[1].lin.weight.add_(1.0))
+    reference = ToyDiT(3, dim=64)
+    reference.blocks[1].lin.weight.add_(1.0)
+    out["same_edit"] = torch.equal(model(x), reference(x))
+    handle.remove()
+    return out
+
+
+def test_ranks_that_edit_a_block_differently_are_refused():
+    for r in run_ranks(different_edits, 2):
+        assert r["transfer"] == "allgather", r
+        assert "edited block blocks.1 differently" in r["edit"] and r["unchanged"] and r["same_edit"], r
