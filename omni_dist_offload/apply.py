@@ -730,9 +730,16 @@ class _RingSpec:
         block from a slot and also holds two staging buffers of the largest streamed image
         (``image_slot_bytes``)."""
         if self.stored:
-            return list(image_slot_bytes([l.nbytes for l in self.layouts], [l.image_nbytes for l in self.layouts]))
+            return list(image_slot_bytes([l.nbytes for l in self.layouts], self.image_bytes()))
         if self.group is None:
             return [l.nbytes for l in self.layouts]
+        return [s.padded_nbytes for s in self.shard_plans()]
+
+    def image_bytes(self) -> list[int]:
+        """Per block, device bytes of its stored image as it arrives (gathered: padded to a whole
+        number of chunks per rank), what a staging buffer or a kept image takes."""
+        if self.group is None:
+            return [l.image_nbytes for l in self.layouts]
         return [s.padded_nbytes for s in self.shard_plans()]
 
     def shard_plans(self) -> list[ShardPlan]:
@@ -1186,7 +1193,7 @@ def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.d
         asked = cfg.options_for(s.component.category).resident_blocks
         # A ring of 8-bit images keeps a resident block as its image (see BlockRing.held).
         sizes.append(RingSizes(s.component.name, s.component.category,
-                               tuple(l.image_nbytes if s.stored else l.nbytes for l in s.layouts),
+                               tuple(s.image_bytes() if s.stored else (l.nbytes for l in s.layouts)),
                                tuple(s.slot_bytes()),
                                _resident_indices(s.component, asked) if asked is not None else None,
                                run_slot_bytes=max(l.nbytes for l in s.layouts) if s.stored else 0))

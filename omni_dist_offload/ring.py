@@ -1126,7 +1126,7 @@ class BlockRing:
         """Device bytes block ``i`` takes when the plan keeps it: its 8-bit image on a ring of
         images, else the block."""
         layout = self.layouts[i]
-        return layout.image_nbytes if self._images else layout.nbytes
+        return self.transfer.inner.device_nbytes(i) if self._images else layout.nbytes
 
     def kept_bytes(self, i: int) -> int:
         """Bytes of block ``i``'s leading part kept on the device (0: none)."""
@@ -1185,7 +1185,8 @@ class BlockRing:
                      else whole[i] * ms_per_byte for i in range(len(self.layouts)))
         issued = tuple(rows[i]["issued_ms"] for i in range(len(self.layouts)))
         # A ring of 8-bit images pays for its staging buffers too, as its first plan counted them.
-        slot_bytes = image_slot_bytes(sizes, [l.image_nbytes for l in self.layouts]) if self._images else tuple(sizes)
+        images = [self.transfer.inner.device_nbytes(i) for i in range(len(self.layouts))] if self._images else []
+        slot_bytes = image_slot_bytes(sizes, images) if self._images else tuple(sizes)
         return RingCosts(tuple(self.resident_nbytes(i) for i in range(len(self.layouts))), slot_bytes,
                          tuple(rows[i]["compute_ms"] for i in range(len(self.layouts))), copy,
                          pre_ms=report["pre_ms"], post_ms=report["post_ms"], gap_ms=report.get("gap_ms") or 0.0,

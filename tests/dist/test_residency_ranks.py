@@ -102,3 +102,37 @@ def test_an_allgather_re_plan_brings_blocks_larger_than_its_slots_in():
     for r in run_ranks(_kept_after_resident, 2):
         assert r["transfer"] == "allgather" and r["first"][1] < r["largest"], r  # slots below a large block
         assert r["kept"] and all(r["equal"]), r
+
+
+@torch.no_grad()
+def _images_gathered(rank) -> list:
+    """A ring of 8-bit images under allgather plans the images as they arrive, padded to whole
+    chunks per rank (it had counted them unpadded, and allocated past its budget)."""
+    import tiny_models as tiny
+
+    model = tiny.tiny_flux_transformer(num_layers=2, num_single_layers=4)
+    cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 20,
+           "layer_options": {"dit": {"weight_transfer": "allgather", "chunk_mib": 0.01,
+                                     "storage_dtype": "float8_e4m3fn"}}}
+    probe = apply_offload(model, cfg)
+    ring = probe.rings[0]
+    whole = (sum(ring.transfer.inner.device_nbytes(i) for i in range(len(ring.layouts)))
+             + 2 * max(l.nbytes for l in ring.layouts))
+    probe.remove()
+    rows = []
+    for fraction in (1.0, 0.9):
+        handle = apply_offload(model, dict(cfg, device_budget=int(whole * fraction)))
+        ring = handle.rings[0]
+        staging = ring.transfer.staging_nbytes() if len(ring.transfer.held) < len(ring.layouts) else 0
+        allocated = (sum(s.numel() for s in ring.slots) + 2 * staging  # two on a GPU (one here)
+                     + sum(t.numel() for t in ring.transfer.held.values()))
+        rows.append((fraction, ring.plan.device_bytes, allocated, int(whole * fraction), len(ring.transfer.held)))
+        handle.remove()
+    return rows
+
+
+def test_an_allgather_ring_of_images_plans_what_it_allocates():
+    for rows in run_ranks(_images_gathered, 2):
+        for fraction, planned, allocated, budget, held in rows:
+            assert planned == allocated <= budget, rows
+        assert rows[0][4] == 6 and rows[1][4] < 6, rows  # the whole budget keeps every image
