@@ -1007,9 +1007,7 @@ class BlockRing:
                 for entry, view in zip(layout.entries, views):
                     _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
                 if self._lockstep and (slot is not None or self.transfer.has_host_copy(i)):
-                    self._check_same_edit(i, [self._fill_views[slot][i], *([self._kept_bufs[i]] if i in self._kept
-                                                                         else [])] if slot is not None
-                                          else [self._device_blocks[i]])
+                    self._check_same_edit(i, views)
                 if slot is not None:
                     self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
                     if layout.image is not None:
@@ -1045,13 +1043,15 @@ class BlockRing:
         different ranks) would be stitched into one block at the next gather, wrong on every
         rank. Compared exactly, a chunk at a time over the weight group: where ranks differ, the
         element-wise maximum or minimum differs from each rank's own bytes, so every rank finds
-        it. Raises before anything is written back (the host shards keep the block as it was)."""
+        it. Raises before anything is written back (the host shards keep the block as it was).
+        ``parts``: the block's tensors (not its buffer, whose alignment gaps hold whatever the
+        allocator left there, on each rank its own)."""
         group = _weight_group(self.transfer)
         if group is None or group.size == 1:
             return
         differs = torch.zeros((), dtype=torch.bool, device=self.device)
         for part in parts:
-            flat = part.reshape(-1)
+            flat = part.detach().reshape(-1).view(torch.uint8)
             for start in range(0, flat.numel(), _EDIT_CHUNK):
                 own = flat[start: start + _EDIT_CHUNK]
                 most, least = own.clone(), own.clone()
