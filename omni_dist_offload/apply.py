@@ -301,9 +301,9 @@ class OffloadHandle:
         remove the hooks; free the slots, device buffers and host copy (a shared copy is left to
         its other ranks) and the process groups setup created; and leave every streamed tensor
         empty (no elements). The streamed components cannot run after it (drop them;
-        apply_offload refuses them); what did not stream stays where it is. :meth:`remove` restores the streamed tensors on
-        the device instead, which needs room for all of them: a model that fits only streamed
-        cannot have it. No collective but the process groups' release (every rank of a weight
+        apply_offload refuses them); what did not stream stays where it is. :meth:`remove`
+        restores the streamed tensors on the device instead, which needs room for all of them: a
+        model that fits only streamed cannot have it. No collective but the process groups' release (every rank of a weight
         group calls it); calling it again, or after :meth:`remove`, does nothing."""
         if self._removed:
             return

@@ -305,7 +305,7 @@ class PeerStopped(RuntimeError):
 
 
 def _finish(count: int, elapsed_s: float, error: str | None, ctx: DistContext,
-            key: str | None, alive: "_Alive") -> tuple[int, float]:
+            key: str | None, alive: _Alive) -> tuple[int, float]:
     """Free mode's end: the sum of outputs and the slowest rank's time, and whether a rank
     stopped on an error (:class:`PeerStopped` on the others, naming it). Also a barrier, so rank
     0's final line comes after every rank has written."""
