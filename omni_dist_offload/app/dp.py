@@ -362,10 +362,8 @@ class _Alive:
 
     def _beat(self, name: str) -> None:
         while True:
-            try:
+            with contextlib.suppress(Exception):  # a store that failed once may answer the next time
                 self.store.add(name, 1)
-            except Exception:  # noqa: BLE001 - the store is gone: the others find out on their own
-                return
             if self._stop.wait(_BEAT_S):
                 return
 

@@ -101,7 +101,7 @@ class Buffered:
             seen += len(body)
             if seen > self.limit:
                 return await self._refuse(scope, receive, send, deadline,
-                                          more=message.get("more_body", False))
+                                          more=message.get("more_body", False), continued=True)
             chunks.append(body)
             if not message.get("more_body", False):
                 break
@@ -116,17 +116,19 @@ class Buffered:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any, deadline: float, more: bool = True) -> None:
+    async def _refuse(self, scope: dict, receive: Any, send: Any, deadline: float, more: bool = True,
+                      continued: bool = False) -> None:
         """413, once the rest of the body (``more``: some may still come) has been read and
         dropped while it keeps coming: up to :data:`_DRAIN_BYTES`, within the request's deadline,
         until a pause of :data:`_DRAIN_PAUSE_S`. A client that sends its whole body before it
         reads the answer (Python's http.client, requests) would otherwise meet a reset as the
         connection closes with its body unread, and lose the answer (the kernel drops what it
-        had received). A client waiting for ``100 Continue`` is answered at once (reading
-        would ask it for the body)."""
+        had received). A client still waiting for ``100 Continue`` is answered at once (reading
+        would ask it for the body); ``continued``: the body was read from already, which sent it
+        the ``100 Continue``, so it is sending."""
         headers = dict(scope.get("headers") or [])
         drained = 0
-        if headers.get(b"expect", b"").lower() == b"100-continue":
+        if not continued and headers.get(b"expect", b"").lower() == b"100-continue":
             more = False
         while more and drained <= _DRAIN_BYTES:
             wait = min(_DRAIN_PAUSE_S, deadline - time.monotonic())
