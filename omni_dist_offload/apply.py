@@ -313,7 +313,7 @@ class OffloadHandle:
         for ring in self.rings:
             # A later apply_offload refuses the module by this mark (its weights are gone).
             ring.component.module.__dict__[_DISCARDED_ATTR] = True
-            tensors = {id(e.tensor): e.tensor for layout in ring.layouts for e in layout.entries}
+            tensors = ring.block_tensors()
             # Emptied first: its data was a slot, a device buffer or host bytes, and on a shared
             # ring a view of the host's copy, which leaving would otherwise take for a caller's
             # tensor and copy into this rank's memory.
@@ -549,7 +549,7 @@ def _free_dropped(ring: BlockRing) -> None:
         if shared is not None:
             # The module's parameters still view the shared copy (they go just after this, with
             # the module's attributes): leaving now would copy every block to keep them valid.
-            shared.leave_after({id(e.tensor): e.tensor for layout in ring.layouts for e in layout.entries})
+            shared.leave_after(ring.block_tensors())
         ring.release()
     except Exception:  # noqa: BLE001 - called as the module is freed: nothing to raise into
         logger.warning("%s: freeing the offload of the dropped component failed", ring.component.name,

@@ -955,6 +955,10 @@ class BlockRing:
                 "apply_offload, or call remove() on the handle, change the model and apply again. "
                 "Small additions, such as LoRA adapters, are expected.", RuntimeWarning, stacklevel=2)
 
+    def block_tensors(self) -> dict[int, torch.Tensor]:
+        """The blocks' tensors (parameters and buffers) by id, a tied one once."""
+        return {id(e.tensor): e.tensor for layout in self.layouts for e in layout.entries}
+
     def edit_block(self, i: int, edit: Callable[[], _T]) -> _T:
         """Run ``edit()`` with block ``i``'s tensors on the device, and keep what it leaves in
         them: in the block's device buffer if it is resident, else in its slot and written back

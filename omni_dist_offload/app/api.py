@@ -517,10 +517,6 @@ class Omni:
 
     def _metadata(self, result: GenerationResult, call: Mapping[str, Any], elapsed: float) -> dict[str, Any]:
         height, width = result.frames.shape[-3:-1]
-
-        def effective(key: str) -> Any:
-            return self._effective(call, key)
-
         return {
             "prompt": result.prompt,
             "negative_prompt": call.get("negative_prompt"),
@@ -532,8 +528,8 @@ class Omni:
             "width": int(width),
             "num_frames": int(result.frames.shape[0]) if result.kind == "video" else None,
             "fps": result.fps if result.kind == "video" else None,
-            "num_inference_steps": effective("num_inference_steps"),
-            "guidance_scale": effective("guidance_scale"),
+            "num_inference_steps": self._effective(call, "num_inference_steps"),
+            "guidance_scale": self._effective(call, "guidance_scale"),
             "pipeline_kwargs": {k: _scalar(v) for k, v in call.items() if _is_json_scalar(_scalar(v))},
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
