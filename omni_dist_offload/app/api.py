@@ -18,6 +18,8 @@ the whole pipeline moves to the device.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
 import inspect
 import logging
@@ -62,6 +64,7 @@ from ..loading.pipelines import (
     resolve_dtype,
 )
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINE_DEFAULTS
+from ..runtime.dist import agree_on_step
 from ..runtime.logs import is_logged_rank
 from .outputs import GenerationResult, to_uint8
 
@@ -179,6 +182,9 @@ def with_upcast(config: OffloadConfig | None, upcast: str | None) -> OffloadConf
     return OffloadConfig.parse({**base, "layer_options": options})
 
 
+#: The step every rank agrees on after its LoRAs and cache, when setup is collective.
+_EXTRAS_STEP = "load its LoRAs and set up its cache"
+
 class Omni:
     """A pipeline on a device, its offload handle, and ``generate``.
 
@@ -282,9 +288,17 @@ class Omni:
                 f"compile={self.compile!r} with the DiT's upcast \"layer\": the per-layer upcast swaps each "
                 "layer's tensors inside the block, which a compiled block does not follow. Use upcast \"block\" "
                 "(the default) with compile, or do not compile.")
+        # Setup is collective when the ranks share weights or split samples: one rank's failure
+        # to load (a folder missing on its host), or to take its LoRAs, is then told to the others
+        # before they enter a collective it never reaches (runtime.dist.agree_on_step).
+        collective = split is not None or (self.config is not None and any(
+            self.config.options_for(c).weight_transfer in ("allgather", "shared") for c in self.config.components))
+        # As long as the placing's own setup exchanges wait for a rank.
+        within = self.config.collective_timeout_s if self.config is not None else None
+        agree = functools.partial(agree_on_step, "load the model", timeout_s=within) if collective else None
         loaded = load_and_place(model, self.config, device=self.device, dtype=self.dtype,
                                 load_kwargs=load_kwargs, cold_start=cold_start,
-                                progress=progress and is_logged_rank())
+                                progress=progress and is_logged_rank(), agree=agree)
         self.pipeline = loaded.pipeline
         self.handle: OffloadHandle | None = loaded.handle
         self.cold_start = loaded.cold_start
@@ -292,10 +306,14 @@ class Omni:
         self.timings = SetupTimings(load_s=loaded.load_s, place_s=loaded.place_s)
         self.parallel: ParallelGroups | None = None
         """Context parallelism's groups, when ``context_parallel`` split the DiTs."""
+        agreed = not collective
         try:
             # After offloading, as users do: the ring adopts the adapters ([Note: tenants]).
             load_loras(self.pipeline, self.loras)
             self._cached = enable_cache(self.pipeline, self.cache) if self.cache is not None else []
+            if not agreed:  # before the split's collectives
+                agreed = True
+                agree_on_step(_EXTRAS_STEP, None, within)
             # Then the split, whose hooks go on the modules as they are now: a LoRA on a module the
             # plan gathers (Wan's root proj_out) replaces that module, and loaded after the split
             # would leave the gather on its base layer (the base output gathered, the adapter's
@@ -306,7 +324,10 @@ class Omni:
             self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
             self.set_progress(progress)
             self._signature = inspect.signature(self.pipeline.__call__)
-        except BaseException:
+        except BaseException as exc:
+            if not agreed and isinstance(exc, Exception):
+                with contextlib.suppress(Exception):  # the agreement failing too must not hide this error
+                    agree_on_step(_EXTRAS_STEP, exc, within)
             self.close()  # a LoRA that does not fit, say: undo the offload and context parallelism
             raise
         logger.info("%s ready on %s (%s) in %.1f s (load %.1f s, %s %.1f s)", model, self.device,

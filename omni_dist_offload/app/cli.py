@@ -38,7 +38,7 @@ from ..loading.parallel import ContextParallel, ContextParallelError, check_atte
 from ..loading.folders import pipeline_class
 from ..loading.pipelines import DTYPES, ModelLoadError, format_bytes
 from ..models import BUILTIN_MODELS
-from ..runtime.dist import destroy_dist, maybe_init_dist
+from ..runtime.dist import PeerFailed, build_on_every_rank, destroy_dist, maybe_init_dist
 from ..runtime.flags import OneLineParser as _Parser
 from ..runtime.flags import (
     UsageError,
@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, OffloadConfigError, GenerationOptionError, AdapterError, ContextParallelError) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 2
-    except (ModelLoadError, CheckpointError, PeerStopped) as exc:
+    except (ModelLoadError, CheckpointError, PeerStopped, PeerFailed) as exc:
         _report(f"{PROG} {plan.command}: error: {exc}")
         return 1
     except OutputWriteError as exc:  # a full disk mid-run: the file and the reason, not a traceback
@@ -365,7 +365,8 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
     # Only "\n" (or "\r\n") ends a line, as wc -l and editors count them: splitlines() also breaks
     # at U+2028, U+0085, form feeds and the like inside a prompt, shifting every later prompt's
     # number and seed.
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    # A byte order mark goes wherever it is: files joined with cat carry one at each start.
+    lines = [line.removesuffix("\r") for line in text.replace("\ufeff", "").split("\n")]
     for number, line in enumerate(lines, 1):
         if "\r" in line:  # a carriage return alone ends lines on classic Mac OS: not a prompt's text
             raise UsageError(f"--prompts-file {str(path)!r} line {number} holds a carriage return that ends no "
@@ -475,6 +476,12 @@ _COMMAND_FUNCS: dict[str, Callable[[RunPlan], int]] = {
 
 
 def _load(plan: RunPlan) -> Omni:
+    """The pipeline, built on every rank: a rank that cannot (a folder missing on its host) tells
+    the others, which stop with it instead of waiting for it in their first collective."""
+    return build_on_every_rank("load the model", functools.partial(_build, plan))
+
+
+def _build(plan: RunPlan) -> Omni:
     return Omni(plan.model, plan.config, device=plan.device, dtype=plan.dtype, progress=plan.progress,
                 cold_start=plan.cold_start, compile=plan.compile, lora=plan.lora, cache=plan.cache,
                 context_parallel=plan.context_parallel)

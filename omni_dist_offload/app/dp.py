@@ -39,9 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
-from ..runtime.dist import DistContext
+from ..runtime.dist import DistContext, default_store
 from ..runtime.flags import UsageError
 from .api import Omni, SamplingOptions
 from .outputs import VideoFormat, numbered_outputs
@@ -59,6 +58,10 @@ _ARRIVAL_POLL_S = 0.2
 _BEAT_S = 2.0
 #: A rank that has shown no sign of life this long before the end is named as stopped.
 _SILENT_S = 120.0
+#: Once every prompt is taken, each rank is on its last one: one that has not finished it within
+#: this many times the longest generation any rank has reported (and at least _SILENT_S) is named
+#: as hung, alive or not (a GPU that stopped, a write that never returns).
+_HANG_FACTOR = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,12 +277,14 @@ def run_free(
     ran = []
     key = _run_key(ctx)
     start = _started(ctx)
-    alive = _Alive(ctx, key)
+    alive = _Alive(ctx, key, len(prompts))
     try:
         try:
             for index in claim_indices(len(prompts), ctx, key):
                 job = PromptJob(index=index, prompt=prompts[index], seed=base_seed + index)
+                began = time.perf_counter()
                 _generate(omni, job, ctx, out, report, "")
+                alive.took(time.perf_counter() - began)
                 ran.append(index)
         except Exception as exc:
             # The others go on with the prompts left (none waits on this rank until the end), then
@@ -349,12 +354,15 @@ class _Alive:
     daemon thread adds to a counter of its own every :data:`_BEAT_S`, so a rank that dies (no
     launcher to stop the others: several hosts, srun, mpirun) is named once it has shown no
     sign of life for :data:`_SILENT_S`; one that leaves the run without arriving (an interrupt)
-    says so, and is named at once."""
+    says so, and is named at once. A rank that lives but hangs beats on: each rank publishes the
+    longest generation it has run, and once every prompt is taken (each rank is then on its last)
+    one that has not arrived within :data:`_HANG_FACTOR` times the longest is named."""
 
-    def __init__(self, ctx: DistContext, key: str | None) -> None:
-        self.ctx, self.key = ctx, key
-        self.store = _default_store() if key is not None and ctx.world_size > 1 else None
+    def __init__(self, ctx: DistContext, key: str | None, total: int) -> None:
+        self.ctx, self.key, self.total = ctx, key, total
+        self.store = default_store() if key is not None and ctx.world_size > 1 else None
         self._arrived = False
+        self._longest = 0.0
         self._stop = threading.Event()
         if self.store is not None:
             threading.Thread(target=self._beat, args=(f"{key}/alive/{ctx.rank}",), daemon=True,
@@ -367,6 +375,22 @@ class _Alive:
             if self._stop.wait(_BEAT_S):
                 return
 
+    def took(self, seconds: float) -> None:
+        """This rank ran a generation in ``seconds``: published when it is its longest yet."""
+        if self.store is not None and seconds > self._longest:
+            self._longest = seconds
+            with contextlib.suppress(Exception):  # only a hang's deadline depends on it
+                self.store.set(f"{self.key}/took/{self.ctx.rank}", f"{seconds:.3f}")
+
+    def _longest_of_all(self, world: int) -> float:
+        """The longest generation any rank has published (0: none has finished one)."""
+        longest = self._longest
+        for rank in range(world):
+            took = f"{self.key}/took/{rank}"
+            if rank != self.ctx.rank and self.store.check([took]):
+                longest = max(longest, float(self.store.get(took)))
+        return longest
+
     def stop(self) -> None:
         """This rank leaves the run: no more beats; unless it arrived, the others are told."""
         self._stop.set()
@@ -376,8 +400,8 @@ class _Alive:
 
     def arrive(self) -> None:
         """Wait until every rank has reached the end of its prompts; :class:`PeerStopped` naming
-        a rank that left the run without arriving, or has shown no sign of life for
-        :data:`_SILENT_S`."""
+        a rank that left the run without arriving, has shown no sign of life for
+        :data:`_SILENT_S`, or hangs on its last prompt (see the class)."""
         if self.store is None:
             return  # the collective that follows is the barrier
         store, key, me, world = self.store, self.key, self.ctx.rank, self.ctx.world_size
@@ -387,6 +411,7 @@ class _Alive:
         arrived = f"{key}/arrived"
         store.add(arrived, 1)
         beats: dict[int, tuple[int, float]] = {}
+        emptied: float | None = None  # when this rank first saw every prompt taken
         check = time.monotonic() + _BEAT_S
         while store.add(arrived, 0) < world:
             time.sleep(_ARRIVAL_POLL_S)
@@ -394,6 +419,9 @@ class _Alive:
             if now < check:
                 continue
             check = now + _BEAT_S
+            if emptied is None and store.add(key, 0) >= self.total:  # the claim counter
+                emptied = now
+            late = []
             for rank in range(world):
                 if rank == me or store.check([f"{key}/arrived/{rank}"]):
                     continue
@@ -406,8 +434,17 @@ class _Alive:
                     beats[rank] = (count, now)
                 elif now - seen[1] > _SILENT_S:
                     raise PeerStopped(f"rank {rank} has shown no sign of life for {_SILENT_S:g} s before the end "
-                                      "of its prompts (it died, or hangs); this rank ran its own prompts. See "
-                                      "that rank's log; the outputs written stay.")
+                                      "of its prompts (its process died, or its host is unreachable); this rank "
+                                      "ran its own prompts. See that rank's log; the outputs written stay.")
+                late.append(rank)
+            longest = self._longest_of_all(world) if emptied is not None and late else 0.0
+            if longest > 0 and now - emptied > max(_SILENT_S, _HANG_FACTOR * longest):
+                ranks = ", ".join(map(str, late))
+                raise PeerStopped(
+                    f"rank(s) {ranks} still run their last prompt {now - emptied:.0f} s after every prompt was "
+                    f"taken, over {_HANG_FACTOR:g} times the longest generation of any rank ({longest:.1f} s): "
+                    "they hang (a GPU that stopped, a write that never returns) though their process lives; "
+                    "this rank ran its own prompts. See their logs; the outputs written stay.")
 
 
 def claim_indices(total: int, ctx: DistContext, key: str | None = None) -> Iterator[int]:
@@ -417,7 +454,7 @@ def claim_indices(total: int, ctx: DistContext, key: str | None = None) -> Itera
     counter."""
     store = None
     if ctx.backend is not None:
-        store = _default_store()
+        store = default_store()
         key = key if key is not None else _run_key(ctx)
     if store is None:
         if ctx.world_size > 1:
@@ -475,18 +512,6 @@ def _span(indices: list[int]) -> str:
     """``3 (00000 to 00002)``, ``1 (00004)``: how many, and the first and last."""
     first, last = indices[0], indices[-1]
     return f"{len(indices)} ({first:05d})" if first == last else f"{len(indices)} ({first:05d} to {last:05d})"
-
-
-def _default_store() -> dist.Store | None:
-    """The default process group's store, where this torch has one to give (a private helper
-    of torch's, so its absence is not an error)."""
-    get_store = getattr(distributed_c10d, "_get_default_store", None)
-    if get_store is None:
-        return None
-    try:
-        return get_store()
-    except (RuntimeError, ValueError):
-        return None
 
 
 def _log_by_rank(ran: list[int], ctx: DistContext) -> None:

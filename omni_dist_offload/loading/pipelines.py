@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from diffusers import DiffusionPipeline
@@ -103,20 +103,35 @@ def load_and_place(
     load_kwargs: Mapping[str, Any] | None = None,
     cold_start: bool = True,
     progress: bool = False,
+    agree: Callable[[BaseException | None], None] | None = None,
 ) -> LoadedPipeline:
     """Load ``model`` and stream it with ``config`` (cold-started where it can be), or move it
     whole to ``device`` when ``config`` is None. ``progress`` shows the offload setup's bars.
-    ``load_kwargs`` are checked first (:func:`check_load_kwargs`). Collective under allgather."""
+    ``load_kwargs`` are checked first (:func:`check_load_kwargs`). Collective under allgather.
+
+    ``agree``, when the placing is collective: called between loading and placing with the
+    error loading raised (this rank's failure is then raised) or None (it raises when another
+    rank failed), so every rank learns of one rank's failure to load (a folder missing on one
+    host) before the others enter the placing's collectives, which that rank never would."""
     model = os.fspath(model)
     kwargs = check_load_kwargs(model, load_kwargs)
     start = time.perf_counter()
     cold = None
-    if config is not None and cold_start and model not in BUILTIN_MODELS:
-        with _loading_bars(progress):  # it builds encoders with transformers, which shows a bar
-            cold = _prepare_cold_start(model, config, device, dtype, kwargs)
     try:
+        if config is not None and cold_start and model not in BUILTIN_MODELS:
+            with _loading_bars(progress):  # it builds encoders with transformers, which shows a bar
+                cold = _prepare_cold_start(model, config, device, dtype, kwargs)
         pipe = load_pipeline(str(cold.folder) if cold else model, dtype,
                              {**kwargs, **(cold.components if cold else {})}, progress=progress)
+    except Exception as exc:
+        if cold is not None:
+            cold.close()
+        if agree is not None:
+            agree(exc)
+        raise
+    try:
+        if agree is not None:
+            agree(None)
         loaded = time.perf_counter()
         handle = _place(pipe, model, config, device, cold.sources if cold else None, progress)
     finally:

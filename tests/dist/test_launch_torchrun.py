@@ -152,7 +152,7 @@ def free_split(rank: Rank, out_dir: str) -> dict:
     sampling = SamplingOptions(num_inference_steps=1)
     free = dp.run_prompts(omni, prompts, 7, ctx, sampling=sampling, output_dir=Path(out_dir, "free"))
     free_ran, ran[:] = list(ran), []
-    dp._default_store = lambda: None  # no store: the static split, still unpadded
+    dp.default_store = lambda: None  # no store: the static split, still unpadded
     static = dp.run_prompts(omni, prompts, 7, ctx, sampling=sampling, output_dir=Path(out_dir, "static"))
     omni.close()
     return {"free": free_ran, "static": list(ran), "totals": [free.total_count, static.total_count]}
@@ -247,6 +247,117 @@ def test_a_rank_lost_before_the_end_is_named_not_waited_for(tmp_path, how) -> No
     assert ("interrupted" if how == "interrupted" else "no sign of life") in r0["message"], r0
     assert r1 == ({"error": "KeyboardInterrupt", "message": "", "after_s": r1.get("after_s")}
                   if how == "interrupted" else {"died": True}), r1
+
+
+def hung_rank(rank: Rank, out_dir: str) -> dict:
+    """Free mode: rank 1 hangs in its first prompt (its main thread blocked, its process and
+    heartbeat alive: a GPU that stopped, a write that never returns) while rank 0 runs the rest.
+    Rank 0 releases it once it has given up on it."""
+    import types
+
+    dp._BEAT_S, dp._SILENT_S = 0.2, 2.0
+    ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
+    release = Path(out_dir, "release")
+
+    class Gen:
+        pipeline = types.SimpleNamespace(__call__=lambda prompt: None)
+
+        def generate(self, prompt: str, *, name: str, **kwargs):
+            if rank.rank == 1:
+                deadline = time.monotonic() + 60
+                while not release.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                rank.report({"released": release.exists()})
+                os._exit(0)
+            time.sleep(0.3)
+            saved = types.SimpleNamespace(media=Path(out_dir, name))
+            return types.SimpleNamespace(kind="image", metadata={"timings": {}}, save=lambda *a, **k: saved)
+
+    start = time.monotonic()
+    try:
+        dp.run_free(Gen(), ["a", "b", "c", "d"], 0, ctx, sampling=SamplingOptions(), output_dir=Path(out_dir))
+    except BaseException as exc:  # noqa: BLE001 - the type is checked
+        return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - start}
+    finally:
+        release.touch()
+    return {"error": None}
+
+
+def test_a_rank_that_hangs_alive_is_named_after_its_last_prompt_overruns(tmp_path) -> None:
+    """Its heartbeat goes on, so only the time it takes tells: once every prompt is taken, the
+    others wait a few times the longest generation, then name it (they used to wait forever)."""
+    r0, r1 = run_ranks(hung_rank, 2, args=(str(tmp_path),), broken_group=True, timeout=90)
+    assert r0["error"] == "PeerStopped" and "rank(s) 1 still run their last prompt" in r0["message"], r0
+    assert "they hang" in r0["message"] and r0["after_s"] < 30, r0
+    assert r1 == {"released": True}, r1
+
+
+def load_fails_on_one_rank(rank: Rank, out_dir: str, where: str, config: str | None) -> list:
+    """Rank 1 cannot load the model (its host lacks the weights) or its LoRAs; rank 0 can."""
+    from omni_dist_offload.app import api
+    from omni_dist_offload.loading import pipelines
+    from omni_dist_offload.loading.adapters import AdapterError
+
+    def fail(*args, **kwargs):
+        if where == "load":
+            raise pipelines.ModelLoadError("simulated: the weights are not in this host's cache")
+        raise AdapterError("simulated: no such LoRA file on this host")
+
+    if rank.rank == 1:
+        if where == "load":
+            pipelines.load_pipeline = fail
+        else:
+            api.load_loras = fail
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        result = cli_on_rank(rank, out_dir, [*_prompt_flags(PROMPTS[:2]),
+                                             *(["--diffusion-offload-config", config] if config else [])])
+    return [*result, stderr.getvalue()]
+
+
+@pytest.mark.parametrize(("where", "config"), [("load", None), ("load", ALLGATHER), ("lora", ALLGATHER)],
+                         ids=["load-rank-local", "load-allgather", "lora-allgather"])
+def test_a_rank_that_cannot_load_stops_every_rank_at_once(tmp_path, where, config) -> None:
+    """Several hosts, one without the weights: the others used to wait for it in their first
+    collective (allgather's setup: the process group's timeout, half an hour) or die on a lost
+    connection; now every rank ends at once, the others naming that rank and why."""
+    start = time.monotonic()
+    (rc0, _, err0), (rc1, _, err1) = run_ranks(load_fails_on_one_rank, 2, args=(str(tmp_path), where, config),
+                                               broken_group=True, timeout=120)
+    assert time.monotonic() - start < 100
+    assert "simulated" in err1 and rc1 == (1 if where == "load" else 2), err1
+    step = "load the model" if where == "load" or config is None else "load its LoRAs and set up its cache"
+    assert rc0 == 1 and f"rank 1 could not {step} (" in err0 and "simulated" in err0, err0
+    assert not list(tmp_path.glob("0000*")), list(tmp_path.iterdir())
+
+
+def late_agreement(rank: Rank) -> list:
+    """Three steps agreed: all through; rank 1 failed; rank 1 never comes within the timeout."""
+    from omni_dist_offload.runtime.dist import PeerFailed, agree_on_step
+
+    found = []
+    for step, error in (("load the model", None), ("load the model", ValueError("no file\nmore"))):
+        try:
+            agree_on_step(step, error if rank.rank == 1 else None, timeout_s=30)
+            found.append(None)
+        except PeerFailed as exc:
+            found.append(str(exc))
+    if rank.rank == 0:
+        start = time.monotonic()
+        try:
+            agree_on_step("load the model", None, timeout_s=1)
+        except PeerFailed as exc:
+            found.append((str(exc), time.monotonic() - start < 20))
+    return found
+
+
+def test_an_agreed_step_names_the_rank_that_failed_it_or_never_came() -> None:
+    r0, r1 = run_ranks(late_agreement, 2)
+    assert r1 == [None, None]  # the failed rank raises its own error
+    assert r0[:2] == [None, "rank 1 could not load the model (ValueError: no file); every rank stops: see that "
+                            "rank's log."]
+    assert r0[2] == ["rank(s) 1 did not load the model within 1 s (a process that died, or a host far slower than "
+                     "the others); every rank stops: see their logs.", True]
 
 
 def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...runtime.dist import DistContext, destroy_dist, maybe_init_dist
+from ...runtime.dist import DistContext, build_on_every_rank, destroy_dist, maybe_init_dist
 from ..api import Omni
 from ..dp import check_same_run
 from .http import HttpServer
@@ -33,7 +33,7 @@ def run_serve(omni_factory: Callable[[], Omni], device: str | None, options: Ser
     ctx = maybe_init_dist(device)
     try:
         check_same_run((), 0, None, None, ctx, setup=setup)
-        omni = omni_factory()
+        omni = build_on_every_rank("load the model", omni_factory)  # one rank failing stops them all
         redact_prompts_in_logs()  # every rank generates, so every rank's pipeline may log a prompt
         try:
             group, links = _service_groups(omni, ctx)
