@@ -26,8 +26,14 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 
+# A < B, for A and B decimal digits without leading zeros of any length (past 2**63, test's -lt
+# fails, and a failed test reads as false): the shorter is the smaller, then the first digit apart.
+below() {
+  (( ${#1} < ${#2} )) || { (( ${#1} == ${#2} )) && [[ $1 < $2 ]]; }
+}
+
 if [ "$NNODES" != 1 ]; then  # a positive integer (checked above), of any length
-  if [[ ! ${NODE_RANK:-} =~ ^(0|[1-9][0-9]*)$ ]] || [ "${NODE_RANK}" -ge "$NNODES" ]; then
+  if [[ ! ${NODE_RANK:-} =~ ^(0|[1-9][0-9]*)$ ]] || ! below "$NODE_RANK" "$NNODES"; then
     echo "$(basename "$0"): error: NODE_RANK='${NODE_RANK:-}' is not a host of NNODES=$NNODES: set NODE_RANK (0..$((NNODES - 1))) on each host." >&2
     exit 2
   fi
@@ -38,6 +44,12 @@ if [ "$NNODES" != 1 ]; then  # a positive integer (checked above), of any length
   rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK"
               --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
 else
+  if [ -n "${NODE_RANK:-}" ] && [ "$NODE_RANK" != 0 ]; then
+    # A second host whose NNODES was left out would run every prompt alone, writing outputs that
+    # host 0 writes too.
+    echo "$(basename "$0"): error: NODE_RANK='$NODE_RANK' with NNODES=1: set NNODES to the number of hosts on every host, or unset NODE_RANK on a one-host run." >&2
+    exit 2
+  fi
   rendezvous=(--standalone)
 fi
 

@@ -215,6 +215,11 @@ def test_a_prompts_file_with_a_byte_order_mark(tmp_path) -> None:
     prompts.write_text("# my prompts\na red fox\n", encoding="utf-8-sig")  # as Notepad saves it
     plan = _validate(build_parser().parse_args(["generate", "--prompts-file", str(prompts)]))
     assert plan.prompts == ["a red fox"]
+    # Two such files joined (cat a.txt b.txt): the second's mark starts a line; as one before, it
+    # made a comment and a blank line into prompts, shifting every later prompt's seed.
+    prompts.write_bytes("\ufeffa red fox\n".encode() + "\ufeff# batch B\na cat\n\ufeff\n".encode())
+    plan = _validate(build_parser().parse_args(["generate", "--prompts-file", str(prompts)]))
+    assert plan.prompts == ["a red fox", "a cat"]
 
 
 def test_the_last_seed_may_be_the_largest_torch_takes(monkeypatch) -> None:

@@ -142,10 +142,23 @@ def test_a_launch_script_without_gpus_still_starts_one_process(script, tmp_path)
     ({"NNODES": "2", "NODE_RANK": "x"}, "NODE_RANK='x' is not a host of NNODES=2"),
     ({"NNODES": "2", "NODE_RANK": "-1"}, "NODE_RANK='-1' is not a host of NNODES=2"),
     ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": ""}, "MASTER_ADDR is not set: set it on each host"),
+    ({"NNODES": "2", "NODE_RANK": "99999999999999999999"}, "NODE_RANK='99999999999999999999' is not a host of NNODES=2"),
+    ({"NNODES": "12", "NODE_RANK": "12"}, "NODE_RANK='12' is not a host of NNODES=12"),
+    ({"NNODES": "12", "NODE_RANK": "9"}, None),
+    ({"NNODES": "99999999999999999999", "NODE_RANK": "99999999999999999998"}, None),
+    ({"NODE_RANK": "1"}, "NODE_RANK='1' with NNODES=1: set NNODES to the number of hosts on every host"),
+    ({"NNODES": "1", "NODE_RANK": "7"}, "NODE_RANK='7' with NNODES=1"),
+    ({"NNODES": "1", "NODE_RANK": "0"}, None),
 ], ids=["NNODES=x", "NNODES=0", "NNODES=-2", "NNODES=1.5", "NODE_RANK=2", "NODE_RANK=x", "NODE_RANK=-1",
-        "no-MASTER_ADDR"])
+        "no-MASTER_ADDR", "NODE_RANK-20-digits", "NODE_RANK=NNODES-2-digits", "NODE_RANK-fewer-digits",
+        "NNODES-20-digits", "NODE_RANK-without-NNODES", "NODE_RANK-with-NNODES=1", "NODE_RANK=0-one-host"])
 def test_generate_sh_refuses_a_bad_host_count_instead_of_running_on_one_host(env, expected, tmp_path) -> None:
     proc = _launch(tmp_path, "generate.sh", **{"NGPU": "2", "MASTER_ADDR": "10.0.0.1", **env})
+    if expected is None:  # a host of the job: torchrun starts
+        assert proc.returncode == 0 and not proc.stderr, proc.stderr
+        rendezvous = "--standalone" if env.get("NNODES", "1") == "1" else f"--node-rank {env['NODE_RANK']} "
+        assert rendezvous in proc.stdout.splitlines()[0], proc.stdout
+        return
     assert proc.returncode == 2 and "ARGS" not in proc.stdout  # not a --standalone run either
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"generate.sh: error: {expected}"), proc.stderr
