@@ -150,7 +150,8 @@ def prepare_cold_start(
                 # Built on the host whatever the caller's default device (torch.set_default_device):
                 # the tensors a constructor computes (rotary tables) are read as host tensors.
                 with torch.device("cpu"):
-                    module, dtype_of, fresh_buffers, renamed = builder(class_name, sub, dtype, checkpoint)
+                    module, dtype_of, fresh_buffers, renamed = _build(builder, name, library, class_name, sub,
+                                                                      dtype, checkpoint)
                     keys = _materialise(name, category, module, plan, checkpoint, device, dtype_of,
                                         fresh_buffers, renamed)
                     _tie_loaded(module, keys)
@@ -161,6 +162,22 @@ def prepare_cold_start(
             cold.sources[name] = CheckpointSource(checkpoint, keys, threads)
         undo.pop_all()
     return cold
+
+
+def _build(builder: Callable, name: str, library: str, class_name: str, folder: Path, dtype: torch.dtype,
+           checkpoint: SafetensorsCheckpoint) -> tuple:
+    """``builder``'s result; what the library raises reading the component's config (a damaged or
+    missing config.json) as a :class:`CheckpointError` naming the component, as the ordinary
+    load's ``ModelLoadError`` does, not a bare ``OSError``."""
+    try:
+        return builder(class_name, folder, dtype, checkpoint)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as exc:  # json's errors are ValueErrors
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"{name} ({library}.{class_name}): cannot be built from {folder / 'config.json'} ({type(exc).__name__}: "
+            f"{first}); download the component again or fix the file.") from exc
 
 
 def _check_not_quantized(name: str, class_name: str, folder: Path) -> None:

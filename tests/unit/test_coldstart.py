@@ -513,7 +513,8 @@ def test_both_names_of_a_tied_embedding_load_as_transformers_loads_them(wan_fold
 
 
 @pytest.mark.parametrize("cold", [True, False], ids=["cold", "no-cold-start"])
-@pytest.mark.parametrize("damage", ["model_index", "model_index_list", "weight_map"])
+@pytest.mark.parametrize("damage", ["model_index", "model_index_list", "weight_map", "transformer/config.json",
+                                    "text_encoder/config.json", "transformer/config.json missing"])
 def test_a_damaged_index_file_is_named_in_one_line(wan_folder, tmp_path, capsys, damage, cold):
     from omni_dist_offload.app.cli import main
 
@@ -521,6 +522,13 @@ def test_a_damaged_index_file_is_named_in_one_line(wan_folder, tmp_path, capsys,
     if damage.startswith("model_index"):
         target = folder / "model_index.json"
         target.write_text("[]" if damage == "model_index_list" else "{'not': json")
+    elif damage.endswith("config.json"):  # a component's config (cold start: an OSError's traceback)
+        target = folder / damage
+        target.write_text(target.read_text()[:-10])
+    elif damage.endswith("missing"):
+        target = folder / damage.removesuffix(" missing")
+        target.unlink()
+        target = target.parent  # diffusers names the folder it looked in
     else:
         target = folder / "transformer/diffusion_pytorch_model.safetensors.index.json"
         target.write_text(json.dumps({"weight_map": ["x"]}))
