@@ -932,13 +932,25 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
     ask = _setup_ask(components, cfg, process_group)
     if any(t != "rank-local" for _, t in ask.transfers.values()):
         groups.compare_asks(ask)
-    facts = {c.name: _allgather_facts(c, layouts[c.name], cfg, sources.get(c.name)) for c in components
-             if cfg.options_for(c.category).weight_transfer == "allgather"}
+    gathered = [c for c in components if cfg.options_for(c.category).weight_transfer == "allgather"]
+    shared = [c for c in components if cfg.options_for(c.category).weight_transfer == "shared"]
+    try:
+        # Both kinds before the first exchange: a cold start reads each tensor's first bytes from
+        # its checkpoint here, which can fail on one rank only (a read error on its host).
+        facts = {c.name: _allgather_facts(c, layouts[c.name], cfg, sources.get(c.name)) for c in gathered}
+        sharing = {c.name: _shared_facts(c, layouts[c.name], sources.get(c.name)) for c in shared}
+    except Exception as exc:
+        # The others wait in the next exchange: they learn why there (an error naming this rank)
+        # instead of a lost connection, and this rank raises its own.
+        why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        if gathered:
+            groups.resolve(why, dev, process_group)
+        elif shared:
+            groups.resolve_shared(why, dev)
+        raise
     group, reason = groups.resolve(facts, dev, process_group) if facts else (None, None)
     if group is not None:
         _check_gather(facts, group, dev)
-    sharing = {c.name: _shared_facts(c, layouts[c.name], sources.get(c.name)) for c in components
-               if cfg.options_for(c.category).weight_transfer == "shared"}
     host, host_reason = groups.resolve_shared(sharing, dev) if sharing else (None, None)
     specs = []
     for c in components:

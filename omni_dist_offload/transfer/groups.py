@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +126,8 @@ class _RankFacts:
     symmetric_memory: bool = False
     stream_memops: bool = False
     """The CUDA driver has stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32)."""
-    components: dict[str, ComponentFacts] = field(default_factory=dict)
+    components: dict[str, ComponentFacts] | str = field(default_factory=dict)
+    """Per component, what must match; or why this rank could not gather that (a string)."""
     shared_reason: str | None = None
     """Why this rank cannot map shared host memory, or None."""
     group_ranks: tuple[int, ...] | None = None
@@ -262,9 +264,11 @@ class GroupSession:
         with contextlib.suppress(Exception):
             self.plan_shared(f"{type(exc).__name__}: {exc}")
 
-    def resolve_shared(self, components: dict[str, ComponentFacts], device: torch.device) -> tuple[HostRanks | None, str | None]:
+    def resolve_shared(self, components: dict[str, ComponentFacts] | str,
+                       device: torch.device) -> tuple[HostRanks | None, str | None]:
         """The ranks of this host that share host copies, or ``(None, reason)`` when they cannot:
-        every rank reaches the same answer."""
+        every rank reaches the same answer. ``components`` a string: why this rank could not
+        gather its facts (it raises its own error after this; the others, one naming it)."""
         if not (dist.is_available() and dist.is_initialized()):
             return None, ("torch.distributed is not initialised: start the job with torchrun "
                           "(and init_process_group) to share a host copy across ranks")
@@ -274,6 +278,8 @@ class GroupSession:
                            device_type=device.type, device_index=device.index, backend=str(dist.get_backend()),
                            allow_gloo=False, components=components, shared_reason=shared_memory_reason())
         gathered = self.all_gather(facts, "compare shared components")
+        if _failed_facts(gathered, components):
+            return None, None
         _check_same_layout(gathered)
         hosts = _by_host(gathered)
         for node, ranks in hosts.items():
@@ -288,9 +294,10 @@ class GroupSession:
         self.host = HostRanks(ranks, ranks.index(facts.rank), job_name(), facts.node)
         return self.host, None
 
-    def resolve(self, components: dict[str, ComponentFacts], device: torch.device,
+    def resolve(self, components: dict[str, ComponentFacts] | str, device: torch.device,
                 process_group: Any | None) -> tuple[WeightGroup | None, str | None]:
-        """The weight group for this rank, or ``(None, reason)`` when allgather cannot run."""
+        """The weight group for this rank, or ``(None, reason)`` when allgather cannot run.
+        ``components`` a string: as for :meth:`resolve_shared`."""
         if not (dist.is_available() and dist.is_initialized()):
             return None, ("torch.distributed is not initialised: start the job with torchrun "
                           "(and init_process_group) to share weights across ranks")
@@ -309,6 +316,8 @@ class GroupSession:
             **_gpu_facts(device),
         )
         gathered = self.all_gather(facts, "compare allgather components")
+        if _failed_facts(gathered, components):
+            return None, None
         _check_same_layout(gathered)
         reason = _fallback_reason(gathered)
         if reason is not None:
@@ -391,6 +400,23 @@ def _destroy(group: Any) -> None:
     # every subgroup too): then there is nothing left to release.
     if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
         dist.destroy_process_group(group)
+
+
+def _failed_facts(gathered: Sequence[_RankFacts], mine: dict[str, ComponentFacts] | str) -> bool:
+    """Whether some rank could not gather its facts (its ``components`` is why): then every
+    other rank raises one error naming it (agreed: all saw the same exchange), and that rank
+    gets True back, to raise its own."""
+    failed = [(f.rank, f.components) for f in gathered if isinstance(f.components, str)]
+    if not failed:
+        return False
+    if isinstance(mine, str):
+        return True
+    rank, why = failed[0]
+    exc = RuntimeError(f"apply_offload failed on rank {rank} ({why}) while reading its weights to compare them "
+                       "with the other ranks'; no rank changed anything, since the ranks share weights "
+                       "(allgather or shared). Fix the error on that rank and apply again.")
+    setattr(exc, AGREED, True)
+    raise exc
 
 
 def _check_same_layout(gathered: list[_RankFacts]) -> None:

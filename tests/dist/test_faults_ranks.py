@@ -174,6 +174,51 @@ def test_one_rank_failing_setup_undoes_setup_on_every_rank():
         assert r["one_rank_fault_s"] < 10  # at setup, not a collective timeout later
 
 
+def facts_read_fault(rank: Rank) -> dict:
+    """Rank 1 cannot read its weights' first bytes (a cold start's checkpoint read failing on its
+    host) while the ranks compare them, for each transfer that shares weights; then the same
+    setup again, which works."""
+    from unittest import mock
+
+    from omni_dist_offload import apply as apply_module
+
+    out = {}
+    real = apply_module.sample_digest
+
+    def failing(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    for transfer in ("allgather", "shared"):
+        cfg = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 20,
+               "layer_options": {"dit": {"weight_transfer": transfer}}}
+        model = ToyDiT(4)
+        before = snapshot(model)
+        t0 = time.monotonic()
+        with mock.patch.object(apply_module, "sample_digest", failing if rank.rank == 1 else real):
+            _expect(out, transfer, OSError if rank.rank == 1 else RuntimeError, lambda: apply_offload(model, cfg))
+        out[f"{transfer}_s"] = time.monotonic() - t0
+        out[f"{transfer}_unchanged"] = _unchanged(before, model)
+        handle = apply_offload(model, cfg)
+        out[f"{transfer}_again"] = handle.summary()[0]["weight_transfer"]
+        handle.remove()
+    return out
+
+
+def test_a_rank_that_cannot_read_its_weights_facts_is_named_by_the_others():
+    """They waited for it in the comparison's exchange and met a lost connection (gloo's
+    'Connection closed by peer'), naming neither the rank nor the cause."""
+    other, failed = run_ranks(facts_read_fault, 2, timeout=90)
+    for transfer in ("allgather", "shared"):
+        assert failed[transfer] == "OSError: [Errno 5] Input/output error", failed
+        assert other[transfer] == ("RuntimeError: apply_offload failed on rank 1 (OSError: [Errno 5] Input/output "
+                                   "error) while reading its weights to compare them with the other ranks'; no rank "
+                                   "changed anything, since the ranks share weights (allgather or shared). Fix the "
+                                   "error on that rank and apply again."), other
+        for r in (failed, other):
+            assert r[f"{transfer}_unchanged"] is True and r[f"{transfer}_s"] < 15, r
+            assert r[f"{transfer}_again"] == transfer, r
+
+
 # -- a rank that dies ------------------------------------------------------------------------
 def rank_dies(rank: Rank) -> dict:
     """Rank 1 exits (os._exit) in the middle of a forward: rank 0 raises within the timeout,
