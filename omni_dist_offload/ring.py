@@ -1233,6 +1233,7 @@ class BlockRing:
                                  f"(a streamed block keeps a leading part that ends where one of its tensors "
                                  f"starts; under allgather, one of the ring's cuts())")
         with torch.inference_mode(self._inference), torch.no_grad():
+            self._adopt_given_storage()
             try:
                 if not gather:
                     # The old slots go first: blocks come in through a buffer of one block each,
@@ -1327,6 +1328,43 @@ class BlockRing:
             self._kept[i], self._kept_bufs[i] = k, buf
             self._note_device_versions(i)
 
+    def _adopt_given_storage(self) -> None:
+        """Before a plan change (which rebinds every block's tensors): tensors given new storage
+        since the ring last pointed them (``tensor.data = ...``, peft's same-shape hotswap of an
+        adapter that streams with its block) are taken in where they live now, as an in-place
+        write would be: a streamed tensor's values into its host copy (:meth:`_take_new_storage`,
+        which refuses what the host copy cannot take), a tensor kept on the device (a resident
+        block, or a kept part) into its device buffer, whose changed versions make a block that
+        streams again write it back to its host copy first. Another dtype or shape on the
+        device is refused, naming it, before anything changes."""
+        on_device = []
+        for i, layout in enumerate(self.layouts):
+            if i in self.resident:
+                buf, entries = self._device_blocks[i], layout.entries
+            elif i in self._kept:
+                buf, entries = self._kept_bufs[i], layout.entries[: self._kept[i]]
+            else:
+                continue
+            for e in entries:
+                view, new = e.view_in(buf), e.tensor.data
+                if new.data_ptr() == view.data_ptr():
+                    continue
+                if new.dtype != view.dtype or new.shape != view.shape:
+                    raise RuntimeError(
+                        f"{self.component.name}: {e.name} became {new.dtype} {tuple(new.shape)} after apply_offload "
+                        f"(the ring keeps it on the device as {view.dtype} {tuple(view.shape)}), and its residency "
+                        "plan changes now, which moves it: cast or resize the model before apply_offload, or call "
+                        "remove() first and apply again.")
+                on_device.append((i, e, view, new))
+        for i, e, view, new in on_device:
+            view.copy_(new)
+            bind([e], [view])
+            self._device_versions.pop(i, None)  # written on the device: a block that streams writes it back
+        for i in self.streamed:
+            if self._parked_ptrs[i] is not None and any(
+                    t.data_ptr() != ptr for t, ptr in zip(self._moving_tensors[i], self._parked_ptrs[i])):
+                self._take_new_storage(i)
+
     def _whole_on_device(self, i: int) -> torch.Tensor:
         """Block ``i`` filled whole into slot 0 (or, where slot 0 is smaller than the block: on a
         rank-local ring a buffer of its own, under a gather a new slot 0 of its size), synchronised.
@@ -1419,6 +1457,9 @@ class BlockRing:
             entries, ptrs = self.layouts[i].entries, [e.view_in(buf).data_ptr() for e in self.layouts[i].entries]
         elif self._parked_ptrs[i] is not None:
             entries, ptrs = self._moving[i], self._parked_ptrs[i]
+            if i in self._kept:  # and the part kept on the device
+                kept = self.layouts[i].entries[: self._kept[i]]
+                entries, ptrs = [*kept, *entries], [*(v.data_ptr() for v in self._kept_views(i)), *ptrs]
         else:
             return {}
         return {id(e): e.tensor.data for e, ptr in zip(entries, ptrs) if e.tensor.data_ptr() != ptr}

@@ -161,6 +161,75 @@ def test_a_settled_plan_frees_the_host_copies_of_its_resident_blocks():
     handle.remove()
 
 
+def _wan_under_budget(share: float):
+    import copy
+
+    base = tiny.tiny_wan_transformer(num_layers=6, seed=0)
+    total = sum(layout_block(i, f"blocks.{i}", b).nbytes for i, b in enumerate(base.blocks))
+    model = copy.deepcopy(base)
+    handle = apply_offload(model, _budget_cfg(int(share * total)), device="cpu")
+    return base, model, handle, tiny.wan_transformer_inputs(base)
+
+
+def _give_new_storage(model, i: int, name: str) -> torch.Tensor:
+    weight = dict(model.blocks[i].named_parameters())[name]
+    weight.data = torch.randn(weight.shape, generator=torch.Generator().manual_seed(7), dtype=weight.dtype)
+    return weight.data
+
+
+@torch.no_grad()
+def test_new_storage_on_a_block_kept_on_the_device_is_taken_in_by_the_replan():
+    """``tensor.data = new`` (same dtype and shape) on a block the first plan keeps resident:
+    the re-plan that streams it again pointed its tensors back at the stale host copy, and
+    every later forward (and the model after remove()) silently ran the old values."""
+    ref, model, handle, batch = _wan_under_budget(0.6)
+    (i, *_) = handle.summary()[0]["resident_blocks"]
+    for m in (ref, model):
+        _give_new_storage(m, i, "ffn.net.0.proj.weight")
+    for _ in range(4):
+        assert torch.equal(model(**batch)[0], ref(**batch)[0])
+    assert handle.rings[0].plan.measured and i not in handle.summary()[0]["resident_blocks"]  # it moved
+    handle.remove()
+    assert torch.equal(model(**batch)[0], ref(**batch)[0])
+
+
+@torch.no_grad()
+def test_new_storage_on_a_kept_part_is_what_remove_leaves():
+    """A partly kept block's kept tensor given new storage after the last forward: remove()
+    rebuilt it from the kept buffer, bringing the old values back."""
+    ref, model, handle, batch = _wan_under_budget(0.6)
+    for _ in range(3):
+        model(**batch)
+    ring = handle.rings[0]
+    (i, *_) = ring.kept_blocks()
+    name = ring.layouts[i].entries[0].name.removeprefix(f"blocks.{i}.")
+    new = _give_new_storage(model, i, name)
+    _give_new_storage(ref, i, name)
+    assert torch.equal(model(**batch)[0], ref(**batch)[0])
+    new = _give_new_storage(model, i, name)  # after the last forward
+    handle.remove()
+    assert dict(model.blocks[i].named_parameters())[name].data_ptr() == new.data_ptr()
+
+
+@torch.no_grad()
+def test_another_shape_on_a_block_kept_on_the_device_is_refused_by_a_plan_change():
+    """(A module that takes it: the two tensors of a LoRA grown by a hotswap.)"""
+    _, model, handle, batch = _wan_under_budget(0.6)
+    ring = handle.rings[0]
+    (i, *_) = handle.summary()[0]["resident_blocks"]
+    weight = dict(model.blocks[i].named_parameters())["ffn.net.0.proj.weight"]
+    old = weight.data
+    weight.data = torch.zeros(weight.shape[0], weight.shape[1] + 1)
+    with pytest.raises(RuntimeError, match=rf"blocks\.{i}\.ffn\.net\.0\.proj\.weight became torch.float32 "
+                                           r"\(\d+, \d+\) after apply_offload \(the ring keeps it on the device"):
+        ring.apply_plan((), 2, settle=False)
+    assert ring.resident == {i} and weight.shape[1] == old.shape[1] + 1  # nothing changed
+    weight.data = old
+    ring.apply_plan((), 2, settle=False)
+    assert not ring.resident
+    handle.remove()
+
+
 @pytest.mark.parametrize("budget", ["1KiB", 100])
 def test_a_budget_below_two_slots_is_an_error_before_anything_changes(budget):
     model = ToyDiT(4, dim=32)
