@@ -410,9 +410,15 @@ class BlockRing:
         """Record per-block timing marks from now on (see ``trace.py``), framed by the
         component's forward: a block that runs twice, or blocks that run in another order,
         stay in one forward's report."""
-        self.tracer = RingTracer([l.name for l in self.layouts], [l.tensor_bytes for l in self.layouts],
-                                 self._cuda, self.device)
+        self.tracer = RingTracer([l.name for l in self.layouts], self._fill_bytes(), self._cuda, self.device)
         self._frame_forwards()
+
+    def _fill_bytes(self) -> list[int]:
+        """Per block, the bytes a fill copies into its slot (what the trace's bandwidth divides):
+        its 8-bit image on a ring of images, else the block less the part kept on the device."""
+        if self._images:
+            return [self.transfer.inner.device_nbytes(i) for i in range(len(self.layouts))]
+        return [self.transfer.device_nbytes(i) - self.kept_bytes(i) for i in range(len(self.layouts))]
 
     # -- hooks ---------------------------------------------------------------------------
     # Every hook is excluded from torch.compile: it swaps storage and records events, which
@@ -1247,6 +1253,8 @@ class BlockRing:
             finally:
                 self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
                 self._configure(num_slots)
+                if self.tracer is not None:  # parts now kept move no more
+                    self.tracer.nbytes = self._fill_bytes()
         if settle:
             for i in self.resident:
                 if self.transfer.has_host_copy(i):
