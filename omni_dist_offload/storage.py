@@ -53,6 +53,7 @@ __all__ = ["BlockImage", "LayerUpcasts", "Run", "StoredLayers", "cast_tensors", 
 
 # diffusers' layerwise casting rule and hook (hooks/layerwise_casting.py, hooks/_common.py),
 # read from diffusers so the two never disagree.
+from diffusers.hooks import layerwise_casting as _diffusers_casting
 from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS as _LAYERS
 from diffusers.hooks.layerwise_casting import (
     _LAYERWISE_CASTING_HOOK,
@@ -61,6 +62,10 @@ from diffusers.hooks.layerwise_casting import (
 from diffusers.hooks.layerwise_casting import (
     DEFAULT_SKIP_MODULES_PATTERN as _DEFAULT_SKIP,
 )
+
+# The hook enable_layerwise_casting puts on LoRA layers beside its own (by name: not every
+# diffusers the project takes has the constant).
+_PEFT_AUTOCAST_DISABLE_HOOK = getattr(_diffusers_casting, "_PEFT_AUTOCAST_DISABLE_HOOK", "peft_autocast_disable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,24 +384,35 @@ class _UpcastHook:
 
 
 def unhook_layerwise_casting(module: nn.Module) -> None:
-    """Take diffusers' layerwise casting hook off ``module`` (not its children), leaving its
-    tensors as they are: diffusers' hook refuses to undo its cast (it would lose precision), so
-    the caller puts the tensors it wants back itself."""
+    """Take diffusers' layerwise casting hooks off ``module`` (not its children), leaving its
+    tensors as they are: the casting hook (diffusers' hook refuses to undo its cast, it would
+    lose precision, so the caller puts the tensors it wants back itself), and the
+    ``peft_autocast_disable`` hook ``enable_layerwise_casting`` puts on each LoRA layer beside
+    it (left on, the LoRA layer keeps skipping peft's input cast, and the next
+    ``enable_layerwise_casting`` refuses to register it again)."""
     registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
-    if hook is not None:
-        hook.deinitalize_hook = lambda m: m
-        registry.remove_hook(_LAYERWISE_CASTING_HOOK, recurse=False)
+    if registry is None:
+        return
+    removed = False
+    for name in (_PEFT_AUTOCAST_DISABLE_HOOK, _LAYERWISE_CASTING_HOOK):
+        hook = registry.get_hook(name)
+        if hook is None:
+            continue
+        hook.deinitalize_hook = lambda m: m  # the casting hook's own raises (it will not undo its cast)
+        registry.remove_hook(name, recurse=False)
         # diffusers leaves the hook and its function reference holding each other (and the
-        # module's bound forward), an empty registry and the class's forward bound on the
-        # instance: cycles through the module that only a garbage collection frees.
+        # module's bound forward): cycles through the module that only a garbage collection frees.
         hook.fn_ref = None
-        if not registry.hooks:
-            del module._diffusers_hook
-        forward = vars(module).get("forward")
-        if getattr(forward, "__self__", None) is module and \
-                getattr(forward, "__func__", None) is getattr(type(module), "forward", None):
-            del module.forward
+        removed = True
+    if not removed:
+        return
+    # diffusers also leaves an empty registry and the class's forward bound on the instance.
+    if not registry.hooks:
+        del module._diffusers_hook
+    forward = vars(module).get("forward")
+    if getattr(forward, "__self__", None) is module and \
+            getattr(forward, "__func__", None) is getattr(type(module), "forward", None):
+        del module.forward
 
 
 def store_outside_blocks(root: nn.Module, cast: Mapping[int, torch.dtype], in_blocks: set[int]) -> StoredLayers:

@@ -188,7 +188,9 @@ def non_negative_float(text: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    value = _float(text)
+    """A finite number above 0. Infinity is above 0, but the runs turn these into byte counts
+    (``int(mib * 2**20)``) or timeouts, which fail with OverflowError after the model is built."""
+    value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
     return value

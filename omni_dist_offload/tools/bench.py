@@ -155,7 +155,7 @@ from ..runtime.flags import (
     report_usage_error,
     user_path,
 )
-from ..runtime.logs import current_rank, error_line
+from ..runtime.logs import current_rank, error_line, rank_prefix
 from ..runtime.proc import exit_with
 from ..storage import cast_tensors, unhook_layerwise_casting
 from ..transfer import RankLocalTransfer, TransferStreams, gather_transfer
@@ -180,6 +180,13 @@ FP8_STORAGE = "float8_e4m3fn"
 #: Variants that exist only under torchrun with several ranks.
 _MULTI_RANK = ("shared", "allgather", "allgather-nccl", "fp8-allgather", "fp8-allgather-layer")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
+#: Variants that hold no device budget: with ``--budget`` they run once, as without it.
+_NO_BUDGET = ("peer", "compiled", "fp8-resident")
+#: The shape flags' defaults, filled in by :func:`_check_args`: the parser's are None so that a
+#: flag given for the other kind of preset is seen (and refused) instead of silently unused.
+_SHAPE_DEFAULTS = {"frames": (81, 17), "height": 480, "width": 832, "px": (1024,)}
+#: The flags that size a case, for each kind of preset.
+_VIDEO_SHAPE, _IMAGE_SHAPE = ("frames", "height", "width"), ("px",)
 RESIDENT = "resident"
 #: The flags that name output files (written by rank 0).
 _OUTPUTS = ("json", "png", "timeline")
@@ -495,9 +502,8 @@ def schedule(variants: Sequence[str], world: int = 1, budgets: Sequence[Budget] 
     With budgets, each of our variants runs once per budget: ``rank-local@60%``."""
     streamed = [v for v in VARIANTS if v in variants and (v not in _MULTI_RANK or world > 1)]
     if budgets:
-        fixed = ("peer", "compiled", "fp8-resident")  # these hold no budget
-        streamed = [f"{v}@{b.label}" if v not in fixed else v for v in streamed
-                    for b in (budgets if v not in fixed else budgets[:1])]
+        streamed = [f"{v}@{b.label}" if v not in _NO_BUDGET else v for v in streamed
+                    for b in (budgets if v not in _NO_BUDGET else budgets[:1])]
     return [RESIDENT, *streamed, *reversed(streamed), RESIDENT]
 
 
@@ -1109,10 +1115,12 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="model, named after the real one (tiny-*: CPU smoke runs)")
     p.add_argument("--blocks", type=positive_int, nargs="+", default=None,
                    help="blocks in the model, one case per value (default: the preset's)")
-    p.add_argument("--frames", type=positive_int, nargs="+", default=[81, 17], help="video presets")
-    p.add_argument("--height", type=positive_int, default=480, help="video presets")
-    p.add_argument("--width", type=positive_int, default=832, help="video presets")
-    p.add_argument("--px", type=positive_int, nargs="+", default=[1024], help="image presets: square sizes")
+    p.add_argument("--frames", type=positive_int, nargs="+", default=None,
+                   help="video presets (default: 81 17)")
+    p.add_argument("--height", type=positive_int, default=None, help="video presets (default: 480)")
+    p.add_argument("--width", type=positive_int, default=None, help="video presets (default: 832)")
+    p.add_argument("--px", type=positive_int, nargs="+", default=None,
+                   help="image presets: square sizes (default: 1024)")
     p.add_argument("--transfer-mib", type=positive_float, default=None,
                    help="instead of model cases, time moving one block of this size (CUDA)")
     p.add_argument("--chunk-mib", type=non_negative_float, nargs="+", default=[16, 32, 64, 128, 0],
@@ -1169,7 +1177,7 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") -> int:
     """Run the benchmark; 0 when every variant of this project matched resident bitwise, 1 when
-    one did not, 2 for bad flags."""
+    one did not, 2 for bad flags, 130 when interrupted (Ctrl-C)."""
     try:
         args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
         _check_args(args)
@@ -1178,6 +1186,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-offload bench") ->
     if args.stagger and _env_world() == 1 and _env_rank() == 0:
         print(f"{prog}: note: --stagger gives each rank of a torchrun job its own shape; with one rank "
               "there is nothing to stagger, and the figures are this rank's", file=sys.stderr, flush=True)
+    try:
+        return _start(args, prog, argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, as cli.py's commands
+        error_line(f"{rank_prefix()}{prog}: interrupted")
+        return 130
+
+
+def _start(args: argparse.Namespace, prog: str, argv: Sequence[str] | None) -> int:
+    """The run, in the job's process group (one process: none), which it leaves as it ends."""
     ctx = maybe_init_dist()
     try:
         if args.context_parallel is not None:
@@ -1215,6 +1232,8 @@ def _check_args(args: argparse.Namespace) -> None:
                               "none is visible")
     if args.timeline and args.transfer_mib is not None:
         raise BenchUsageError("--timeline draws a model forward; leave out --transfer-mib")
+    if args.png and args.transfer_mib is not None:  # the transfer run draws nothing
+        raise BenchUsageError("--png draws the overhead of model cases; leave out --transfer-mib")
     if args.timeline_variant and not args.timeline:
         raise BenchUsageError("--timeline-variant needs --timeline PATH")
     # One process runs no multi-rank variant: asked for, it would be left out (or, traced, run
@@ -1267,6 +1286,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise BenchUsageError(str(exc)) from None
     if args.variants is None:
         args.variants = [v for v in DEFAULT_VARIANTS if v != "peer" or args.context_parallel is None]
+    if args.budgets and all(v in _NO_BUDGET for v in args.variants):  # it would run them as without it
+        raise BenchUsageError(f"--budget {' '.join(args.budget)}: none of --variants {' '.join(args.variants)} "
+                              f"holds a device budget ({', '.join(_NO_BUDGET)} hold none); add one that does, "
+                              "e.g. rank-local, or leave out --budget")
     if args.context_parallel is not None:
         flag = "--ulysses-degree/--ring-degree"
         if args.transfer_mib is not None:
@@ -1286,6 +1309,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise BenchUsageError(f"--interleave holds every variant at once on copies of one model, which "
                                   f"{clash[0]} does not allow: leave out one of them")
     preset = PRESETS[args.preset]
+    _check_shape_flags(args, preset.video)
     if preset.video and any(d % 16 for d in (args.height, args.width)):
         raise BenchUsageError(f"--height {args.height} --width {args.width}: both must be multiples "
                               "of 16 (VAE 8x, then 2x2 patches)")
@@ -1298,6 +1322,22 @@ def _check_args(args: argparse.Namespace) -> None:
         for flag in _OUTPUTS:
             if getattr(args, flag) is not None:
                 output_file(f"--{flag}", getattr(args, flag), create=False)
+
+
+def _check_shape_flags(args: argparse.Namespace, video: bool) -> None:
+    """Refuse the shape flags of the other kind of preset (the case would run at its own
+    defaults, not the size asked for), then fill in the defaults of this kind's."""
+    own, other = (_VIDEO_SHAPE, _IMAGE_SHAPE) if video else (_IMAGE_SHAPE, _VIDEO_SHAPE)
+    if given := [f"--{flag}" for flag in other if getattr(args, flag) is not None]:
+        kind, sized_by, others = (("a video", "--frames, --height and --width", "an image") if video else
+                                  ("an image", "--px", "a video"))
+        named = ", ".join(given[:-1]) + " and " + given[-1] if len(given) > 1 else given[0]
+        raise BenchUsageError(f"{named}: {args.preset} is {kind} preset, sized by {sized_by}; leave "
+                              f"{'them' if len(given) > 1 else 'it'} out, or pick {others} preset")
+    for flag in own:
+        if getattr(args, flag) is None:
+            default = _SHAPE_DEFAULTS[flag]
+            setattr(args, flag, list(default) if isinstance(default, tuple) else default)
 
 
 def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,

@@ -40,6 +40,7 @@ from ..runtime.flags import (
     positive_float,
     positive_int,
     report_usage_error,
+    user_path,
 )
 from ..runtime.proc import exit_with
 
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed rounds")
     p.add_argument("--rounds", type=positive_int, default=12, help="timed rounds")
-    p.add_argument("--json", default=None, metavar="PATH", help="write every timing here")
+    # user_path: ~ expanded as the flag is parsed, so the path checked before the run is the one
+    # written after it (the shell leaves --json=~/x alone).
+    p.add_argument("--json", type=user_path, default=None, metavar="PATH", help="write every timing here")
     return p
 
 

@@ -46,11 +46,12 @@ def image_formats() -> list[str]:
 def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
     """Bars of overhead (forward / resident) per case, one per variant that is not resident
     (every variant the run measured, in its order), each with its floor marked and its value
-    written above it. ``results`` are ``bench.CaseResult``s."""
-    cases = list(dict.fromkeys(f"{r.preset} {r.blocks}b {r.shape}" for r in results))
+    written above it; with ``--stagger`` rows (a ``rank``), one group of bars per case and rank.
+    ``results`` are ``bench.CaseResult``s."""
+    cases = list(dict.fromkeys(_case(r) for r in results))
     variants = list(dict.fromkeys(r.variant for r in results if r.variant != "resident"))
     colors = _variant_colors(variants)
-    rows = {(f"{r.preset} {r.blocks}b {r.shape}", r.variant): r for r in results}
+    rows = {(_case(r), r.variant): r for r in results}
     fig = _figure(max(6.0, 1.2 + 0.9 * len(cases) * max(1, len(variants))), 4.5)
     ax = fig.add_subplot()
     width = 0.8 / max(1, len(variants))
@@ -96,6 +97,13 @@ def draw_overhead(results: Sequence[Any], path: str | Path, title: str = "") -> 
     return Path(path)
 
 
+def _case(r: Any) -> str:
+    """A row's case, as ``bench.format_table`` names it: with ``--stagger`` every rank reports
+    its own row of each case and variant, so the rank is part of the case (keyed without it, one
+    rank's rows would overwrite the other's)."""
+    return f"{r.preset} {r.blocks}b {r.shape}" + (f" r{r.rank}" if r.rank is not None else "")
+
+
 def _save(fig: Any, path: str | Path) -> None:
     """Write exactly ``path``: with no suffix (or a bare dot), as PNG. ``savefig`` would add the
     format's suffix, writing another file than the one checked before the run."""
@@ -114,30 +122,27 @@ def draw_budget_sweep(results: Sequence[Any], path: str | Path, title: str = "")
     """Forward / resident against the device budget (as a share of the block bytes), per case:
     measured, predicted by the planner (its predicted forward / the measured resident forward)
     and the floor. ``results`` are ``bench.CaseResult``s; only budget variants are drawn."""
-    # One line per case and variant (rank-local@30% and fp8-streamed@30% are two lines).
-    cases: dict[str, list[Any]] = {}
-    resident: dict[str, float] = {}
+    # One line per case (and rank, with --stagger) and variant: rank-local@30% and
+    # fp8-streamed@30% are two lines.
+    lines: dict[tuple[str, str], list[Any]] = {}
     for r in results:
         if r.device_budget is not None:
-            cases.setdefault(f"{r.preset} {r.blocks}b {r.shape} {r.variant.split('@')[0]}", []).append(r)
-    for r in results:
-        if r.variant == "resident":
-            for case in cases:
-                if case.startswith(f"{r.preset} {r.blocks}b {r.shape} "):
-                    resident[case] = r.forward_ms
+            lines.setdefault((_case(r), r.variant.split("@")[0]), []).append(r)
+    resident = {_case(r): r.forward_ms for r in results if r.variant == "resident"}
     fig = _figure(6.5, 4.2)
     ax = fig.add_subplot()
-    for k, (case, rows) in enumerate(cases.items()):
+    for k, ((case, variant), rows) in enumerate(lines.items()):
+        label = f"{case} {variant}"
         rows = sorted(rows, key=lambda r: r.device_budget)
         # The budget as a share of the case's block bytes (what --budget's percents are of).
         x = [100 * r.device_budget / (r.block_mib * 2**20) for r in rows]
         color = f"C{k}"
-        ax.plot(x, [r.overhead for r in rows], "o-", color=color, label=f"{case}: measured")
+        ax.plot(x, [r.overhead for r in rows], "o-", color=color, label=f"{label}: measured")
         pred = [(xi, (r.predicted_ms / resident[case]) if r.predicted_ms else 1.0)
                 for xi, r in zip(x, rows) if r.predicted_ms or r.resident_blocks == r.blocks]
         if pred:
-            ax.plot(*zip(*pred), "s--", color=color, alpha=0.7, label=f"{case}: predicted")
-        ax.plot(x, [r.floor_overhead for r in rows], ":", color=color, alpha=0.6, label=f"{case}: floor")
+            ax.plot(*zip(*pred), "s--", color=color, alpha=0.7, label=f"{label}: predicted")
+        ax.plot(x, [r.floor_overhead for r in rows], ":", color=color, alpha=0.6, label=f"{label}: floor")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
     ax.set_xlabel("device budget, % of the block bytes (resident blocks + slots)")
     ax.set_ylabel("forward time / resident")

@@ -154,17 +154,20 @@ def _forward_ms(model, x, n: int) -> list[float]:
 
 def _summarise(rank: int, o: dict) -> dict:
     # Blocks past the first on both sides (the first streamed block's compute follows the
-    # forward's start, not another block).
+    # forward's start, not another block); with --blocks 1 there is only the first.
     line = {"rank": rank, "resident_fwd_med": statistics.median(o["resident_fwd"]),
             "resident_block_med": statistics.median(o["resident_block_ms"][1:] or o["resident_block_ms"])}
     for name in CONFIGS:
         rows = o[name]
+        xfer = [t for r in rows for t in r["xfer"] if t]
         line[name] = {
             "fwd_med": statistics.median(r["fwd"] for r in rows),
             "blocks_span_med": statistics.median(r["blocks_span"] for r in rows),
             "wait_med": statistics.median(r["wait"] for r in rows),
-            "block_compute_med": statistics.median(c for r in rows for c in r["compute"][1:]),
-            "xfer_med": statistics.median(t for r in rows for t in r["xfer"] if t),
+            "block_compute_med": statistics.median([c for r in rows for c in r["compute"][1:]]
+                                                   or [c for r in rows for c in r["compute"]]),
+            # None where no block reported a transfer (none timed: nothing to take a median of).
+            "xfer_med": statistics.median(xfer) if xfer else None,
         }
     return line
 

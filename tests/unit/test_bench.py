@@ -154,6 +154,7 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--chunk-mib", "-5"], "argument --chunk-mib: '-5' is negative"),
     (["--chunk-mib", "16", "nan"], "argument --chunk-mib: 'nan' is not a finite number"),
     (["--transfer-mib", "0"], "argument --transfer-mib: '0' is not above 0"),
+    (["--transfer-mib", "inf"], "argument --transfer-mib: 'inf' is not a finite number"),
     (["--ulysses-degree", "2", "--cache", "first-block:0.2", "--steps", "2"], "--cache first-block with --ulysses-degree 2"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys) -> None:
@@ -472,3 +473,119 @@ def test_the_budget_sweep_draws_a_line_per_variant_at_its_share_of_the_block_byt
                 if line.get_label().endswith(": measured")}
     assert measured == {"flux-12b 4b 1024 rank-local: measured": ([40.0, 60.0], [1.5, 1.1]),
                         "flux-12b 4b 1024 fp8-streamed: measured": ([40.0, 60.0], [1.2, 1.0])}
+
+
+def _staggered(variant, rank, overhead, share=None, block=100 * 2**20):
+    """A --stagger row: one rank's own figures of a case."""
+    return CaseResult(preset="flux-12b", blocks=4, shape="1024", variant=variant, forward_ms=10.0 * overhead,
+                      overhead=overhead, floor_ms=10.0, peak_device_mib=0, host_mib=0, setup_s=0,
+                      bitwise_equal=True, device_budget=int(share * block) if share else None,
+                      block_mib=block / 2**20, rank=rank)
+
+
+def test_stagger_charts_draw_every_ranks_rows(monkeypatch, tmp_path) -> None:
+    """--stagger rows (two ranks, same case and variant) were keyed by case and variant alone:
+    the overhead chart drew one bar per variant (the last rank's), the budget sweep one line
+    zig-zagging through both ranks' points."""
+    from omni_dist_offload.tools import timeline
+
+    figures = []
+    make = timeline._figure
+    monkeypatch.setattr(timeline, "_figure", lambda *a, **k: figures.append(make(*a, **k)) or figures[-1])
+    rows = [_staggered("resident", 0, 1.0), _staggered("resident", 1, 1.0),
+            _staggered("rank-local", 0, 1.5), _staggered("rank-local", 1, 2.5)]
+    timeline.draw_overhead(rows, tmp_path / "overhead.png")
+    (ax,) = figures[0].axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["flux-12b 4b 1024 r0", "flux-12b 4b 1024 r1"]
+    assert sorted(p.get_height() for p in ax.patches) == [1.5, 2.5]
+
+    rows = [_staggered("resident", 0, 1.0), _staggered("resident", 1, 1.0),
+            _staggered("rank-local@40", 0, 1.5, 0.4), _staggered("rank-local@40", 1, 2.5, 0.4),
+            _staggered("rank-local@60", 0, 1.1, 0.6), _staggered("rank-local@60", 1, 2.1, 0.6)]
+    timeline.draw_budget_sweep(rows, tmp_path / "sweep.png")
+    (ax,) = figures[1].axes
+    measured = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+                if line.get_label().endswith(": measured")}
+    assert measured == {"flux-12b 4b 1024 r0 rank-local: measured": ([40.0, 60.0], [1.5, 1.1]),
+                        "flux-12b 4b 1024 r1 rank-local: measured": ([40.0, 60.0], [2.5, 2.1])}
+
+
+# -- LoRA with the fp8 baseline, Ctrl-C, flags taken and then unused ----------------------------
+def test_the_fp8_baseline_undo_leaves_a_lora_model_without_hooks() -> None:
+    """enable_layerwise_casting also hooks each LoRA layer (peft_autocast_disable); the undo left
+    those on, and the next fp8-resident pass failed: 'Hook with name peft_autocast_disable
+    already exists'."""
+    model = build_model(PRESETS["tiny-flux"], 2, torch.device("cpu"), torch.float32).eval()
+    bench.add_lora(model, 4, fused=False)
+    inputs = flux_inputs(model, 32, torch.device("cpu"), torch.float32, text_tokens=8)
+    with torch.inference_mode():
+        reference = model(**inputs)[0]
+        for _ in range(2):  # the second pass starts from the model the first undo left
+            undo = bench.layerwise_casting(model)
+            model(**inputs)
+            undo()
+            assert [n for n, m in model.named_modules() if hasattr(m, "_diffusers_hook") or "forward" in vars(m)] == []
+        assert torch.equal(model(**inputs)[0], reference)
+
+
+def test_a_lora_case_runs_the_fp8_baseline(tmp_path) -> None:
+    out = tmp_path / "lora-fp8.json"
+    argv = ["--preset", "tiny-flux", "--px", "32", "--blocks", "2", "--lora", "4", "--variants", "fp8-resident",
+            "fp8-streamed", "--warmup", "0", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["resident", "fp8-resident", "fp8-streamed"] and all(r["bitwise_equal"] for r in rows.values())
+
+
+@pytest.mark.parametrize("entry", ["cli", "module"])
+def test_ctrl_c_during_a_run_is_one_line_and_exit_130(entry, monkeypatch, capsys) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "_run", interrupted)
+    try:
+        rc = cli_main(["bench", *TINY_WAN]) if entry == "cli" else bench.main(TINY_WAN)
+    except KeyboardInterrupt:  # caught here, or it would stop the whole test session
+        pytest.fail("Ctrl-C got out of bench.main: the user sees a traceback")
+    assert rc == 130
+    assert capsys.readouterr().err.splitlines() == ["omni-offload bench: interrupted"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--preset", "tiny-flux", "--frames", "9"],
+     "--frames: tiny-flux is an image preset, sized by --px; leave it out, or pick a video preset"),
+    (["--preset", "tiny-flux", "--px", "32", "--height", "48", "--width", "64"],
+     "--height and --width: tiny-flux is an image preset"),
+    (["--preset", "tiny-wan", "--px", "64"],
+     "--px: tiny-wan is a video preset, sized by --frames, --height and --width; leave it out"),
+    ([*TINY_WAN, "--variants", "peer", "--budget", "50"], "--budget 50: none of --variants peer holds a device budget"),
+    ([*TINY_WAN, "--variants", "peer", "compiled", "fp8-resident", "--budget", "auto"],
+     "none of --variants peer compiled fp8-resident holds a device budget"),
+])
+def test_flags_the_run_would_not_use_are_refused_before_any_model(flags, says, capsys, no_run) -> None:
+    assert bench.main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-offload bench: error: ") and says in err[0]
+    assert "args" not in no_run
+
+
+def test_shape_flags_default_for_the_presets_kind(no_run) -> None:
+    assert bench.main(["--preset", "tiny-flux"]) == 0
+    assert no_run["args"].px == [1024]
+    assert bench.main(["--preset", "tiny-wan", "--frames", "5"]) == 0
+    assert (no_run["args"].frames, no_run["args"].height, no_run["args"].width) == ([5], 480, 832)
+    assert bench.main([*TINY_WAN, "--variants", "peer", "rank-local", "--budget", "50"]) == 0  # one takes it
+
+
+def test_transfer_mib_with_png_is_refused_before_the_run(tmp_path, capsys, no_run, monkeypatch) -> None:
+    """The transfer run draws nothing: --png was taken, its folder made, and no chart written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past --transfer-mib's CUDA check
+    monkeypatch.setattr(bench, "maybe_init_dist", lambda *_a, **_k: pytest.fail("the run started"))
+    png = tmp_path / "charts" / "x.png"
+    assert bench.main(["--transfer-mib", "700", "--png", str(png)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--png draws the overhead of model cases; leave out --transfer-mib" in err[0]
+    assert "args" not in no_run and not png.parent.exists()

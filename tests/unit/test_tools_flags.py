@@ -21,6 +21,7 @@ from omni_dist_offload.runtime.flags import (
     expand_home,
     non_negative_float,
     output_file,
+    positive_float,
     user_path,
 )
 from omni_dist_offload.tools import contention, hostfill, serve_stress, soak, startup, trace_blocks
@@ -99,6 +100,7 @@ def test_a_type_path_flag_expands_a_tilde_in_every_one_line_parser(tmp_path, mon
     assert parser.parse_args(["sub", "--out=~/b"]).out == tmp_path / "b"
     assert serve_stress.build_parser().parse_args(["--json=~/s.json"]).json == tmp_path / "s.json"
     assert startup.build_parser().parse_args(["write", "~/w"]).folder == tmp_path / "w"
+    assert contention.build_parser().parse_args(["--json=~/c.json"]).json == tmp_path / "c.json"
     with pytest.raises(UsageError, match="argument --out: '~no-such-user-here' names no home folder"):
         parser.parse_args(["--out", "~no-such-user-here"])
 
@@ -108,6 +110,17 @@ def test_non_negative_float_refuses_what_would_turn_a_check_off() -> None:
     for text in ("nan", "inf", "-1", "x"):
         with pytest.raises(Exception, match=repr(text)):
             non_negative_float(text)
+
+
+def test_positive_float_refuses_infinity() -> None:
+    """Sizes and timeouts: infinity passed, then int(mib * 2**20) raised OverflowError mid-run."""
+    assert positive_float("2.5") == 2.5
+    for text in ("inf", "-inf", "1e400", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{text!r} is not a finite number"):
+            positive_float(text)
+    for text in ("0", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{text!r} is not above 0"):
+            positive_float(text)
 
 
 @pytest.mark.parametrize("tool, argv, flag", [
@@ -149,10 +162,12 @@ def test_trace_blocks_refused_outside_torchrun_leaves_no_json_folder(tmp_path, c
     (soak, ["--forwards", "0"], "argument --forwards: '0' is not a positive integer"),
     (soak, ["--forwards", "3"], "more forwards than warm-up ones"),
     (hostfill, ["--gib", "-1"], "argument --gib: '-1' is not above 0"),
-    (hostfill, ["--gib", "inf"], "--gib inf is more than 90% of"),
+    (hostfill, ["--gib", "inf"], "argument --gib: 'inf' is not a finite number"),
     (hostfill, ["--procs", "0"], "argument --procs: '0' is not a positive integer"),
     (contention, ["--modes", "spread"], "--modes must include alone"),
     (contention, ["--mib", "0"], "argument --mib: '0' is not above 0"),
+    (contention, ["--mib", "inf"], "argument --mib: 'inf' is not a finite number"),
+    (soak, ["--timeout-s", "inf"], "argument --timeout-s: 'inf' is not a finite number"),
     (startup, ["load", "/nonexistent", "--mode", "cold"], "'/nonexistent': no such folder"),
     (startup, ["load", "/tmp"], "the following arguments are required: --mode"),
     (startup, ["write", "/tmp/x", "--blocks", "0"], "argument --blocks: '0' is not a positive integer"),
@@ -249,3 +264,17 @@ def test_startup_modes_give_equal_weights_digests_on_the_cpu(tmp_path, capsys) -
         rows[mode] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len({r["weights_digest"] for r in rows.values()}) == 1
     assert all(len(r["digest"]) == 16 for r in rows.values())  # the forward's, as earlier rows have it
+
+
+def test_trace_blocks_summarises_a_run_of_one_block() -> None:
+    """--blocks 1: the per-block median past the first block had nothing to take (StatisticsError
+    after the whole GPU run); a run whose blocks report no transfer time has no transfer median."""
+    row = {"fwd": 5.0, "blocks_span": 4.0, "wait": 0.0, "compute": [4.0], "xfer": [None]}
+    runs = {"resident_block_ms": [4.0], "resident_fwd": [5.0, 5.0], **{n: [row, row] for n in trace_blocks.CONFIGS}}
+    line = trace_blocks._summarise(0, runs)
+    assert line["resident_block_med"] == 4.0
+    assert all(line[n]["block_compute_med"] == 4.0 and line[n]["xfer_med"] is None for n in trace_blocks.CONFIGS)
+    # Two blocks: the first is left out, as before.
+    row = {**row, "compute": [9.0, 4.0], "xfer": [1.0, 2.0]}
+    line = trace_blocks._summarise(0, {**runs, "rank-local": [row]})
+    assert line["rank-local"]["block_compute_med"] == 4.0 and line["rank-local"]["xfer_med"] == 1.5
