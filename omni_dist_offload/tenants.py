@@ -30,6 +30,7 @@ import functools
 import importlib
 import inspect
 import math
+import operator
 import sys
 import threading
 import types
@@ -208,18 +209,67 @@ def _deref(value: Any) -> Any:
 #: seeing it (peft's hotswap copies a new adapter into the old one's tensors with
 #: ``.data.copy_``, which bumps no version counter): after one, the slots are copied again. A
 #: hotswap into adapters that park placeholders (loaded before offloading, on an allgather or
-#: 8-bit ``"block"`` ring) is refused before it starts (:func:`_check_hotswap`). peft's own
-#: entry point, called directly, is followed too (:data:`PEFT_FUNCTIONS`).
+#: 8-bit ``"block"`` ring) is refused before it starts (:func:`_check_hotswap`); one that would
+#: grow such an adapter's tensors (a larger rank, on any ring) is refused before peft swaps
+#: (:func:`_grown_hotswap`). peft's own entry point, called directly, is followed too
+#: (:data:`PEFT_FUNCTIONS`).
 REWRITING_METHODS = ("load_lora_adapter",)
 
 
 def _rewriting(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    _check_hotswap(rings, method, args, kwargs)
+    adapter = _check_hotswap(rings, method, args, kwargs)
+    if adapter is None:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            for ring in rings:
+                ring.forget_slots()
+    # The new adapter's tensors are known only once diffusers has read and mapped them, when it
+    # calls peft's hotswap (diverted: _peft_call), whose failure diffusers answers by deleting the
+    # adapter: there a swap that does not fit is skipped instead, noted here, and refused once
+    # diffusers returns (nothing else it does after a hotswap changes the model).
+    pending = _PendingHotswap(rings, adapter)
+    stack = _pending_hotswaps()
+    stack.append(pending)
     try:
-        return method(*args, **kwargs)
+        result = method(*args, **kwargs)
     finally:
+        stack.remove(pending)
         for ring in rings:
             ring.forget_slots()
+    if pending.refusal is not None:
+        raise pending.refusal
+    return result
+
+
+class _PendingHotswap:
+    """A hotswap through a component's ``load_lora_adapter``, while diffusers runs it."""
+
+    __slots__ = ("ring_ids", "adapter", "refusal")
+
+    def __init__(self, rings: Sequence[BlockRing], adapter: str) -> None:
+        self.ring_ids = frozenset(id(r) for r in rings)
+        self.adapter = adapter
+        self.refusal: RuntimeError | None = None
+
+
+_PENDING = threading.local()
+
+
+def _pending_hotswaps() -> list[_PendingHotswap]:
+    stack = getattr(_PENDING, "stack", None)
+    if stack is None:
+        stack = _PENDING.stack = []
+    return stack
+
+
+def _pending_for(rings: Sequence[BlockRing], adapter: str) -> _PendingHotswap | None:
+    """The hotswap of this thread's ``load_lora_adapter`` that a peft hotswap call belongs to."""
+    ids = {id(r) for r in rings}
+    for pending in reversed(_pending_hotswaps()):
+        if pending.adapter == adapter and pending.ring_ids & ids:
+            return pending
+    return None
 
 
 def _hotswapped(method: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
@@ -254,10 +304,54 @@ def _placeholder_reason(ring: BlockRing) -> tuple[str, bool]:
     return why, eight_bit
 
 
-def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
+    """The adapter a ``load_lora_adapter`` call hotswaps (None for any other call), refused
+    here where it streams on a ring that parks placeholders. Whether the new tensors fit the
+    laid-out ones is checked where peft receives them (:func:`_grown_hotswap`)."""
     adapter = _hotswapped(method, args, kwargs)
     if adapter is not None:
         _refuse_placeholder_hotswap(rings, adapter)
+    return adapter
+
+
+def _grown_hotswap(model: nn.Module, rings: Sequence[BlockRing], adapter: str,
+                   state_dict: Any) -> RuntimeError | None:
+    """The refusal of a hotswap that would give a tensor laid out in ``rings`` (an adapter loaded
+    before ``apply_offload``, which streams with its block) a shape it does not fit in, or None.
+    peft copies a new tensor of the same shape or smaller in every dimension (a smaller rank, or
+    one padded by ``enable_lora_hotswap``) into the old one in place, which the ring follows; a
+    larger one (a higher rank) it swaps in with ``torch.utils.swap_tensors``: a tensor of a new
+    shape, which the block's host copy and slots have no room for. ``state_dict``: peft's keys
+    (``blocks.0.attn1.to_q.lora_A.<adapter>.weight``), relative to ``model``, as peft reads them."""
+    if not isinstance(state_dict, dict):
+        return None
+    laid_out = {id(e.tensor): (ring, e) for ring in rings for layout in ring.layouts for e in layout.entries}
+    grown = []
+    for key, new in state_dict.items():
+        if not isinstance(key, str) or not isinstance(new, torch.Tensor):
+            continue
+        try:
+            old = operator.attrgetter(key)(model)
+        except AttributeError:
+            continue  # peft names the key it does not find
+        found = laid_out.get(id(old))
+        if found is None:
+            continue  # not laid out (loaded after apply_offload: on the device, where any swap lands)
+        entry = found[1]
+        if new.dim() != len(entry.shape) or any(n > o for n, o in zip(new.shape, entry.shape)):
+            grown.append((found[0], entry, new))
+    if not grown:
+        return None
+    ring, entry, new = grown[0]
+    return RuntimeError(
+        f"{ring.component.name}: hotswapping adapter '{adapter}' would change {entry.name} from "
+        f"{tuple(entry.shape)} to {tuple(new.shape)} ({len(grown)} of its tensors grow): the adapter was "
+        "loaded before apply_offload, so its tensors stream with their block, laid out in the ring's host "
+        "copy at the shapes they had, and a larger tensor (a higher rank) does not fit there. Nothing was "
+        "changed. Call enable_lora_hotswap(target_rank=...) (the largest rank you will swap in) before the "
+        "first adapter is loaded, so later swaps fit; or load the adapter after apply_offload (it then stays "
+        "on the device, and any hotswap works); or call handle.remove() first, hotswap, then apply_offload "
+        "again.")
 
 
 def _refuse_placeholder_hotswap(rings: Sequence[BlockRing], adapter: str) -> None:
@@ -343,6 +437,15 @@ def _peft_call(kind: str, original: Callable[..., Any], *args: Any, **kwargs: An
             _refuse_placeholder_export(rings, adapter, "get_peft_model_state_dict")
         return original(*args, **kwargs)
     _refuse_placeholder_hotswap(rings, adapter)
+    refusal = _grown_hotswap(arguments["model"], rings, adapter, arguments.get("state_dict"))
+    if refusal is not None:
+        pending = _pending_for(rings, adapter)
+        if pending is None:
+            raise refusal  # called directly: nothing has changed yet
+        # Inside diffusers' load_lora_adapter, whose failure cleanup would delete the adapter:
+        # nothing is swapped, and _rewriting raises once diffusers returns.
+        pending.refusal = refusal
+        return None
     try:
         return original(*args, **kwargs)
     finally:

@@ -230,6 +230,56 @@ def test_a_hotswap_into_8_bit_blocks_of_adapters_loaded_before_offloading_is_ref
     assert got and all(torch.equal(v, b["transformer." + k.replace(".h.weight", ".weight")]) for k, v in got.items())
 
 
+def test_a_larger_rank_hotswap_into_adapters_loaded_before_offloading_is_refused_changing_nothing(loras):
+    """An adapter loaded before ``apply_offload`` is laid out in its block's host copy at its rank.
+    peft swaps a larger-rank adapter in as new tensors of a new shape, which have no room there:
+    refused before diffusers starts changing anything (its cleanup would delete the adapter), and
+    the adapter keeps running. Same-rank (and smaller) swaps, copied in place, still work."""
+    from peft.utils.hotswap import hotswap_adapter_from_state_dict
+
+    a, b = loras
+    grown = lora_state_dict(2, rank=8)
+
+    def model_with(sd):
+        model = tiny.tiny_wan_transformer(num_layers=3)
+        model.load_lora_adapter({k: v.clone() for k, v in sd.items()}, prefix="transformer", adapter_name="h")
+        return model
+
+    def out(model):
+        with torch.no_grad():
+            return model(**batch)[0]
+
+    ref, model = model_with(a), model_with(a)
+    batch = tiny.wan_transformer_inputs(ref)
+    handle = apply_offload(model, {"mode": "layer"})
+    before = out(ref)
+    assert torch.equal(out(model), before)
+    lora_a = model.blocks[0].attn1.to_q.lora_A["h"].weight
+    with pytest.raises(RuntimeError, match=r"hotswapping adapter 'h' would change blocks\.0\..*lora_A\.h\.weight from "
+                                           r"\(4, \d+\) to \(8, \d+\).*Nothing was changed.*enable_lora_hotswap\("
+                                           r"target_rank=.*after apply_offload.*remove\(\) first"):
+        model.load_lora_adapter({k: v.clone() for k, v in grown.items()}, prefix="transformer", adapter_name="h",
+                                hotswap=True)
+    assert list(model.peft_config) == ["h"] and model.blocks[0].attn1.to_q.lora_A["h"].weight is lora_a
+    assert lora_a.shape[0] == 4 and torch.equal(out(model), before)
+    # peft's own function, called directly, refuses the same before it writes.
+    new = {k[len("transformer."):].replace(".weight", ".h.weight"): v.clone() for k, v in grown.items()}
+    with pytest.raises(RuntimeError, match=r"hotswapping adapter 'h' would change .*Nothing was changed"):
+        hotswap_adapter_from_state_dict(model, new, adapter_name="h", config=model.peft_config["h"])
+    assert lora_a.shape[0] == 4 and torch.equal(out(model), before)
+    # A same-rank hotswap still goes through, as on the resident model.
+    for m in (ref, model):
+        m.load_lora_adapter({k: v.clone() for k, v in b.items()}, prefix="transformer", adapter_name="h",
+                            hotswap=True)
+    assert torch.equal(out(model), out(ref)) and not torch.equal(out(ref), before)
+    # What the message says: after remove() the larger one goes through.
+    handle.remove()
+    for m in (ref, model):
+        m.load_lora_adapter({k: v.clone() for k, v in grown.items()}, prefix="transformer", adapter_name="h",
+                            hotswap=True)
+    assert torch.equal(out(model), out(ref))
+
+
 def _settle(model) -> None:
     """What peft's forward does first on the resident model: unmerge a layer merged with its
     adapters disabled."""
