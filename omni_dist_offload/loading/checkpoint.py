@@ -32,7 +32,7 @@ import torch
 from ..layout import BlockLayout, TensorEntry
 
 __all__ = [
-    "CheckpointSource", "CheckpointError", "SafetensorsCheckpoint", "TensorInfo", "check_pipeline_folder",
+    "CheckpointSource", "CheckpointError", "ModelLoadError", "SafetensorsCheckpoint", "TensorInfo", "check_pipeline_folder",
     "find_weight_files", "placeholder", "read_model_index",
 ]
 
@@ -61,8 +61,13 @@ _SCRATCH_BYTES = 4 * 2**20
 _READ_BYTES = 1 << 30
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, malformed, or does not match the model."""
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what was tried."""
+
+
+class CheckpointError(ModelLoadError):
+    """A checkpoint file is missing, malformed, or does not match the model: a model that could
+    not be loaded, whichever path read it (cold start or the ordinary load)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from ..config import OffloadConfig
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINES, cast_like_pretrained
 from ..plan import module_bytes
 from ..residency import format_bytes
-from .checkpoint import CheckpointError, CheckpointSource, check_pipeline_folder
+from .checkpoint import CheckpointError, CheckpointSource, ModelLoadError, check_pipeline_folder
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
 from .folders import DTYPES, dtype_kwarg, pipeline_class, resolve_dtype
 
@@ -46,10 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found or loaded; the message says what was tried."""
-
 
 #: ``from_pretrained`` keywords the loader sets itself from the run dtype.
 _DTYPE_KWARGS = ("dtype", "torch_dtype")
@@ -232,13 +228,15 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             "the local cache (set HF_HUB_OFFLINE=1 to skip the network)."
         ) from exc
     except RuntimeError as exc:
-        # transformers refuses a checkpoint whose shapes differ from the config this way, after
-        # logging a report that names the tensors.
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # transformers refuses a checkpoint whose shapes differ from the config this way, after
+        # logging a report that names the tensors; other RuntimeErrors (a quantized folder on a
+        # host without a GPU) say what is wrong themselves.
+        mismatch = "mismatch" in str(exc) or "ignore_mismatched_sizes" in str(exc)
         raise ModelLoadError(
-            f"could not load {model!r} ({type(exc).__name__}: {detail}): a component's checkpoint does "
-            "not match its config.json (the loader's report above names the tensors); fix the folder or "
-            "download it again."
+            f"could not load {model!r} ({type(exc).__name__}: {detail})"
+            + (": a component's checkpoint does not match its config.json (the loader's report above names "
+               "the tensors); fix the folder or download it again." if mismatch else ".")
         ) from exc
 
 

@@ -542,3 +542,33 @@ def test_load_offloaded_takes_the_dtype_once(wan_folder):
     # torch_dtype in the loader's keywords reached from_pretrained beside the dtype it passes.
     with pytest.raises(ValueError, match=r"pass dtype=\.\.\. instead"):
         load_offloaded(wan_folder, BOTH, device="cpu", torch_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold", "no-cold-start"])
+def test_a_damaged_folder_is_a_model_load_error_either_way(wan_folder, tmp_path, cold):
+    """The docs promise ModelLoadError for a damaged model_index.json; the default path (cold
+    start) raised CheckpointError, a sibling class, which `except ModelLoadError` missed."""
+    from omni_dist_offload import Omni
+    from omni_dist_offload.loading import ModelLoadError
+
+    folder = _copy_folder(wan_folder, tmp_path / "damaged")
+    (folder / "model_index.json").write_text("{'not': json")
+    with pytest.raises(ModelLoadError, match=r"model_index\.json"):
+        Omni(str(folder), BOTH, device="cpu", progress=False, cold_start=cold)
+
+
+def test_a_loader_runtime_error_is_not_blamed_on_a_shape_mismatch(wan_folder, tmp_path, monkeypatch):
+    """A quantized folder on a host without a GPU: diffusers' 'No GPU found' was reported as a
+    checkpoint that does not match its config, with a report above that did not exist."""
+    from diffusers import DiffusionPipeline
+
+    from omni_dist_offload.loading import ModelLoadError, load_pipeline
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No GPU found. A GPU is needed for quantization.")
+
+    monkeypatch.setattr(DiffusionPipeline, "from_pretrained", refuse)
+    with pytest.raises(ModelLoadError) as info:
+        load_pipeline(str(wan_folder), torch.float32, {})
+    assert str(info.value).endswith("(RuntimeError: No GPU found. A GPU is needed for quantization.).")
+    assert "does not match" not in str(info.value)
