@@ -325,7 +325,7 @@ class Omni:
             self.set_progress(progress)
             self._signature = inspect.signature(self.pipeline.__call__)
         except BaseException as exc:
-            if not agreed and isinstance(exc, Exception):
+            if not agreed:
                 with contextlib.suppress(Exception):  # the agreement failing too must not hide this error
                     agree_on_step(_EXTRAS_STEP, exc, within)
             self.close()  # a LoRA that does not fit, say: undo the offload and context parallelism

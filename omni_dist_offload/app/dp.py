@@ -59,9 +59,13 @@ _BEAT_S = 2.0
 #: A rank that has shown no sign of life this long before the end is named as stopped.
 _SILENT_S = 120.0
 #: Once every prompt is taken, each rank is on its last one: one that has not finished it within
-#: this many times the longest generation any rank has reported (and at least _SILENT_S) is named
-#: as hung, alive or not (a GPU that stopped, a write that never returns).
+#: this many times its own longest generation so far (and at least _SILENT_S) is named as hung,
+#: alive or not (a GPU that stopped, a write that never returns).
 _HANG_FACTOR = 3.0
+#: A rank still on its first prompt has no time of its own to go by (and a first generation may
+#: compile, or run on a slower host than the others'): it is named only past this long, and
+#: _HANG_FACTOR times the longest generation of any rank.
+_FIRST_HANG_S = 1800.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +360,8 @@ class _Alive:
     sign of life for :data:`_SILENT_S`; one that leaves the run without arriving (an interrupt)
     says so, and is named at once. A rank that lives but hangs beats on: each rank publishes the
     longest generation it has run, and once every prompt is taken (each rank is then on its last)
-    one that has not arrived within :data:`_HANG_FACTOR` times the longest is named."""
+    one that has not arrived within :data:`_HANG_FACTOR` times its own longest is named (one on its
+    first prompt, past :data:`_FIRST_HANG_S`)."""
 
     def __init__(self, ctx: DistContext, key: str | None, total: int) -> None:
         self.ctx, self.key, self.total = ctx, key, total
@@ -382,14 +387,22 @@ class _Alive:
             with contextlib.suppress(Exception):  # only a hang's deadline depends on it
                 self.store.set(f"{self.key}/took/{self.ctx.rank}", f"{seconds:.3f}")
 
-    def _longest_of_all(self, world: int) -> float:
-        """The longest generation any rank has published (0: none has finished one)."""
-        longest = self._longest
+    def _longest_by_rank(self, world: int) -> dict[int, float]:
+        """The longest generation each rank has published (ranks that have finished none: absent)."""
+        found = {self.ctx.rank: self._longest} if self._longest > 0 else {}
         for rank in range(world):
             took = f"{self.key}/took/{rank}"
             if rank != self.ctx.rank and self.store.check([took]):
-                longest = max(longest, float(self.store.get(took)))
-        return longest
+                found[rank] = float(self.store.get(took))
+        return found
+
+    def _hang_deadline(self, rank: int, took: dict[int, float]) -> float | None:
+        """How long after every prompt was taken ``rank`` is named as hung (None: not yet known)."""
+        if rank in took:
+            return max(_SILENT_S, _HANG_FACTOR * took[rank])
+        if not took:
+            return None  # no rank has finished a generation: nothing to measure by
+        return max(_FIRST_HANG_S, _HANG_FACTOR * max(took.values()))
 
     def stop(self) -> None:
         """This rank leaves the run: no more beats; unless it arrived, the others are told."""
@@ -437,14 +450,18 @@ class _Alive:
                                       "of its prompts (its process died, or its host is unreachable); this rank "
                                       "ran its own prompts. See that rank's log; the outputs written stay.")
                 late.append(rank)
-            longest = self._longest_of_all(world) if emptied is not None and late else 0.0
-            if longest > 0 and now - emptied > max(_SILENT_S, _HANG_FACTOR * longest):
-                ranks = ", ".join(map(str, late))
-                raise PeerStopped(
-                    f"rank(s) {ranks} still run their last prompt {now - emptied:.0f} s after every prompt was "
-                    f"taken, over {_HANG_FACTOR:g} times the longest generation of any rank ({longest:.1f} s): "
-                    "they hang (a GPU that stopped, a write that never returns) though their process lives; "
-                    "this rank ran its own prompts. See their logs; the outputs written stay.")
+            if emptied is None or not late:
+                continue
+            took = self._longest_by_rank(world)
+            for rank in late:
+                deadline = self._hang_deadline(rank, took)
+                if deadline is not None and now - emptied > deadline:
+                    measure = (f"{_HANG_FACTOR:g} times its own longest generation ({took[rank]:.1f} s)" if rank in took
+                               else f"{deadline:g} s, on its first prompt")
+                    raise PeerStopped(
+                        f"rank {rank} still runs its last prompt {now - emptied:.0f} s after every prompt was taken, "
+                        f"over {measure}: it hangs (a GPU that stopped, a write that never returns) though its "
+                        "process lives; this rank ran its own prompts. See its log; the outputs written stay.")
 
 
 def claim_indices(total: int, ctx: DistContext, key: str | None = None) -> Iterator[int]:

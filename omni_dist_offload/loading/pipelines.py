@@ -119,7 +119,7 @@ def load_and_place(
                 cold = _prepare_cold_start(model, config, device, dtype, kwargs)
         pipe = load_pipeline(str(cold.folder) if cold else model, dtype,
                              {**kwargs, **(cold.components if cold else {})}, progress=progress)
-    except Exception as exc:
+    except BaseException as exc:  # an interrupt too: agree tells the others without waiting
         if cold is not None:
             cold.close()
         if agree is not None:

@@ -11,6 +11,7 @@ import datetime
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -97,54 +98,86 @@ class PeerFailed(RuntimeError):
 # Numbers each agreement of this process; every rank takes the same steps, so the same number
 # names the same step on every rank.
 _AGREEMENTS = itertools.count()
+#: Set on an exception this rank has told the others of (or learnt from them, PeerFailed): an
+#: agreement telling it again would be one the others never join.
+_TOLD = "_omni_offload_told"
+#: How often a rank waiting for the others' answers looks at the store.
+_AGREE_POLL_S = 0.2
 
 
 def agree_on_step(step: str, error: BaseException | None, timeout_s: float | None = None) -> None:
     """Every rank of the default group says whether it got through ``step`` (``error`` None) or
-    why not, and waits until all have said (at most ``timeout_s``; None: the store's timeout).
-    A rank that got through raises :class:`PeerFailed` naming the first rank that did not; a
-    rank that failed returns (it raises its own error).
+    why not. A rank that got through waits for every answer (at most ``timeout_s``; None: the
+    store's timeout) and raises :class:`PeerFailed` naming the first rank that failed, as soon
+    as one has said so. A rank that failed says why and returns at once (it raises its own
+    error): the others read it when they get there. Only a failed rank 0 of a job that holds its
+    own store (started without torchrun's agent store) waits for them, since its exit would take
+    the answer with it.
 
     Through the group's store, not a collective: a rank that failed before its device or
     backend was ready can still take part, and a wait for a rank that never comes ends at the
-    store's timeout naming it. Does nothing with one rank, or without a store (then a failed
-    rank's peers learn of it from the next collective, as before)."""
+    timeout naming it. Does nothing with one rank, without a store (then a failed rank's peers
+    learn of it from the next collective), or for an error already told."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    if error is not None and getattr(error, _TOLD, False):
         return
     store = default_store()
     if store is None:
         return
     me, world = dist.get_rank(), dist.get_world_size()
     prefix = f"omni_offload/agree/{next(_AGREEMENTS)}"
-    why = "" if error is None else f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-    store.set(f"{prefix}/{me}", "ok" if error is None else f"failed {why}")
     keys = [f"{prefix}/{rank}" for rank in range(world)]
-    try:
-        if timeout_s is None:
-            store.wait(keys)
-        else:
-            store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - the timeout (or a store gone): name who is missing
-        if error is not None:
-            return
-        missing = [rank for rank, key in enumerate(keys) if not _check(store, key)]
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else getattr(store, "timeout", None)
-        within = f" within {timeout.total_seconds():g} s" if isinstance(timeout, datetime.timedelta) else ""
-        raise PeerFailed(f"rank(s) {', '.join(map(str, missing)) or '?'} did not {step}{within} (a process that "
-                         "died, or a host far slower than the others); every rank stops: see their logs.") from None
+    if timeout_s is None:
+        timeout = getattr(store, "timeout", None)
+        timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
     if error is not None:
+        interrupted = isinstance(error, KeyboardInterrupt)
+        first = (str(error).strip().splitlines() or [""])[0]
+        why = "interrupted" if interrupted else f"{type(error).__name__}: {first}"
+        store.set(keys[me], f"failed {why}")
+        with contextlib.suppress(Exception):
+            setattr(error, _TOLD, True)
+        if me == 0 and not interrupted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            logger.error("%s; waiting up to %g s for the other ranks to reach '%s' and read it (this rank "
+                         "holds the job's store)", why, timeout_s, step)
+            with contextlib.suppress(Exception):
+                _answers(store, keys, step, timeout_s, stop_at_failure=False)
         return
-    for rank, key in enumerate(keys):
-        said = store.get(key).decode()
-        if said != "ok":
-            raise PeerFailed(f"rank {rank} could not {step} ({said.removeprefix('failed ')}); every rank stops: "
-                             "see that rank's log.")
+    store.set(keys[me], "ok")
+    _answers(store, keys, step, timeout_s, stop_at_failure=True)
 
 
-def _check(store: dist.Store, key: str) -> bool:
-    with contextlib.suppress(Exception):
-        return store.check([key])
-    return False
+def _answers(store: dist.Store, keys: list[str], step: str, timeout_s: float, stop_at_failure: bool) -> None:
+    """Poll until every rank has answered (or, ``stop_at_failure``, one has failed: raised)."""
+    deadline = time.monotonic() + timeout_s
+    said: dict[int, str] = {}
+    while True:
+        try:
+            for rank, key in enumerate(keys):
+                if rank not in said and store.check([key]):
+                    said[rank] = store.get(key).decode()
+        except Exception:  # noqa: BLE001 - the store's host (rank 0, or torchrun's agent) is gone
+            raise _told(PeerFailed(f"the job's store became unreachable while the ranks agreed to {step} (the "
+                                   "rank or launcher holding it stopped); every rank stops: see the other ranks' "
+                                   "logs.")) from None
+        failed = sorted((rank, answer) for rank, answer in said.items() if answer != "ok")
+        if failed and stop_at_failure:
+            rank, answer = failed[0]
+            raise _told(PeerFailed(f"rank {rank} could not {step} ({answer.removeprefix('failed ')}); every rank "
+                                   "stops: see that rank's log."))
+        if len(said) == len(keys):
+            return
+        if time.monotonic() > deadline:
+            missing = ", ".join(str(r) for r in range(len(keys)) if r not in said)
+            raise _told(PeerFailed(f"rank(s) {missing} did not {step} within {timeout_s:g} s (a process that died, "
+                                   "or a host far slower than the others); every rank stops: see their logs."))
+        time.sleep(_AGREE_POLL_S)
+
+
+def _told(exc: PeerFailed) -> PeerFailed:
+    setattr(exc, _TOLD, True)
+    return exc
 
 
 def build_on_every_rank(step: str, build: Callable[[], _T]) -> _T:
@@ -153,7 +186,7 @@ def build_on_every_rank(step: str, build: Callable[[], _T]) -> _T:
     :class:`PeerFailed`, instead of waiting for that rank in their first collective."""
     try:
         built = build()
-    except Exception as exc:
+    except BaseException as exc:  # an interrupt too: the others are told at once
         with contextlib.suppress(Exception):  # the agreement failing too must not hide why this rank failed
             agree_on_step(step, exc)
         raise

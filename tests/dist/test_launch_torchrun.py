@@ -249,27 +249,31 @@ def test_a_rank_lost_before_the_end_is_named_not_waited_for(tmp_path, how) -> No
                   if how == "interrupted" else {"died": True}), r1
 
 
-def hung_rank(rank: Rank, out_dir: str) -> dict:
-    """Free mode: rank 1 hangs in its first prompt (its main thread blocked, its process and
-    heartbeat alive: a GPU that stopped, a write that never returns) while rank 0 runs the rest.
-    Rank 0 releases it once it has given up on it."""
+def hung_rank(rank: Rank, out_dir: str, how: str) -> dict:
+    """Free mode: rank 1 hangs (its main thread blocked, its process and heartbeat alive: a GPU
+    that stopped, a write that never returns) in its first prompt or after one, or is only slow
+    on its first, while rank 0 runs the rest. Rank 0 releases it once it is done with it."""
     import types
 
-    dp._BEAT_S, dp._SILENT_S = 0.2, 2.0
+    dp._BEAT_S, dp._SILENT_S, dp._FIRST_HANG_S = 0.2, 2.0, (2.0 if how == "hangs-first" else 8.0)
     ctx = DistContext(rank=rank.rank, world_size=rank.world, backend="gloo")
-    release = Path(out_dir, "release")
+    release, ran = Path(out_dir, "release"), []
 
     class Gen:
         pipeline = types.SimpleNamespace(__call__=lambda prompt: None)
 
         def generate(self, prompt: str, *, name: str, **kwargs):
-            if rank.rank == 1:
+            if rank.rank == 1 and how == "slow-first" and not ran:
+                time.sleep(4.0)  # slower than rank 0's whole run, and alive: not a hang
+            elif rank.rank == 1 and (how == "hangs-first" or ran):
                 deadline = time.monotonic() + 60
                 while not release.exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
                 rank.report({"released": release.exists()})
                 os._exit(0)
-            time.sleep(0.3)
+            else:
+                time.sleep(0.3)
+            ran.append(name)
             saved = types.SimpleNamespace(media=Path(out_dir, name))
             return types.SimpleNamespace(kind="image", metadata={"timings": {}}, save=lambda *a, **k: saved)
 
@@ -280,15 +284,21 @@ def hung_rank(rank: Rank, out_dir: str) -> dict:
         return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - start}
     finally:
         release.touch()
-    return {"error": None}
+    return {"error": None, "ran": len(ran)}
 
 
-def test_a_rank_that_hangs_alive_is_named_after_its_last_prompt_overruns(tmp_path) -> None:
+@pytest.mark.parametrize("how", ["hangs-first", "hangs-later", "slow-first"])
+def test_a_rank_that_hangs_alive_is_named_after_its_last_prompt_overruns(tmp_path, how) -> None:
     """Its heartbeat goes on, so only the time it takes tells: once every prompt is taken, the
-    others wait a few times the longest generation, then name it (they used to wait forever)."""
-    r0, r1 = run_ranks(hung_rank, 2, args=(str(tmp_path),), broken_group=True, timeout=90)
-    assert r0["error"] == "PeerStopped" and "rank(s) 1 still run their last prompt" in r0["message"], r0
-    assert "they hang" in r0["message"] and r0["after_s"] < 30, r0
+    others wait a few times its own longest generation (on its first prompt, a long floor),
+    then name it (they used to wait forever). A rank only slower than the others is waited for."""
+    r0, r1 = run_ranks(hung_rank, 2, args=(str(tmp_path), how), broken_group=True, timeout=90)
+    if how == "slow-first":
+        assert r0 == {"error": None, "ran": 3} and r1 == {"error": None, "ran": 1}, (r0, r1)
+        return
+    measure = "over 2 s, on its first prompt" if how == "hangs-first" else "over 3 times its own longest generation"
+    assert r0["error"] == "PeerStopped" and "rank 1 still runs its last prompt" in r0["message"], r0
+    assert measure in r0["message"] and "it hangs" in r0["message"] and r0["after_s"] < 30, r0
     assert r1 == {"released": True}, r1
 
 
@@ -332,16 +342,39 @@ def test_a_rank_that_cannot_load_stops_every_rank_at_once(tmp_path, where, confi
 
 
 def late_agreement(rank: Rank) -> list:
-    """Three steps agreed: all through; rank 1 failed; rank 1 never comes within the timeout."""
-    from omni_dist_offload.runtime.dist import PeerFailed, agree_on_step
+    """Agreed steps: all through; rank 1 failed; rank 1 interrupted; rank 1's build failing
+    before the step its peer's build agrees on inside (Omni's own agreement, under allgather);
+    rank 1 never coming within the timeout."""
+    from omni_dist_offload.runtime.dist import PeerFailed, agree_on_step, build_on_every_rank
 
     found = []
-    for step, error in (("load the model", None), ("load the model", ValueError("no file\nmore"))):
+    for step, error in (("load the model", None), ("load the model", ValueError("no file\nmore")),
+                        ("load the model", KeyboardInterrupt())):
+        if rank.rank == 0:
+            time.sleep(1.0)  # the failed rank does not wait for this one to get there
+        start = time.monotonic()
         try:
             agree_on_step(step, error if rank.rank == 1 else None, timeout_s=30)
             found.append(None)
         except PeerFailed as exc:
             found.append(str(exc))
+        if rank.rank == 1 and error is not None:
+            found.append(time.monotonic() - start < 0.5)
+        if error is not None and rank.rank == 1:  # told once: a second agreement would pair with none
+            agree_on_step(step, error, timeout_s=30)
+
+    def build():
+        if rank.rank == 1:
+            raise OSError("no such folder on this host")
+        agree_on_step("load the model", None, timeout_s=30)  # as Omni does under allgather
+        return object()
+
+    start = time.monotonic()
+    try:
+        build_on_every_rank("load the model", build)
+        found.append(None)
+    except (PeerFailed, OSError) as exc:
+        found.append((str(exc), time.monotonic() - start < 10))
     if rank.rank == 0:
         start = time.monotonic()
         try:
@@ -352,12 +385,18 @@ def late_agreement(rank: Rank) -> list:
 
 
 def test_an_agreed_step_names_the_rank_that_failed_it_or_never_came() -> None:
-    r0, r1 = run_ranks(late_agreement, 2)
-    assert r1 == [None, None]  # the failed rank raises its own error
-    assert r0[:2] == [None, "rank 1 could not load the model (ValueError: no file); every rank stops: see that "
-                            "rank's log."]
-    assert r0[2] == ["rank(s) 1 did not load the model within 1 s (a process that died, or a host far slower than "
-                     "the others); every rank stops: see their logs.", True]
+    r0, r1 = run_ranks(late_agreement, 2, timeout=90)
+    # The failed rank raises its own error, at once.
+    assert r1 == [None, None, True, None, True, ["no such folder on this host", True]], r1
+    assert r0 == [
+        None,
+        "rank 1 could not load the model (ValueError: no file); every rank stops: see that rank's log.",
+        "rank 1 could not load the model (interrupted); every rank stops: see that rank's log.",
+        ["rank 1 could not load the model (OSError: no such folder on this host); every rank stops: see that "
+         "rank's log.", True],
+        ["rank(s) 1 did not load the model within 1 s (a process that died, or a host far slower than the others); "
+         "every rank stops: see their logs.", True],
+    ], r0
 
 
 def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> None:
