@@ -1234,6 +1234,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchUsageError("--timeline draws a model forward; leave out --transfer-mib")
     if args.png and args.transfer_mib is not None:  # the transfer run draws nothing
         raise BenchUsageError("--png draws the overhead of model cases; leave out --transfer-mib")
+    if args.transfer_mib is not None:  # it times one block's copy: nothing that shapes a model case applies
+        unused = [f"--{flag}" for flag in ("blocks", "variants", "frames", "height", "width", "px")
+                  if getattr(args, flag) is not None] + (["--stagger"] if args.stagger else [])
+        if unused:
+            named = ", ".join(unused[:-1]) + " and " + unused[-1] if len(unused) > 1 else unused[0]
+            raise BenchUsageError(f"{named} shape{'' if len(unused) > 1 else 's'} model cases, which --transfer-mib "
+                                  f"does not run; leave {'them' if len(unused) > 1 else 'it'} out")
     if args.timeline_variant and not args.timeline:
         raise BenchUsageError("--timeline-variant needs --timeline PATH")
     # One process runs no multi-rank variant: asked for, it would be left out (or, traced, run

@@ -580,6 +580,21 @@ def test_shape_flags_default_for_the_presets_kind(no_run) -> None:
     assert bench.main([*TINY_WAN, "--variants", "peer", "rank-local", "--budget", "50"]) == 0  # one takes it
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--frames", "9"], "--frames shapes model cases, which --transfer-mib does not run; leave it out"),
+    (["--preset", "tiny-flux", "--px", "64", "--blocks", "3"], "--blocks and --px shape model cases"),
+    (["--variants", "rank-local", "--stagger"], "--variants and --stagger shape model cases"),
+])
+def test_transfer_mib_refuses_the_flags_of_model_cases(flags, says, capsys, no_run, monkeypatch) -> None:
+    """They were taken and the transfer run started, timing one block whatever they said."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past --transfer-mib's CUDA check
+    monkeypatch.setattr(bench, "maybe_init_dist", lambda *_a, **_k: pytest.fail("the run started"))
+    assert bench.main(["--transfer-mib", "700", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert "args" not in no_run
+
+
 def test_transfer_mib_with_png_is_refused_before_the_run(tmp_path, capsys, no_run, monkeypatch) -> None:
     """The transfer run draws nothing: --png was taken, its folder made, and no chart written."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past --transfer-mib's CUDA check
