@@ -35,7 +35,7 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -531,6 +531,36 @@ def _saving(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, 
     return method(*args, **kwargs)
 
 
+#: Methods of a component that write its weights in: refused, before anything is written, where
+#: they would write a streamed tensor that holds a placeholder between forwards (allgather, 8-bit
+#: ``"block"``): torch refuses such a write only once it has copied every tensor before it.
+LOADING_METHODS = ("load_state_dict",)
+
+
+def _loading(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        bound = inspect.signature(method).bind(*args, **kwargs)
+    except TypeError:
+        return method(*args, **kwargs)  # torch names what is wrong
+    state_dict = bound.arguments.get("state_dict")
+    if isinstance(state_dict, Mapping):
+        for ring in rings:
+            if not ring.parks_placeholders:
+                continue
+            streamed = {e.name for layout in ring.layouts if layout.index not in ring.resident
+                        for e in layout.entries}
+            hits = [key for key in state_dict if key in streamed]
+            if hits:
+                more = f" (and {len(hits) - 1} more)" if len(hits) > 1 else ""
+                raise RuntimeError(
+                    f"{ring.component.name}: load_state_dict would write {hits[0]}{more}, which streams and holds a "
+                    f"placeholder between forwards on this rank ({ring.transfer.name}"
+                    f"{', stored in 8 bits' if ring.storage_dtype else ''}); torch would refuse that write only after "
+                    "copying the tensors before it. Nothing was changed. Load the weights before apply_offload, or "
+                    "call handle.remove() first (on every rank under allgather), load, then apply_offload again.")
+    return method(*args, **kwargs)
+
+
 #: Methods of a component refused outright after ``apply_offload``: diffusers'
 #: ``enable_layerwise_casting`` recasts the block weights in place to a dtype the ring did not lay
 #: them out in, so every later forward would fail.
@@ -575,7 +605,7 @@ class BlockWatch:
             mine = [r for r in rings if r.component.module is root]
             self._rings_of[root] = [weakref.ref(r) for r in mine]
             for names, wrapper in ((REWRITING_METHODS, _rewriting), (SAVING_METHODS, _saving),
-                                   (REFUSED_METHODS, _refused)):
+                                   (LOADING_METHODS, _loading), (REFUSED_METHODS, _refused)):
                 for name in names:
                     if callable(getattr(root, name, None)) and name not in root.__dict__:
                         setattr(root, name, _wrapping(wrapper, root, name, [weakref.ref(r) for r in mine]))
@@ -595,7 +625,7 @@ class BlockWatch:
                 layer.__dict__.pop(name, None)
         self._wrapped = weakref.WeakSet()
         for root in list(self._roots):
-            for name in (*REWRITING_METHODS, *SAVING_METHODS, *REFUSED_METHODS):
+            for name in (*REWRITING_METHODS, *SAVING_METHODS, *LOADING_METHODS, *REFUSED_METHODS):
                 root.__dict__.pop(name, None)
         self._roots = weakref.WeakSet()
         self._rings_of = weakref.WeakKeyDictionary()

@@ -535,6 +535,26 @@ def test_save_pretrained_is_refused_where_blocks_park_placeholders(tmp_path):
     assert set(saved) == set(want) and all(torch.equal(saved[k], want[k]) for k in want)
 
 
+@torch.no_grad()
+def test_load_state_dict_is_refused_before_any_write_where_blocks_park_placeholders():
+    """torch refused the first write into a streamed placeholder only after copying the 20 tensors
+    before it in module order: a model neither old nor new, before and after remove()."""
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    other = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2, seed=1)
+    batch = tiny.flux_transformer_inputs(model)
+    handle = apply_offload(model, stored(), device="cpu")
+    before = model(**batch)[0]
+    with pytest.raises(RuntimeError, match=r"load_state_dict would write transformer_blocks\.0\.\S+ \(and \d+ more\), "
+                                           r"which streams .* Nothing was changed"):
+        model.load_state_dict(other.state_dict())
+    assert torch.equal(model(**batch)[0], before)
+    outside = {k: v for k, v in other.state_dict().items() if "_blocks." not in k}
+    model.load_state_dict(outside, strict=False)  # what no ring streams loads as usual
+    assert not torch.equal(model(**batch)[0], before)
+    handle.remove()
+    assert "load_state_dict" not in model.__dict__
+
+
 def test_omni_refuses_loras_with_upcast_per_layer_before_loading(tmp_path):
     from safetensors.torch import save_file
 
