@@ -320,6 +320,8 @@ class OffloadHandle:
             for tensor in tensors.values():
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
             ring.release()
+        for stored in self._stored:  # 8-bit storage's hooks (and the upcast buffers they hold)
+            stored.discard()
         self._ended()
 
     def _ended(self) -> None:

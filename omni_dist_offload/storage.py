@@ -186,6 +186,14 @@ class StoredLayers:
                     _upcast(t, compute, self.inference.get(id(t), t.is_inference()))
         self.layers = []
 
+    def discard(self) -> None:
+        """``discard()``: hooks off, the layers left as they are (their component does not run
+        again), so nothing of the offload is left on the model."""
+        self._unwatch()
+        for module, _compute, _originals in self.layers:
+            unhook_layerwise_casting(module)
+        self.layers = []
+
     def watch(self, root: nn.Module) -> None:
         """Refuse, at each forward of ``root`` and before anything runs, an adapter added after
         setup to a stored layer (:class:`_LateAdapters`)."""
@@ -287,6 +295,12 @@ class LayerUpcasts:
         self._unhook()
         for t, compute in self._tensors:
             _upcast(t, compute, t.is_inference())  # as the ring restored it
+        self._tensors = []
+
+    def discard(self) -> None:
+        """``discard()``: hooks off (with the upcast buffers they hold), the tensors left as they
+        are (their component does not run again)."""
+        self._unhook()
         self._tensors = []
 
     def _unhook(self) -> None:

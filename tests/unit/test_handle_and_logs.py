@@ -150,6 +150,22 @@ def test_setup_logging_installs_one_handler(monkeypatch, capsys):
     assert capsys.readouterr().err == "[rank0] hello\n"
 
 
+@pytest.mark.parametrize("upcast", ["block", "layer"])
+def test_discard_leaves_no_hook_of_8_bit_storage(upcast):
+    """The layers outside the blocks kept diffusers' casting hooks, the root its adapter check,
+    and under upcast "layer" every layer in a block its upcast hooks, with their device buffer."""
+    import tiny_models as tiny
+
+    model = tiny.tiny_flux_transformer(num_layers=1, num_single_layers=2)
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "layer_options": {
+        "dit": {"storage_dtype": "float8_e4m3fn", "upcast": upcast}}}, device="cpu")
+    with torch.no_grad():
+        model(**tiny.flux_transformer_inputs(model))
+    handle.discard()
+    assert [name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks] == []
+    assert [name for name, m in model.named_modules() if "_diffusers_hook" in vars(m)] == []
+
+
 @pytest.mark.parametrize("options", [
     {},
     {"layer_options": {"dit": {"resident_blocks": [1]}}},  # a resident block's device buffer too
