@@ -945,10 +945,11 @@ def _ring_specs(components: Sequence[StreamedComponent], layouts: Mapping[str, S
         # The others wait in the next exchange: they learn why there (an error naming this rank)
         # instead of a lost connection, and this rank raises its own.
         why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-        if gathered:
-            groups.resolve(why, dev, process_group)
-        elif shared:
-            groups.resolve_shared(why, dev)
+        with contextlib.suppress(Exception):  # an exchange failing too must not hide why this rank failed
+            if gathered:
+                groups.resolve(why, dev, process_group)
+            elif shared:
+                groups.resolve_shared(why, dev)
         raise
     group, reason = groups.resolve(facts, dev, process_group) if facts else (None, None)
     if group is not None:
