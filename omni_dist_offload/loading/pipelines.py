@@ -123,7 +123,8 @@ def load_and_place(
         if cold is not None:
             cold.close()
         if agree is not None:
-            agree(exc)
+            with contextlib.suppress(Exception):  # the agreement failing too must not hide why loading failed
+                agree(exc)
         raise
     try:
         if agree is not None:
