@@ -687,15 +687,6 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
     finally:
         setup.pin.close()
     _agree_all_or_nothing(handle, groups, specs)
-    try:
-        # A shared ring of 8-bit images brings its plan's images in from the shared copy, which
-        # holds every rank's blocks only now.
-        for ring, spec in zip(handle.rings, specs, strict=True):
-            if spec.shared is not None and spec.stored and spec.residency.resident:
-                ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
-    except BaseException:
-        _undo_setup(handle, groups, specs)  # this rank's alone: the others' rings and the shared copy stay
-        raise
     handle._commit()
     _log_summary(handle)
     return handle
@@ -1277,7 +1268,10 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
     try:
         ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
                          spec.residency.num_slots)
-        if spec.stored and spec.residency.resident and spec.shared is None:
+        # A ring of 8-bit images brings its plan's images in now, before the ranks agree, so that
+        # a failure here (the device out of memory) is one every rank hears of. A shared ring's
+        # fill has agreed already that every rank wrote its part: the copy holds every block.
+        if spec.stored and spec.residency.resident:
             ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
     except BaseException:
         if originals is None:  # give the blocks their storage back, as _fill_buffers does on failure

@@ -53,6 +53,8 @@ from typing import Sequence
 
 import torch
 
+from .hostmem import huge_pages_wanted
+
 __all__ = ["CopyLayout", "Offer", "SharedBlocks", "SharedMemoryError", "SharedSegment", "available_host_bytes",
            "job_name", "out_of_descriptors", "receive", "shared_memory_reason", "small_pages_note"]
 
@@ -304,8 +306,9 @@ class SharedSegment:
         # The tensor's storage holds ``memory``: once no tensor views it, it goes, and unmaps.
         weakref.finalize(memory, libc.munmap, start, length).atexit = False
         # Advice only: huge pages where the host lets shared memory have them (fewer faults
-        # while filling, fewer pages to page-lock).
-        _libc().madvise(ctypes.c_void_p(self.tensor.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+        # while filling, fewer pages to page-lock), unless OMNI_OFFLOAD_HUGE_PAGES=0.
+        if huge_pages_wanted():
+            _libc().madvise(ctypes.c_void_p(self.tensor.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
 
     @classmethod
     def create(cls, name: str, nbytes: int) -> SharedSegment:

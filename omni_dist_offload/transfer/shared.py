@@ -73,6 +73,11 @@ class SharedTransfer(RankLocalTransfer):
         moved = None
         if block not in self._own:
             shared = self.buffers[block]
+            if torch.equal(shared.tensor[start : start + src.numel()], src.to("cpu")):
+                # Nothing changed (a ring of inference tensors, which keep no version counter,
+                # writes back every block it held): the block stays in the host's one copy,
+                # rather than one private copy of it per rank.
+                return None
             own = HostBuffer(shared.nbytes)
             own.tensor.copy_(shared.tensor)
             # Under pin_failure "error" a failure raises here, before anything changed.

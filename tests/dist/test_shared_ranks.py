@@ -23,6 +23,7 @@ from omni_dist_offload import OffloadConfigError, apply_offload
 from omni_dist_offload import apply as apply_mod
 from omni_dist_offload.hostmem import HostPinner
 from omni_dist_offload.sharedmem import job_name
+from omni_dist_offload.transfer.casting import CastingTransfer
 from ranks import Rank, run_ranks, shared_copy_mappings
 from toys import ToyDiT, assert_same, snapshot
 
@@ -269,11 +270,27 @@ def failures(rank: Rank) -> dict:
     assert_same(pipe_before[0], pipe.transformer)
     assert_same(pipe_before[1], pipe.text_encoder)
     out["left_after_second_fails"] = _segments_mapped()
+    # Rank 1's device cannot hold the resident 8-bit images, brought in from the filled copy (its
+    # GPU busier, say): every rank hears of it and undoes, none goes on alone.
+    flux = tiny.tiny_flux_transformer(dtype=torch.float32)
+    flux_before = snapshot(flux)
+    real_hold = CastingTransfer.hold
+    if rank.rank == 1:
+        CastingTransfer.hold = lambda self, blocks: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory (test)"))
+    try:
+        apply_offload(flux, shared_config(storage_dtype="float8_e4m3fn", resident_blocks=1))
+        out["hold_fails"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is checked
+        out["hold_fails"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        CastingTransfer.hold = real_hold
+    assert_same(flux_before, flux)
+    out["left_after_hold_fails"] = _segments_mapped()
     # Rank 1 dies (SIGKILL) after setup; rank 0 goes on streaming from the copy it maps.
     handle = apply_offload(model, shared_config())
     dist.barrier()
     if rank.rank == 1:
-        rank.report({"killed": True, "budget": out["budget"], "second_fails": out["second_fails"]})
+        rank.report({"killed": True, **{k: out[k] for k in ("budget", "second_fails", "hold_fails")}})
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)
     with torch.no_grad():
@@ -298,6 +315,8 @@ def test_exception_space_and_a_killed_rank_leave_nothing():
     assert r0["left_after_fallback"] == []
     assert r0["second_fails"].startswith("RuntimeError: apply_offload failed on rank 1"), r0["second_fails"]
     assert r1["second_fails"].startswith("PinMemoryError"), r1["second_fails"]
+    assert r0["hold_fails"].startswith("RuntimeError: apply_offload failed on rank 1 (OutOfMemoryError"), r0["hold_fails"]
+    assert r1["hold_fails"] == "OutOfMemoryError: out of memory (test)" and r0["left_after_hold_fails"] == []
     assert r0["left_after_second_fails"] == []
     assert r0["left_after_exception"] == r0["left_after_space"] == r0["left_after_remove"] == []
 
@@ -452,6 +471,22 @@ def residency_and_storage(rank: Rank) -> dict:
     out["equal"] = torch.equal(model(x), ref)
     dist.barrier()  # both have read their summaries before either releases the copy
     handle.remove()
+    # Built under inference mode (no version counters), a plan that streams resident blocks again
+    # writes each back (a budget's first plan keeps their host copies): the unchanged block stays
+    # in the shared copy, the one written on the device gets a private copy on each rank.
+    with torch.inference_mode():
+        model = ToyDiT(6, dim=256, seed=1)
+        x = torch.randn(2, 256)
+        expected = copy.deepcopy(model)
+        handle = apply_offload(model, dict(shared_config(), device_budget=int(4.2 * out["fixed"]["block_bytes"] / 4)))
+        first, last = handle.summary()[0]["resident_blocks"]
+        expected.blocks[last].lin.weight.add_(1.0)
+        model.blocks[last].lin.weight.add_(1.0)
+        handle.rings[0].apply_plan(set(), 2, settle=False)
+        out["inference_private"] = (sorted(handle.rings[0].transfer._own), last)
+        out["inference_equal"] = torch.equal(model(x), expected(x))
+        dist.barrier()
+        handle.remove()
 
     flux = tiny.tiny_flux_transformer(dtype=torch.float32)
     reference = copy.deepcopy(flux)
@@ -486,6 +521,7 @@ def test_resident_blocks_leave_the_shared_copy_and_8_bit_images_share():
         assert fixed["host_bytes"] == fixed["block_bytes"] // 2 and planned["host_bytes"] == 3 * fixed["block_bytes"] // 8
         per_block = fixed["block_bytes"] // 4
         assert r["fixed_allocated"] - r["planned_allocated"] >= per_block  # block 0's pages went back
+        assert r["inference_private"][0] == [r["inference_private"][1]] and r["inference_equal"]
         assert r["fp8_equal"] and r["fp8"]["weight_transfer"] == "shared"
         assert r["fp8"]["storage_dtype"] == "float8_e4m3fn" and r["fp8"]["host_ranks"] == 2
         layer = r["fp8_layer"]

@@ -406,3 +406,22 @@ def _receive_or_error(offer: Offer, files: int):
     for fd in fds:
         os.close(fd)
     return fds
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_shared_files_ask_for_huge_pages_unless_told_not_to(monkeypatch, huge):
+    """As private host buffers do: OMNI_OFFLOAD_HUGE_PAGES=0 keeps the shared copy on 4 KiB pages."""
+    advised, real = [], sharedmem._libc()
+
+    class Libc:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def madvise(self, ptr, nbytes, advice):
+            advised.append((ptr.value, nbytes.value, advice))
+            return 0
+
+    monkeypatch.setenv("OMNI_OFFLOAD_HUGE_PAGES", huge)
+    monkeypatch.setattr(sharedmem, "_libc", Libc)
+    segment = SharedSegment.create("omni-offload:test:huge", 4 << 20)
+    assert advised == ([(segment.tensor.data_ptr(), 4 << 20, 14)] if huge == "1" else [])
