@@ -125,13 +125,20 @@ DIT_BLOCK_ATTRS: dict[str, tuple[str, ...]] = {
     "OvisImageTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
     # Spatial and temporal blocks take turns: "a|b" runs a[0], b[0], a[1], b[1], ...
     "LatteTransformer3DModel": ("transformer_blocks|temporal_transformer_blocks",),
+    # U-Net-shaped models that pipelines hold under DiT names: aMUSEd's ``transformer`` (each
+    # level runs a residual block, then an attention block), Wuerstchen's and Stable Cascade's
+    # ``prior`` (the prior's two levels; the decoder, which repeats blocks, is not streamed).
+    "UVit2DModel": ("down_block.res_blocks|down_block.attention_blocks", "transformer_layers",
+                    "up_block.res_blocks|up_block.attention_blocks"),
+    "WuerstchenPrior": ("blocks",),
+    "StableCascadeUNet": ("down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"),
+    # Z-Image Omni's SigLIP refiner runs only with condition images: it stays resident rather
+    # than be prefetched in vain before every text-to-image forward.
+    "ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers"),
 }
 
 #: Classes whose block lists depend on their configuration: alternatives, tried in order.
-DIT_BLOCK_ALTERNATIVES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "ZImageTransformer2DModel": (("noise_refiner", "context_refiner", "siglip_refiner", "layers"),
-                                 ("noise_refiner", "context_refiner", "layers")),
-}
+DIT_BLOCK_ALTERNATIVES: dict[str, tuple[tuple[str, ...], ...]] = {}
 
 #: Block lists of common transformers text encoders. Each entry lists alternatives, tried in
 #: order, because attribute paths moved between transformers releases.
@@ -265,6 +272,11 @@ class OffloadPlan:
             raise OffloadConfigError(
                 f"OffloadPlan.dit_components must be a tuple of pipeline attribute names such as "
                 f"('denoiser',), found {dits!r}{hint}.")
+        both = sorted(set(dits) & set(self.encoder_component_types))
+        if both:
+            raise OffloadConfigError(
+                f"OffloadPlan names {both} in both dit_components and encoder_component_types: "
+                "give each attribute one category.")
         object.__setattr__(self, "dit_components", tuple(dits))
 
     def category_of(self, name: str) -> str | None:
@@ -359,6 +371,17 @@ def discover(target: Any, config: OffloadConfig, plan: OffloadPlan | None = None
         raise OffloadConfigError(
             f"OffloadPlan.encoder_block_attrs names {missing}, which have no category: add them "
             "to encoder_component_types, e.g. {'%s': 'text_encoder'}." % missing[0]
+        )
+    # Block paths apply to streamed encoders only: for any other category they would be ignored.
+    other = {n: plan.category_of(n) for n in plan.encoder_block_attrs if plan.category_of(n) != "text_encoder"}
+    if other:
+        name, category = next(iter(other.items()))
+        how = ("a DiT's blocks come from its class (_layerwise_offload_blocks_attrs) or the built-in table"
+               if category == "dit" else f"category {category!r} stays resident")
+        raise OffloadConfigError(
+            f"OffloadPlan.encoder_block_attrs names {sorted(other)}, which are not text encoders "
+            f"({name!r} is {category!r}: {how}). Remove them, or declare "
+            f"encoder_component_types={{{name!r}: 'text_encoder'}} to stream them with the text encoders."
         )
     found: list[StreamedComponent] = []
     for category in config.components:

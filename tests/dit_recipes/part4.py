@@ -368,6 +368,7 @@ def _z_image(seed: int):
     model = _finish(ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=2,
         n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[64, 32, 32],
+        siglip_feat_dim=8,  # as Z-Image Omni: its refiner runs only with condition images
     ), seed)
     g = torch.Generator().manual_seed(seed + 1)
     kwargs = {

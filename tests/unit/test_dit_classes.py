@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import types
 
 import diffusers
 import diffusers.models.transformers as transformers_pkg
@@ -84,11 +85,16 @@ def _tensors(out) -> list[torch.Tensor]:
 
 def assert_streams_bitwise(model: nn.Module, kwargs: dict, target, config: dict, attrs) -> None:
     """``model``'s outputs equal, resident, streamed (``apply_offload(target, config)``: two
-    forwards, the second after the wrap to block 0) and after ``remove()``."""
+    forwards, the second after the wrap to block 0) and after ``remove()``; the blocks run in
+    the ring's order (a block run out of it warns "ran but was not prefetched": an error here)."""
+    import warnings
+
     with torch.no_grad():
         ref = _tensors(model(**kwargs))
         handle = apply_offload(target, config, device="cpu")
-        outs = [_tensors(model(**kwargs)) for _ in range(2)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", ".* ran but was not prefetched", RuntimeWarning)
+            outs = [_tensors(model(**kwargs)) for _ in range(2)]
         handle.remove()
         after = _tensors(model(**kwargs))
     assert ref and all(len(o) == len(ref) for o in (*outs, after))
@@ -125,6 +131,44 @@ def test_a_diffusers_transformer_streams_bitwise_equal(name):
     (comp,) = discover(model, OffloadConfig.parse(CONFIG))
     assert realistic_share(model, [b for _, b in comp.blocks]) >= 0.8, (comp.block_attrs, comp.source)
     assert_streams_bitwise(model, kwargs, model, CONFIG, comp.block_attrs)
+
+
+def _uvit():  # aMUSEd's transformer
+    model = diffusers.UVit2DModel(
+        hidden_size=32, cond_embed_dim=16, micro_cond_encode_dim=4, micro_cond_embed_dim=20, encoder_hidden_size=16,
+        vocab_size=40, codebook_size=32, in_channels=16, block_out_channels=16, num_res_blocks=3, block_num_heads=2,
+        num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, sample_size=4)
+    return "transformer", model, dict(input_ids=torch.randint(0, 32, (1, 4, 4)), encoder_hidden_states=torch.randn(1, 3, 16),
+                                      pooled_text_emb=torch.randn(1, 16), micro_conds=torch.randn(1, 5))
+
+
+def _wuerstchen_prior():
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+
+    model = WuerstchenPrior(c_in=4, c=32, c_cond=16, c_r=8, depth=2, nhead=2, dropout=0.0)
+    return "prior", model, dict(x=torch.randn(1, 4, 4, 4), r=torch.rand(1), c=torch.randn(1, 3, 16))
+
+
+def _stable_cascade_prior():
+    model = diffusers.StableCascadeUNet(
+        in_channels=4, out_channels=4, timestep_ratio_embedding_dim=8, conditioning_dim=16, block_out_channels=(16, 16),
+        num_attention_heads=(2, 2), down_num_layers_per_block=(1, 1), up_num_layers_per_block=(1, 1),
+        clip_text_pooled_in_channels=8, clip_seq=2, clip_text_in_channels=8, self_attn=True, dropout=(0.0, 0.0))
+    return "prior", model, dict(sample=torch.randn(1, 4, 8, 8), timestep_ratio=torch.rand(1),
+                                clip_text_pooled=torch.randn(1, 1, 8), clip_text=torch.randn(1, 3, 8))
+
+
+@pytest.mark.parametrize("recipe", [_uvit, _wuerstchen_prior, _stable_cascade_prior])
+def test_u_net_shaped_models_under_dit_names_stream_in_order(recipe):
+    """Models outside diffusers' transformers that pipelines hold under a DiT's name stream from
+    the table, every block in the order the forward runs them."""
+    torch.manual_seed(0)
+    name, model, kwargs = recipe()
+    model.eval()
+    pipe = types.SimpleNamespace(**{name: model})
+    (comp,) = discover(pipe, OffloadConfig.parse(CONFIG))
+    assert comp.source == "built-in table", comp.source
+    assert_streams_bitwise(model, kwargs, pipe, CONFIG, comp.block_attrs)
 
 
 #: Classes whose blocks the scan alone must find, in execution order (several lists, nested

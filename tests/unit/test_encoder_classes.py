@@ -59,6 +59,8 @@ CLASSES = diffusers_text_encoder_classes()
 #: Pipeline attributes holding a DiT or text encoder class that are left resident, and why.
 UNNAMED = {
     ("SpectrogramDiffusionPipeline", "decoder"): "a music decoder; 'decoder' names VAEs' halves elsewhere",
+    ("StableCascadeDecoderPipeline", "decoder"): "the decoder runs some blocks several times a forward",
+    ("StableCascadeCombinedPipeline", "decoder"): "the decoder runs some blocks several times a forward",
 }
 
 
@@ -75,6 +77,26 @@ def test_every_dit_or_text_encoder_a_pipeline_takes_is_named_by_its_attribute():
             if want and name_category(pname) != want and (pipeline, pname) not in UNNAMED:
                 wrong.append((pipeline, pname, name, want))
     assert not wrong, f"(pipeline, attribute, class, category) the name fallback misses: {sorted(set(wrong))}"
+
+
+def test_every_class_a_pipeline_holds_under_a_dit_or_encoder_name_is_in_the_tables():
+    """The other way round: a class under a name the fallback streams has its blocks in the
+    tables (or declares them), rather than leaving them to a scan that may refuse it or miss
+    lists (Stable Cascade's and Wuerstchen's priors, aMUSEd's transformer did). Abstract
+    annotations (``...PreTrainedModel``) name no class to look up."""
+    from omni_dist_offload.plan import DIT_BLOCK_ALTERNATIVES, DIT_BLOCK_ATTRS, ENCODER_BLOCK_ATTRS, name_category
+
+    missing = set()
+    for pipeline, pname, names in pipeline_arguments():
+        category = name_category(pname)
+        for name in names:
+            if category is None or not (name.isidentifier() and name[0].isupper()) or name in _NOT_CLASSES:
+                continue
+            if name.endswith("PreTrainedModel") or (pipeline, pname) in UNNAMED:
+                continue
+            if name not in (ENCODER_BLOCK_ATTRS if category == "text_encoder" else {**DIT_BLOCK_ATTRS, **DIT_BLOCK_ALTERNATIVES}):
+                missing.add((pipeline, pname, name))
+    assert not missing, f"(pipeline, attribute, class) with no table entry: {sorted(missing)}"
 
 
 def test_every_encoder_class_has_a_recipe_or_a_reason():
