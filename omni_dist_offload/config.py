@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -119,9 +120,9 @@ class LayerOptions:
         object.__setattr__(self, "resident_blocks", _checked_resident(self.resident_blocks))
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
         _check_choice("gather", self.gather, GATHERS, "layer_options.<component>")
-        if not _is_positive_number(self.chunk_mib):
+        if not _is_positive_number(self.chunk_mib) or self.chunk_mib > _MAX_CHUNK_MIB:
             raise OffloadConfigError(
-                f"layer_options.<component> key 'chunk_mib' must be a positive number of MiB, "
+                f"layer_options.<component> key 'chunk_mib' must be a positive number of MiB up to {_MAX_CHUNK_MIB}, "
                 f"found {self.chunk_mib!r}: use e.g. 64, or drop the key for the default."
             )
 
@@ -210,6 +211,8 @@ class OffloadConfig:
                     f"{type(options).__name__}: build the config with OffloadConfig.parse() to "
                     "pass options as a dict."
                 )
+        # The config's own mapping: the caller's dict, changed later, cannot change a checked config.
+        object.__setattr__(self, "layer_options", dict(self.layer_options))
         if not isinstance(self.pin_memory, bool):
             raise OffloadConfigError(
                 f"config key 'pin_memory' must be true or false, found {self.pin_memory!r}."
@@ -359,15 +362,19 @@ def _is_positive_number(value: Any) -> bool:
             and value > 0)
 
 
+#: A chunk larger than this (1 TiB) is larger than any block: the bound keeps byte counts finite.
+_MAX_CHUNK_MIB = 2**20
+
+
 def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def _checked_resident(value: Any) -> int | tuple[int, ...] | None:
     """``resident_blocks`` as an int, a sorted tuple of distinct indices, or None."""
     where = "layer_options.<component> key 'resident_blocks'"
     if value is None or _is_index(value):
-        return value
+        return None if value is None else int(value)  # numpy's integers too, as plain ints
     if isinstance(value, (list, tuple)):
         bad = [v for v in value if not _is_index(v)]
         if bad:
@@ -378,7 +385,7 @@ def _checked_resident(value: Any) -> int | tuple[int, ...] | None:
         repeated = sorted({v for v in value if list(value).count(v) > 1})
         if repeated:
             raise OffloadConfigError(f"{where} repeats {repeated}: list each block once.")
-        return tuple(sorted(value))
+        return tuple(sorted(int(v) for v in value))
     raise OffloadConfigError(
         f"{where} must be a count (a whole number from 0) or a list of block indices, found "
         f"{value!r}: e.g. 4, or [0, 4, 8]."

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from decimal import Decimal
 from typing import Iterable, Sequence
@@ -55,10 +56,10 @@ _SIZE = re.compile(r"^\s*(-?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(value: object, key: str) -> int:
     """A byte count from an int or a string with a unit (``"24GiB"``, ``"512MiB"``, ``"40GB"``).
     Raises ``ValueError`` naming ``key`` and the value."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy's integers too
         if value < 0:
             raise ValueError(f"config key {key!r} is {value}: a byte count cannot be negative.")
-        return value
+        return int(value)
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(3).lower() in _UNITS:

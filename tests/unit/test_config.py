@@ -72,6 +72,7 @@ DIT_ONLY = {"mode": "layer", "components": ["dit"]}
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"chunk_mib": "64"}}},
      ["'chunk_mib'", "found '64'", "use e.g. 64"]),
     ('{"mode": "layer", "layer_options": {"dit": {"chunk_mib": Infinity}}}', ["'chunk_mib'", "found inf"]),
+    ({"mode": "layer", "layer_options": {"dit": {"chunk_mib": 1e303}}}, ["'chunk_mib'", "up to 1048576", "found 1e+303"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"gather": "nvlink"}}},
      ["layer_options.dit", "'gather'", "'nvlink'", "['auto', 'copy-engine', 'nccl']"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"gathr": "nccl"}}},
@@ -103,6 +104,22 @@ def test_layer_options_objects_are_checked_too():
         OffloadConfig(components=("dit",), layer_options={"dit": {"weight_transfer": "allgather"}})
     with pytest.raises(OffloadConfigError, match="'chunk_mib' must be a positive number"):
         LayerOptions(chunk_mib=float("inf"))
+
+
+def test_a_checked_config_keeps_its_own_options_and_takes_numpy_integers():
+    opts = {"dit": LayerOptions(weight_transfer="allgather")}
+    config = OffloadConfig(layer_options=opts)
+    opts["text_encoder"] = LayerOptions()  # the caller's dict, reused for another config
+    assert list(config.layer_options) == ["dit"] and OffloadConfig.parse(config.to_dict()) == config
+    np = pytest.importorskip("numpy")
+    config = OffloadConfig.parse({"mode": "layer", "device_budget": np.int64(1 << 30),
+                                  "layer_options": {"dit": {"resident_blocks": np.int64(2)}}})
+    assert config.device_budget == 1 << 30 and type(config.device_budget) is int
+    assert type(config.options_for("dit").resident_blocks) is int
+    config = OffloadConfig.parse({"mode": "layer", "layer_options": {"dit": {"resident_blocks": [np.int32(3), 1]}}})
+    assert config.options_for("dit").resident_blocks == (1, 3)
+    assert all(type(i) is int for i in config.options_for("dit").resident_blocks)
+    json.dumps(config.to_dict())
 
 
 def test_error_is_a_value_error():
