@@ -1235,12 +1235,12 @@ def test_model_limits() -> None:
         # pixels a side, (32 - 1) x 4 + 1 frames (832x480 failed inside the pipeline: 500).
         assert ModelLimits.of(wan) == ModelLimits(model="tiny-wan", kind="video", size_multiple=16,
                                                   frame_step=4, max_prompt_tokens=16,
-                                                  default_size=(32, 32), default_frames=5,
+                                                  default_size=(32, 32), default_frames=5, default_steps=2,
                                                   max_side=512, max_frames=125)
         # Flux: CLIP reads 77 tokens, T5 max_sequence_length (32 here); the longer window bounds a prompt.
         assert ModelLimits.of(flux) == ModelLimits(model="tiny-flux", kind="image", size_multiple=4,
                                                    frame_step=1, max_prompt_tokens=77,
-                                                   default_size=(16, 16))
+                                                   default_size=(16, 16), default_steps=2)
         from omni_dist_offload.app.serve.http import RequestError, VideoRequest, plan_slots
 
         limits = ModelLimits.of(wan)
@@ -1518,3 +1518,196 @@ def test_malformed_multipart_uploads_are_answered_without_a_log_line_each(flux) 
         assert status == 400, answer
     log = flux.output()
     assert not any(word in log for word in ("Expected boundary", "Did not find CR", "invalid character")), log[-3000:]
+
+
+# -- bounds on what a request costs before it queues -----------------------------------------
+def test_bytes_pipelined_behind_a_request_still_being_answered_are_bounded() -> None:
+    """Bytes sent after a request's body while it waited were read into h11's buffer at each of
+    the handler's disconnect polls, without limit (about 1 MiB/s a connection). Past --max-body
+    plus 64 KiB the connection is closed, which drops its request as a client that left; a
+    keep-alive client's next request, pipelined, is still answered in turn."""
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    generate, gate, ran = omni.generate, threading.Event(), []
+
+    def gated(prompt: str, **kwargs):
+        ran.append(prompt)
+        assert gate.wait(60)
+        return generate(prompt, **kwargs)
+
+    omni.generate = gated
+    with in_process(omni, ServeOptions(port=0, max_body_bytes=64 << 10)) as service:
+        port = service.options.port
+        polite = _leave(port, {"prompt": "first", "seed": 1})
+        flood = None
+        try:
+            polite.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # pipelined behind "first"
+            _until(lambda: ran == ["first"])
+            flood = _leave(port, {"prompt": "flood", "seed": 2})
+            _until(lambda: service.queue.depth() == 1)
+            flood.settimeout(5)
+            with contextlib.suppress(ConnectionError):
+                flood.sendall(b"x" * (1 << 20))  # taken by the kernel's buffers, read as the server polls
+                assert flood.recv(65536) == b""  # closed by the server (before: open, reading on)
+            _until(lambda: service.queue.depth() == 0, timeout=10)  # its queued slot dropped
+        finally:
+            gate.set()
+            if flood is not None:
+                flood.close()
+        polite.settimeout(30)
+        answers = b""
+        with polite:
+            while b'"queue_depth"' not in answers and (data := polite.recv(65536)):
+                answers += data
+        assert answers.startswith(b"HTTP/1.1 200") and answers.count(b"HTTP/1.1 200 OK") == 2, answers[:300]
+        assert ran == ["first"]  # "flood" never ran
+        text = call(port, "/metrics")[1]
+        assert metric(text, "omni_serve_abandoned_total", endpoint=IMAGES, stage="queued") == 1
+
+
+def test_a_prompt_far_past_the_window_is_refused_before_it_is_tokenized(flux) -> None:
+    """A ~1 MiB prompt was tokenized whole (over a second of CPU, one at a time) to learn it was
+    too long. Past 32 characters a token of the window (77 here: 2464) it is refused uncounted."""
+    for field in ("prompt", "negative_prompt"):
+        status, answer = call(flux.port, IMAGES, {"prompt": "a fox", field: "fox " * 1000})
+        error = answer["error"]
+        assert (status, error["code"], error["param"]) == (400, "prompt_too_long", field), answer
+        assert f"{field} is 4000 characters" in error["message"] and "2464 characters" in error["message"], answer
+
+
+def test_prompt_checks_wait_one_at_a_time_are_bounded_and_skip_a_client_that_left() -> None:
+    """Every request's prompt check waited on one lock, without bound, and ran for clients long
+    gone (fire-and-forget uploads queued seconds of tokenizing each). Now at most --max-queue
+    requests wait (then 429 with Retry-After), and one whose client left is not counted."""
+    omni = Omni("tiny-flux", CONFIG, progress=False)
+    with in_process(omni, ServeOptions(port=0, max_queue=2, max_n=2)) as service, ThreadPoolExecutor(1) as pool:
+        port = service.options.port
+        counted, hold, real = [], threading.Event(), service.prompts.count
+
+        def count(text: str) -> int:
+            counted.append(text)
+            assert text != "held" or hold.wait(30)
+            return real(text)
+
+        service.prompts.count = count
+        waiting = lambda: metric(call(port, "/metrics")[1], "omni_serve_prompt_checks_waiting")  # noqa: E731
+        try:
+            held = pool.submit(call, port, IMAGES, {"prompt": "held", "seed": 1})
+            _until(lambda: counted == ["held"], timeout=10)
+            gone = _leave(port, {"prompt": "gone", "seed": 2})
+            _until(lambda: waiting() == 2, timeout=10)  # "held" counting, "gone" waiting its turn
+            status, headers, answer = _request(port, IMAGES, {"prompt": "one too many"})
+            assert (status, answer["error"]["code"], headers.get("retry-after")) == (429, "queue_full", "1"), answer
+            assert "waiting for their prompts to be checked" in answer["error"]["message"]
+            gone.close()
+            time.sleep(0.3)  # the idle server sees it leave before "held" gives up its turn
+        finally:
+            hold.set()
+        assert held.result()[0] == 200
+        _until(lambda: waiting() == 0, timeout=10)
+        assert counted == ["held"]  # "gone" was not counted
+        text = call(port, "/metrics")[1]
+        assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="200") == 1
+        assert metric(text, "omni_serve_requests_total", endpoint=IMAGES, code="429") == 1
+
+
+def test_a_video_job_field_sent_as_a_file_or_json_sent_as_text_gets_400_naming_it(flux) -> None:
+    """curl -F prompt=@p.txt sent the prompt as a file part, and the job ran on the prompt
+    "<file>"; a JSON body sent as text/plain was read as JSON, unlike the other endpoints'."""
+    boundary = "omni-test-boundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"; filename=\"p.txt\"\r\n"
+            f"Content-Type: text/plain\r\n\r\na red fox\r\n--{boundary}\r\nContent-Disposition: form-data; "
+            f"name=\"seed\"\r\n\r\n3\r\n--{boundary}--\r\n").encode()
+    status, answer = call(flux.port, "/v1/videos", body, content_type=f"multipart/form-data; boundary={boundary}")
+    error = answer["error"]
+    assert (status, error["param"], error["code"]) == (400, "prompt", "invalid_value"), answer
+    assert "send it as a form field, not a file" in error["message"]
+    for content_type in ("text/plain", "application/x-www-form-json"):
+        status, answer = call(flux.port, "/v1/videos", {"prompt": "a red fox"}, content_type=content_type)
+        assert (status, answer["error"]["code"]) == (400, "invalid_body"), (content_type, answer)
+        assert "Content-Type: application/json" in answer["error"]["message"]
+    # As the synchronous endpoints read it.
+    status, answer = call(flux.port, IMAGES, {"prompt": "a red fox"}, content_type="text/plain")
+    assert (status, answer["error"]["code"]) == (400, "invalid_body"), answer
+
+
+def test_a_field_left_out_runs_the_models_default_which_the_limits_bound_too(caplog) -> None:
+    """--max-steps, --max-frames and --max-size bounded only values a client sent: a request
+    that left them out ran the model's defaults, whatever the limits. It is refused, naming the
+    field and the default, and the server warns at start."""
+    from omni_dist_offload.app.serve.http import HttpServer, RequestError, VideoRequest, plan_slots
+
+    with Omni("tiny-wan", None, progress=False) as wan:
+        limits = ModelLimits.of(wan)  # 2 steps, 5 frames, 32x32
+        assert (limits.default_steps, limits.default_frames, limits.default_size) == (2, 5, (32, 32))
+        options = ServeOptions(max_steps=1, max_frames=1, max_size=16)
+        given = {"num_inference_steps": 1, "num_frames": 1, "size": "16x16"}
+        for left_out, default in (("num_inference_steps", "default of 2 steps"), ("num_frames", "default of 5 frames"),
+                                  ("size", "default size of 32x32")):
+            body = VideoRequest(prompt="x", **{k: v for k, v in given.items() if k != left_out})
+            with pytest.raises(RequestError, match=rf"^{left_out} left out: tiny-wan's {default} is more than") as err:
+                plan_slots(body, "video", limits, options, "r")
+            assert err.value.param == left_out and f"give {left_out}, at most" in str(err.value)
+        assert len(plan_slots(VideoRequest(prompt="x", **given), "video", limits, options, "r")) == 1
+        assert len(plan_slots(VideoRequest(prompt="x"), "video", limits, ServeOptions(), "r")) == 1
+        caplog.clear()
+        server = HttpServer(Service(wan, DistContext(), options, None))
+        server.store.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "are refused (400)" in r.getMessage()]
+    assert "--max-steps 1" in warning and "--max-frames 1" in warning and "--max-size 16" in warning, warning
+
+
+def test_front_answers_a_request_a_stop_cancels_503_and_logs_no_error(caplog) -> None:
+    """uvicorn cancels the requests still running once a stop's graceful wait is over (a prompt
+    check, say): the CancelledError went through Front, and uvicorn answered a plain-text 500
+    and logged a traceback per request, where the docs promise 503 shutting_down."""
+    import asyncio
+
+    from omni_dist_offload.app.serve.guards import Front
+
+    answers, sent, started = [], [], asyncio.Event()
+
+    class Counted:
+        def answered(self, endpoint: str, code: int, seconds: float) -> None:
+            answers.append(code)
+
+    async def app(scope, receive, send) -> None:
+        started.set()
+        await asyncio.Event().wait()  # a check that never ends
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def stop() -> None:
+        scope = {"type": "http", "method": "POST", "path": IMAGES, "headers": []}
+        task = asyncio.ensure_future(Front(app, Counted(), None, {IMAGES})(scope, receive, send))
+        await started.wait()
+        task.cancel()  # as uvicorn's graceful shutdown does once its wait is over
+        await task  # raised CancelledError, on to uvicorn
+
+    asyncio.run(stop())
+    (start,) = [m for m in sent if m["type"] == "http.response.start"]
+    assert start["status"] == 503 and (b"connection", b"close") in start["headers"]
+    assert json.loads(b"".join(m.get("body", b"") for m in sent))["error"]["code"] == "shutting_down"
+    assert answers == [503] and not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_max_queue_below_max_n_is_refused(tmp_path) -> None:
+    """A request of n > --max-queue could never be queued, yet got 429 "retry later" for ever."""
+    import argparse
+
+    from omni_dist_offload.app.serve.http import ImageRequest, RequestError, plan_slots
+    from omni_dist_offload.app.serve.service import add_serve_flags, serve_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    with pytest.raises(ValueError, match=r"--max-queue 2 is below --max-n 4: .* give --max-queue 4 or more"):
+        serve_options(parser.parse_args(["--max-queue", "2", "--output-dir", str(tmp_path)]))
+    assert serve_options(parser.parse_args(["--max-queue", "4", "--output-dir", str(tmp_path)])).max_queue == 4
+    # ServeOptions made in code is not checked so: such a request gets 400, not 429.
+    limits = ModelLimits(model="m", kind="image", size_multiple=16, frame_step=1)
+    with pytest.raises(RequestError, match=r"n=3 is more than this service ever queues \(--max-queue 2\)") as err:
+        plan_slots(ImageRequest(prompt="x", n=3), "image", limits, ServeOptions(max_queue=2), "r")
+    assert err.value.param == "n" and err.value.status == 400

@@ -162,7 +162,11 @@ class Front:
     and answered 500 ``internal_error`` if no answer had started (the app's own handler answers
     those raised inside the framework, see ``http.build_app``), so it is counted like any other
     error. An answer already started is left as it is (uvicorn closes a connection whose answer
-    was cut short)."""
+    was cut short).
+
+    A request a stop cancels (uvicorn's ``timeout_graceful_shutdown`` over) before its answer
+    started is answered 503 ``shutting_down`` and its connection closed, quietly, as
+    :class:`Buffered` answers an upload still arriving then."""
 
     def __init__(self, app: Any, metrics: ServeMetrics, key: str | None, endpoints: set[str]) -> None:
         self.app, self.metrics, self.key, self.endpoints = app, metrics, key, endpoints
@@ -185,6 +189,17 @@ class Front:
 
             try:
                 await self.app(scope, receive, sent)
+            except asyncio.CancelledError:
+                if status:  # cut short: uvicorn closes the connection (see above)
+                    raise
+                # uvicorn cancels the requests still running once a stop's graceful wait is over
+                # (a prompt check, a generation waiting its turn): answered as Buffered answers
+                # an upload then, and ended as a normal end of the request rather than raised on
+                # to uvicorn, which would answer a plain-text 500 and log a traceback.
+                response = error_response(503, "the service stopped before this request was answered: retry on "
+                                          "a running service.", code="shutting_down",
+                                          headers={"Connection": "close"})
+                await response(scope, receive, sent)
             except Exception:
                 logger.exception("unexpected error answering %s %r (%s)", scope["method"], path,
                                  f"status {status[0]} sent" if status else "answered 500 internal_error")
@@ -231,12 +246,21 @@ def connection_cap(requested: int | None) -> int:
     return requested
 
 
-def http_protocol(cap: int, header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with two guards its settings lack: a connection past ``cap`` is
+def http_protocol(cap: int, header_timeout_s: float, max_pipelined: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with three guards its settings lack: a connection past ``cap`` is
     answered 503 and closed as it opens (so a flood of idle connections cannot take every
-    descriptor), and a request's headers must arrive within ``header_timeout_s`` of the
-    connection opening or of the previous answer (a slow trickle of header bytes holds nothing).
-    The body has its own deadline (:class:`Buffered`); idle keep-alive has uvicorn's."""
+    descriptor); a request's headers must arrive within ``header_timeout_s`` of the
+    connection opening or of the previous answer (a slow trickle of header bytes holds nothing);
+    and a connection whose client sends more than ``max_pipelined`` bytes after the body of a
+    request still being answered is closed, which the request sees as its client leaving.
+    The body has its own deadline (:class:`Buffered`); idle keep-alive has uvicorn's.
+
+    The last bounds pipelining. h11 keeps what arrives after a request's body (the next
+    request, pipelined) until the answer is sent, and uvicorn reads on whenever the app waits
+    for a message, which the handlers do every 0.25 s to learn whether their client left: a
+    client could so push a megabyte a second, for as long as its request waited, into memory
+    that nothing bounded. ``max_pipelined`` leaves room for one whole request of the largest
+    body behind the one waiting; the count starts again with each answer."""
     refusal = json.dumps({"error": {"message": f"this service has {cap} connections open (--max-connections): "
                                     "retry later.", "type": "service_unavailable_error", "param": None,
                                     "code": "too_many_connections"}}).encode()
@@ -248,6 +272,8 @@ def http_protocol(cap: int, header_timeout_s: float) -> type[H11Protocol]:
 
     class Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _pipelined = 0
+        """Bytes that came after the body of the request being answered."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -259,10 +285,21 @@ def http_protocol(cap: int, header_timeout_s: float) -> type[H11Protocol]:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+                self._pipelined += len(data)
+                if self._pipelined > max_pipelined:
+                    # Closed as a client that left: its request is dropped (connection_lost tells
+                    # it), and what h11 had kept goes with the connection.
+                    self.logger.warning("a client sent more than %d bytes after a request still being answered "
+                                        "(pipelined requests); its connection was closed", max_pipelined)
+                    self.transport.close()
+                    return
             super().data_received(data)
             self._disarm_once_headers_came()
 
         def on_response_complete(self) -> None:
+            self._pipelined = 0  # before the pipelined requests kept so far are taken up
             super().on_response_complete()
             self._arm()  # the next request's headers (uvicorn's keep-alive covers idle time)
             self._disarm_once_headers_came()

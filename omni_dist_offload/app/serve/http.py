@@ -10,9 +10,10 @@ Errors are JSON, in the OpenAI shape: ``{"error": {"message", "type", "param", "
 JSON, a field is unknown, of the wrong type or out of range, or the model makes the other kind
 of output; 401: a missing or wrong API key; 404: no such route or model; 405 (with ``Allow``):
 a method the route does not take; 413: the body is larger than ``--max-body``; 429 (with
-``Retry-After``): the queue is full; 503: shutting down; 500: the pipeline raised while
-generating (the body names the request), or a handler raised unexpectedly (``internal_error``);
-either way the reason is in the log only. Every GET route answers HEAD too.
+``Retry-After``): the queue is full, or as many requests wait for their prompt check; 503:
+shutting down; 500: the pipeline raised while generating (the body names the request), or a
+handler raised unexpectedly (``internal_error``); either way the reason is in the log only.
+Every GET route answers HEAD too.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ _KEEP_ALIVE_S = 5
 _RETRY_AFTER_S = 1
 # How often a waiting request checks whether its client is still there, in seconds.
 _DISCONNECT_POLL_S = 0.25
+#: Bytes a client may send past ``--max-body`` after the body of a request still being answered
+#: (its next requests, pipelined) before its connection is closed: room for the headers of one.
+PIPELINED_HEADROOM = 64 << 10
+#: Characters a prompt may hold for each token of the text encoders' window: a longer one is
+#: refused without being tokenized (tokenizing a megabyte took over a second of CPU). English runs
+#: at some 4 characters a token; only text of long runs of spaces or of one character, which
+#: tokenizers fold, could fit the window past it.
+PROMPT_CHARS_PER_TOKEN = 32
 #: Largest seed: output i of a request uses seed + i, which must stay below 2**63.
 SEED_LIMIT = 2**63
 #: Formats a response may take; OpenAI's "url" is not served.
@@ -237,11 +246,21 @@ def plan_slots(body: _GenerationRequest, kind: str, limits: ModelLimits, options
     if body.n > options.max_n:
         raise RequestError(f"n={body.n} is more than this service allows (--max-n "
                            f"{options.max_n}): send several requests.", "n")
+    if body.n > options.max_queue:  # the CLI refuses --max-queue below --max-n; ServeOptions may not
+        raise RequestError(f"n={body.n} is more than this service ever queues (--max-queue "
+                           f"{options.max_queue}): send several requests.", "n")
     if body.num_inference_steps is not None and body.num_inference_steps > options.max_steps:
         raise RequestError(f"num_inference_steps={body.num_inference_steps} is more than this "
                            f"service allows (--max-steps {options.max_steps}).", "num_inference_steps")
-    width, height = _parse_size(body.size, limits, options)
     num_frames = getattr(body, "num_frames", None)
+    # A field left out runs the model's default, which the server's limits bound as well.
+    over = defaults_over_limits(limits, options)
+    for name, given in (("num_inference_steps", body.num_inference_steps), ("size", body.size),
+                        ("num_frames", num_frames)):
+        if given is None and name in over:
+            why, hint = over[name]
+            raise RequestError(f"{name} left out: {why}; give {name}, {hint}.", name)
+    width, height = _parse_size(body.size, limits, options)
     if num_frames is not None:
         _check_frames(num_frames, limits, options)
     _check_cost(body.n, width, height, num_frames, limits, options)
@@ -250,6 +269,30 @@ def plan_slots(body: _GenerationRequest, kind: str, limits: ModelLimits, options
                  num_inference_steps=body.num_inference_steps, height=height, width=width,
                  num_frames=num_frames, negative_prompt=body.negative_prompt,
                  fps=getattr(body, "fps", None)) for i in range(body.n)]
+
+
+def defaults_over_limits(limits: ModelLimits, options: ServeOptions) -> dict[str, tuple[str, str]]:
+    """The fields whose model default (what a request that leaves them out runs with) is over the
+    server's limit: field -> (why, what to give). Such requests are refused rather than run past
+    the limit, or cut to it (another output than the model's default, without saying so). A
+    default the pipeline works out only when called (FLUX.1's size, from its transformer) is not
+    known here, and not checked."""
+    over = {}
+    steps, frames = limits.default_steps, limits.default_frames
+    if steps is not None and steps > options.max_steps:
+        over["num_inference_steps"] = (f"{limits.model}'s default of {steps} steps is more than this service allows "
+                                       f"(--max-steps {options.max_steps})", f"at most {options.max_steps}")
+    if limits.default_size is not None and max(limits.default_size) > options.max_size:
+        width, height = limits.default_size
+        over["size"] = (f"{limits.model}'s default size of {width}x{height} is more than this service allows "
+                        f"(--max-size {options.max_size} pixels a side)",
+                        f"at most {options.max_size} pixels a side")
+    if limits.kind == "video" and frames is not None and frames > options.max_frames:
+        step = max(limits.frame_step, 1)
+        over["num_frames"] = (f"{limits.model}'s default of {frames} frames is more than this service allows "
+                              f"(--max-frames {options.max_frames})",
+                              f"at most {options.max_frames - (options.max_frames - 1) % step}")
+    return over
 
 
 def _parse_size(size: str | None, limits: ModelLimits,
@@ -448,6 +491,9 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
     app = FastAPI(title="omni_dist_offload", docs_url=None, redoc_url=None, openapi_url=None)
     metrics: ServeMetrics = service.metrics  # type: ignore[assignment]
     endpoints = {*_PATHS.values(), _JOBS}
+    prompts = PromptChecks(service)
+    if metrics is not None:
+        metrics.prompt_checks = prompts.waiting
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -474,14 +520,14 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
 
     @app.post(_PATHS["image"])
     async def images(body: ImageRequest, request: Request) -> Response:
-        return await _generate(service, "image", body, request)
+        return await _generate(service, prompts, "image", body, request)
 
     @app.post(_PATHS["video"])
     async def videos(body: VideoRequest, request: Request) -> Response:
-        return await _generate(service, "video", body, request)
+        return await _generate(service, prompts, "video", body, request)
 
     if store is not None:
-        _video_job_routes(app, service, store)
+        _video_job_routes(app, service, store, prompts)
 
     @app.api_route("/health", methods=_READ)
     async def health() -> JSONResponse:
@@ -542,19 +588,62 @@ def _http_error_response(request: Request, exc: StarletteHTTPException) -> JSONR
     return error_response(exc.status_code, str(exc.detail), headers=headers)
 
 
-def _check_prompts(service: Service, body: _GenerationRequest) -> None:
+class PromptChecks:
     """A prompt longer than the text encoders read is refused rather than cut: the cut part would
-    be lost, and diffusers would log it."""
-    limit = service.limits.max_prompt_tokens
-    if limit is None:
-        return
-    for field in ("prompt", "negative_prompt"):
-        text = getattr(body, field)
-        if text:
-            count = service.prompts.count(text)
+    be lost, and diffusers would log it. Counting its tokens costs CPU time that grows with its
+    length, on one tokenizer copy (``Service.prompts``), so the checks are bounded:
+
+    * a prompt of more than :data:`PROMPT_CHARS_PER_TOKEN` characters for each token of the
+      window is refused without being tokenized;
+    * the counts run one at a time, off the event loop; a request whose client has left by its
+      turn is not counted (``check`` returns False);
+    * at most ``max_waiting`` requests (``--max-queue``) wait for a count, or run one: past that,
+      :class:`QueueFull` (429 with ``Retry-After``), before the request holds anything more."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.max_waiting = service.options.max_queue
+        self._waiting = 0
+        self._turn: asyncio.Lock | None = None  # made on the server's event loop, at the first check
+
+    def waiting(self) -> int:
+        """Requests waiting for their check, or running it."""
+        return self._waiting
+
+    async def check(self, body: _GenerationRequest, request: Request) -> bool:
+        """Raises :class:`RequestError` for a prompt too long, :class:`QueueFull` when too many
+        checks wait; False if the client left before its turn."""
+        limits = self.service.limits
+        limit = limits.max_prompt_tokens
+        if limit is None:
+            return True
+        texts = [(field, text) for field in ("prompt", "negative_prompt") if (text := getattr(body, field))]
+        for field, text in texts:
+            if len(text) > limit * PROMPT_CHARS_PER_TOKEN:
+                raise RequestError(f"{field} is {len(text)} characters; {limits.model} reads at most {limit} tokens, "
+                                   f"and a prompt of more than {limit * PROMPT_CHARS_PER_TOKEN} characters "
+                                   f"({PROMPT_CHARS_PER_TOKEN} a token) is refused uncounted: shorten it.",
+                                   field, code="prompt_too_long")
+        if not texts:
+            return True
+        if self._waiting >= self.max_waiting:
+            raise QueueFull(f"{self._waiting} requests are waiting for their prompts to be checked (as many as "
+                            f"--max-queue {self.max_waiting}): retry later.")
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        self._waiting += 1
+        try:
+            async with self._turn:
+                if await request.is_disconnected():
+                    return False
+                counts = await asyncio.to_thread(lambda: [(f, self.service.prompts.count(t)) for f, t in texts])
+        finally:
+            self._waiting -= 1
+        for field, count in counts:
             if count > limit:
-                raise RequestError(f"{field} is {count} tokens; {service.limits.model} reads at most {limit}: "
-                                   "shorten it.", field, code="prompt_too_long")
+                raise RequestError(f"{field} is {count} tokens; {limits.model} reads at most {limit}: shorten it.",
+                                   field, code="prompt_too_long")
+        return True
 
 
 async def _client_gone(request: Request) -> None:
@@ -563,12 +652,13 @@ async def _client_gone(request: Request) -> None:
         await asyncio.sleep(_DISCONNECT_POLL_S)
 
 
-async def _generate(service: Service, kind: str, body: _GenerationRequest, request: Request) -> Response:
+async def _generate(service: Service, prompts: PromptChecks, kind: str, body: _GenerationRequest,
+                    request: Request) -> Response:
     request_id = f"req-{uuid.uuid4().hex[:12]}"
     try:
         slots = plan_slots(body, kind, service.limits, service.options, request_id)
-        # Tokenising a long prompt takes a while: off the event loop.
-        await asyncio.to_thread(_check_prompts, service, body)
+        if not await prompts.check(body, request):
+            return Response(status_code=ABANDONED)  # the client left while its check waited
         futures = [job.future for job in service.submit(slots)]
     except RequestError as exc:
         return error_response(exc.status, str(exc), exc.param, code=exc.code)
@@ -633,7 +723,8 @@ _MAX_PAGE = 100
 
 
 async def _job_fields(request: Request) -> dict[str, Any]:
-    """A job request's fields, from a multipart or URL-encoded form (OpenAI's client) or JSON."""
+    """A job request's fields, from a multipart or URL-encoded form (OpenAI's client) or JSON
+    (``application/json`` or ``application/*+json``, as the other endpoints read it)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
         async with request.form(max_files=1, max_fields=64) as form:
@@ -641,9 +732,19 @@ async def _job_fields(request: Request) -> dict[str, Any]:
             for key, value in form.multi_items():
                 if key in fields:
                     raise RequestError(f"{key} is given twice.", key)
-                # A file (input_reference) is refused by plan_job; its bytes are not kept.
+                if not isinstance(value, str) and key != "input_reference" and key in VideoJobRequest.model_fields:
+                    # Taken as some placeholder, the job would run on it (curl -F prompt=@p.txt
+                    # generated from the prompt "<file>"). An unknown field is refused as unknown.
+                    raise RequestError(f"{key} was sent as a file: send it as a form field, not a file (curl: "
+                                       f"-F '{key}=<file.txt' reads a file into a field, -F {key}=@file.txt "
+                                       "uploads it as a file).", key)
+                # A file as input_reference is refused by plan_job; its bytes are not kept.
                 fields[key] = value if isinstance(value, str) else "<file>"
             return fields
+    if not (kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))):
+        raise RequestError("the body must be a JSON object with at least 'prompt', sent with Content-Type: "
+                           "application/json, or a form (multipart/form-data, as OpenAI's client sends it, or "
+                           "application/x-www-form-urlencoded).", None, code="invalid_body")
     try:
         fields = _load_json(await request.body())
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
@@ -653,7 +754,7 @@ async def _job_fields(request: Request) -> dict[str, Any]:
     return fields
 
 
-def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None:
+def _video_job_routes(app: FastAPI, service: Service, store: VideoStore, prompts: PromptChecks) -> None:
     """``/v1/videos``: create, poll, list, download and delete video jobs (see ``jobs.py``)."""
     metrics: ServeMetrics | None = service.metrics  # type: ignore[assignment]
 
@@ -680,7 +781,8 @@ def _video_job_routes(app: FastAPI, service: Service, store: VideoStore) -> None
                     raise
                 raise RequestError(f"seconds={body.seconds:g} is {plain.num_frames} frames at "
                                    f"{plain.fps or DEFAULT_FPS} fps: {exc}", "seconds") from None
-            await asyncio.to_thread(_check_prompts, service, plain)
+            if not await prompts.check(plain, request):
+                return Response(status_code=ABANDONED)  # the client left while its check waited
             if not store.has_room():
                 raise StoreFull(f"{len(store)} video jobs are waiting or running (--max-video-jobs "
                                 f"{store.max_jobs}): retry later.")
@@ -777,11 +879,16 @@ class HttpServer:
         # uvicorn's own cap stays one above ours, so it only bounds tasks: ours closes a
         # connection past the cap as it opens, before it can hold a descriptor.
         config = uvicorn.Config(build_app(service, self.store), host=opts.host, port=opts.port, lifespan="off",
-                                log_level="warning", access_log=False, http=http_protocol(cap, opts.read_timeout_s),
+                                log_level="warning", access_log=False,
+                                http=http_protocol(cap, opts.read_timeout_s, opts.max_body_bytes + PIPELINED_HEADROOM),
                                 timeout_graceful_shutdown=_GRACEFUL_S, timeout_keep_alive=_KEEP_ALIVE_S,
                                 limit_concurrency=cap + 1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="omni-serve-http", daemon=True)
+        over = defaults_over_limits(service.limits, opts)
+        if over:
+            logger.warning("%s: requests that leave %s out are refused (400); raise the limit, or have "
+                           "clients send the field.", "; ".join(why for why, _ in over.values()), " or ".join(over))
         if opts.api_key is None and not is_loopback(opts.host):
             logger.warning("listening on %s, which is not a loopback address, without an API key: anyone "
                            "who can reach it can generate. Set --api-key (or OMNI_OFFLOAD_API_KEY).", opts.host)

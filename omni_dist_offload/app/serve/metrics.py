@@ -9,6 +9,8 @@ work (fewer than ``omni_serve_world_size`` once a free rank has failed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -51,6 +53,10 @@ class ServeMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         Gauge("omni_serve_queue_depth", "Images or videos queued, not yet in a wave.",
               registry=r).set_function(service.queue.depth)
+        self.prompt_checks: Callable[[], int] = lambda: 0
+        """How many requests wait for their prompt check or run one (the HTTP app sets it)."""
+        Gauge("omni_serve_prompt_checks_waiting", "Requests waiting for their prompt's tokens to be "
+              "counted, or being counted.", registry=r).set_function(lambda: self.prompt_checks())
         Gauge("omni_serve_world_size", "Ranks that generate.", registry=r).set(service.ctx.world_size)
         Gauge("omni_serve_lockstep", "1: the ranks run in padded waves (a ring gathers its "
               "weights); 0: each rank takes the next slot when free.", registry=r).set(int(service.lockstep))

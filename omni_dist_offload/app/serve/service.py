@@ -138,7 +138,9 @@ class ServeOptions:
     so how long the generation thread is held. None: 2048x2048 for an image model, 1280x720 x
     121 frames for a video model."""
     max_queue: int = 256
-    """Slots waiting at most; beyond it requests get 503."""
+    """Slots waiting at most; beyond it requests get 429 (``queue_full``, with ``Retry-After``).
+    Also how many requests may wait for their prompt check at once. At least ``max_n`` (the CLI
+    refuses less): a request of more outputs than it could never be queued."""
     wave_wait_s: float = 0.1
     """How long a wave that is not full waits for more slots of its shape (several ranks in
     lockstep only: free ranks take slots as they come)."""
@@ -230,6 +232,12 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError(f"--read-timeout {ns.read_timeout}: give a positive number of seconds.")
     if not ns.video_ttl > 0:
         raise ValueError(f"--video-ttl {ns.video_ttl}: give a positive number of seconds.")
+    if ns.max_queue < ns.max_n:
+        # A request of n outputs queues all n or none: past --max-queue it would get 429 "retry
+        # later" for ever, even on an idle server.
+        raise ValueError(f"--max-queue {ns.max_queue} is below --max-n {ns.max_n}: a request of more outputs "
+                         f"than --max-queue could never be queued; give --max-queue {ns.max_n} or more, or a "
+                         "lower --max-n.")
     # response_format=path writes there: found now, not at the first such request. Only a
     # folder asked for stops the start: the default is not needed by b64_json clients.
     output_dir = ns.output_dir if ns.output_dir is not None else ServeOptions().output_dir
@@ -283,6 +291,8 @@ class ModelLimits:
     """``(width, height)`` of a request that names no size, where the pipeline fixes it."""
     default_frames: int | None = None
     """Frames of a video request that names none, where the pipeline fixes it."""
+    default_steps: int | None = None
+    """``num_inference_steps`` of a request that names none, where the pipeline fixes it."""
     max_side: int | None = None
     """The largest width or height the DiT's positions cover (Wan's precomputed rotary table:
     ``rope_max_seq_len`` patches a side); None: no such bound."""
@@ -304,6 +314,7 @@ class ModelLimits:
                    max_prompt_tokens=found[1] if found is not None else None,
                    default_size=(width, height) if isinstance(width, int) and isinstance(height, int) else None,
                    default_frames=defaults.get("num_frames") if isinstance(defaults.get("num_frames"), int) else None,
+                   default_steps=steps if isinstance(steps := defaults.get("num_inference_steps"), int) else None,
                    max_side=max_side, max_frames=max_frames)
 
 
