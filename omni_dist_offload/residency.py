@@ -65,6 +65,9 @@ def parse_bytes(value: object, key: str) -> int:
         if match and match.group(3).lower() in _UNITS:
             if match.group(1):
                 raise ValueError(f"config key {key!r} is {value.strip()!r}: a byte count cannot be negative.")
+            if _UNITS[match.group(3).lower()] == 1 and "." in match.group(2):
+                raise ValueError(f"config key {key!r} is {value.strip()!r}: a byte count is a whole number "
+                                 "(a fraction goes with a larger unit, such as \"1.5GiB\").")
             # Exact decimal arithmetic ("0.3GB" is 300000000 bytes, not one less through a
             # float); a fraction of a byte left over is dropped.
             return int(Decimal(match.group(2)) * _UNITS[match.group(3).lower()])

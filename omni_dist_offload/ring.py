@@ -13,6 +13,7 @@ residency plan ([Note: residency planner]), which can change once, between two f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -862,6 +863,16 @@ class BlockRing:
         """Block ``i`` was not prefetched: the first block ever, the first after a forward that
         was cut short, or blocks ran out of order (warned once). The prefetched blocks are
         dropped (their slots are refilled in order from here)."""
+        if not self.slots and self.transfer.gather is None:
+            # A plan change could not allocate them (see _configure_new_slots): once more. Not
+            # under a gather, whose slots may be mapped into every rank of its group at once.
+            with contextlib.suppress(Exception), torch.inference_mode(self._inference), torch.no_grad():
+                self._configure(NUM_SLOTS)
+        if not self.slots:
+            raise RuntimeError(
+                f"{self.component.name}: block {self.layouts[i].name} cannot run: the ring has no device slots to "
+                "stream it through (allocating them failed when its plan changed, see the error raised then). "
+                "Free device memory and call remove(), or apply the offload again with a smaller device_budget.")
         if self._warm and not self._disrupted and not self._warned_miss:
             self._warned_miss = True
             warnings.warn(
@@ -1220,9 +1231,18 @@ class BlockRing:
         Runs in the post-hook of a forward, often under ``torch.inference_mode()``: the buffers
         it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
         outside it, so ``remove()`` can write them later). A failure part way leaves a ring
-        that is consistent for the blocks it had moved by then."""
+        that is consistent for the blocks it had moved by then, streaming through the slots it
+        was given, or two where those could not be had (see :meth:`_configure_new_slots`)."""
+        resident = frozenset(resident)
+        bad = [i for i in resident if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.layouts)]
+        if bad:  # bad input changes nothing
+            raise ValueError(f"{self.component.name}: no block {bad[0]!r} to keep on the device (its blocks "
+                             f"are 0 to {len(self.layouts) - 1})")
         if self._images:
-            return self._apply_held_plan(frozenset(resident), num_slots, settle, kept)
+            return self._apply_held_plan(resident, num_slots, settle, kept)
+        if len(resident) < len(self.layouts) and num_slots < NUM_SLOTS:
+            raise ValueError(f"{self.component.name}: a ring that streams needs at least {NUM_SLOTS} slots, "
+                             f"found {num_slots}")
         kept = dict(kept or {})
         gather = self.transfer.gather is not None
         if self._kept_off_host:  # bad input changes nothing
@@ -1249,10 +1269,10 @@ class BlockRing:
                         torch.cuda.synchronize(self.device)
                     self.slots, self._slot_views, self._fill_views = [], [], []
                     self.transfer.allocate_slots(0, 0)
-                self._apply_plan(frozenset(resident), kept, settle)
+                self._apply_plan(resident, kept, settle)
             finally:
                 self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
-                self._configure(num_slots)
+                self._configure_new_slots(num_slots)
                 if self.tracer is not None:  # parts now kept move no more
                     self.tracer.nbytes = self._fill_bytes()
         if settle:
@@ -1272,22 +1292,38 @@ class BlockRing:
         if kept:
             raise ValueError(f"{self.component.name}: a ring of 8-bit images moves whole blocks; no block "
                              "can keep a part on the device")
-        bad = sorted(i for i in resident if not 0 <= i < len(self.layouts))
-        if bad:
-            raise ValueError(f"{self.component.name}: no block {bad[0]} to keep on the device")
         with torch.inference_mode(self._inference), torch.no_grad():
             if self._cuda:
                 torch.cuda.synchronize(self.device)
             self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
             self.transfer.drop_slots()
-            # Held first: the staging buffers are then sized to the images that still stream.
-            self.transfer.hold(resident)
-            self._configure(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
+            try:
+                # Held first: the staging buffers are then sized to the images that still stream.
+                self.transfer.hold(resident)
+            except BaseException:
+                self._configure_new_slots(NUM_SLOTS)  # the blocks held by then run from the device
+                raise
+            self._configure_new_slots(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
         if settle:
             for i in resident:
                 if self.transfer.has_host_copy(i):
                     self.transfer.drop(i)
         self._warm = False
+
+    def _configure_new_slots(self, num_slots: int) -> None:
+        """:meth:`_configure` after a plan change, whose old slots went first. Where the new ones
+        cannot be had (the device out of memory), the fewest that stream are tried, so that the
+        ring runs on; the error still goes to the caller. Where not even those can be had, the
+        ring has no slots: a streamed block's forward then raises saying so (``_fetch_missing``),
+        and ``remove()`` tries once more (``restored_streamed``)."""
+        self._warm = False  # the slots are new and empty: the first block is fetched, not missed
+        try:
+            self._configure(num_slots)
+        except BaseException:
+            if num_slots > NUM_SLOTS:
+                with contextlib.suppress(Exception):
+                    self._configure(NUM_SLOTS)
+            raise
 
     def _apply_plan(self, new: frozenset[int], kept: dict[int, int], settle: bool) -> None:
         if self._cuda:
@@ -1409,6 +1445,8 @@ class BlockRing:
         (collective under allgather), bound to nothing yet, so that a failure (a peer gone) leaves
         the ring as it was, streaming."""
         slot, out = 0, {}
+        if self.streamed and not self.slots:  # a plan change could not allocate them: once more
+            self._configure(NUM_SLOTS)
         for i in self.streamed:
             layout = self.layouts[i]
             given = self._given_storage(i)

@@ -73,6 +73,7 @@ DIT_ONLY = {"mode": "layer", "components": ["dit"]}
      ["'chunk_mib'", "found '64'", "use e.g. 64"]),
     ('{"mode": "layer", "layer_options": {"dit": {"chunk_mib": Infinity}}}', ["'chunk_mib'", "found inf"]),
     ({"mode": "layer", "layer_options": {"dit": {"chunk_mib": 1e303}}}, ["'chunk_mib'", "up to 1048576", "found 1e+303"]),
+    ({"mode": "layer", "device_budget": "1.5"}, ["'device_budget'", "'1.5'", "a byte count is a whole number"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"gather": "nvlink"}}},
      ["layer_options.dit", "'gather'", "'nvlink'", "['auto', 'copy-engine', 'nccl']"]),
     ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"gathr": "nccl"}}},

@@ -564,3 +564,63 @@ def test_a_forward_in_which_a_cache_skips_a_resident_block_is_not_measured():
         model(**inputs)
     assert not ring.plan.measured and ring.costs is None  # waits for a forward that runs every block
     handle.remove()
+
+
+@torch.no_grad()
+def test_a_plan_change_that_cannot_allocate_its_slots_leaves_a_ring_that_recovers():
+    """The re-plan's new slots cannot be had (the device out of memory): the error reaches the
+    forward that planned; a ring left with no slots says so at its next block, and streams again
+    once they can be had; remove() gives the weights back. Bad plans change nothing."""
+    model = ToyDiT(8, dim=32)
+    x = torch.randn(4, 32)
+    ref = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    block = layout_block(0, "b", model.blocks[0]).nbytes
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": 5 * block})
+    ring = handle.rings[0]
+    before = sorted(ring.resident)
+    for resident, slots, message in (([1.5], 2, "no block 1.5"), ([-1], 2, "no block -1"), ([9], 2, "no block 9"),
+                                     ([0], 1, "needs at least 2 slots, found 1")):
+        with pytest.raises(ValueError, match=message):
+            ring.apply_plan(resident, slots, settle=False)
+        assert sorted(ring.resident) == before and len(ring.slots) == 2
+    assert torch.equal(model(x), ref)  # the first forward: not measured
+    real = ring.transfer.allocate_slots
+
+    def no_memory(nbytes, count):
+        if nbytes:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(nbytes, count)
+
+    ring.transfer.allocate_slots = no_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x)  # measured: the re-plan cannot have its slots
+    with pytest.raises(RuntimeError, match=r"has no device slots to stream it through .* call remove\(\)"):
+        model(x)
+    ring.transfer.allocate_slots = real
+    assert torch.equal(model(x), ref) and torch.equal(model(x), ref)
+    handle.remove()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@torch.no_grad()
+def test_an_8_bit_ring_whose_images_cannot_be_held_streams_on():
+    model = tiny.tiny_wan_transformer(num_layers=6)
+    inputs = tiny.wan_transformer_inputs(model)
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+    probe = apply_offload(model, config, device="cpu")
+    ring = probe.rings[0]
+    whole = sum(ring.transfer.inner.device_nbytes(i) for i in range(6)) + 2 * max(l.nbytes for l in ring.layouts)
+    ref = model(**inputs)[0]
+    probe.remove()
+    handle = apply_offload(model, dict(config, device_budget=int(0.7 * whole)), device="cpu")
+    ring = handle.rings[0]
+    assert torch.equal(model(**inputs)[0], ref)
+    real = ring.transfer.hold
+    ring.transfer.hold = lambda blocks: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory (test)"))
+    with pytest.raises(torch.OutOfMemoryError):
+        model(**inputs)  # measured: the re-plan cannot hold its images
+    assert len(ring.slots) == 2  # streaming on through the fewest slots
+    ring.transfer.hold = real
+    assert torch.equal(model(**inputs)[0], ref) and torch.equal(model(**inputs)[0], ref)
+    handle.remove()
