@@ -48,6 +48,7 @@ from ..loading.compiling import compile_dits, compile_seconds, resolve_compile
 from ..loading.parallel import (
     ContextParallel,
     ParallelGroups,
+    UnevenSplitError,
     check_attention_backend,
     check_cache,
     check_ranks,
@@ -315,10 +316,11 @@ class Omni:
                 agreed = True
                 agree_on_step(_EXTRAS_STEP, None, within)
             # Then the split, whose hooks go on the modules as they are now: a LoRA on a module the
-            # plan gathers (Wan's root proj_out) replaces that module, and loaded after the split
-            # would leave the gather on its base layer (the base output gathered, the adapter's
-            # not). The caches check_cache allows skip by the step, alike on every rank; enabled
-            # first, their hooks sit inside the split's and see this rank's shard, as the block does.
+            # plan gathers (Wan's root proj_out) replaces that module, whose LoRA layer is then
+            # gathered whole (a module replaced later, unloading the LoRA say, is hooked again at
+            # the next forward: loading.parallel's _Watch). The caches check_cache allows skip by
+            # the step, alike on every rank; enabled first, their hooks sit inside the split's and
+            # see this rank's shard, as the block does.
             if split is not None:
                 self.parallel = enable_context_parallel(self.pipeline, split, self.device)
             self.compiled = compile_dits(self.pipeline, self.compile) if self.compile else []
@@ -479,6 +481,13 @@ class Omni:
         start = time.perf_counter()
         try:
             out = self.pipeline(prompt=prompt, generator=generator, output_type="np", **call)
+        except UnevenSplitError as exc:
+            # Sizes whose sequence the context-parallel group's size does not divide, found before
+            # diffusers splits it. Every rank of the group raises there alike (same sizes, same
+            # plan), before that split's collectives: the next generation starts afresh.
+            if self.parallel is None:
+                raise
+            raise self._unsplittable(call, exc) from exc
         except ValueError as exc:
             # The pipeline's own argument checks: check_inputs, and encode_prompt's (a negative
             # prompt list whose length differs from the prompt's).
@@ -487,14 +496,6 @@ class Omni:
             message = " ".join(str(exc).split()).rstrip(".")
             raise GenerationOptionError(f"{type(self.pipeline).__name__} ({self.model}) refused the options in "
                                         f"its input check: {message}. Change the option it names.") from exc
-        except AssertionError as exc:
-            # diffusers' context-parallel split asserts the sequence divides by the group's size.
-            # Every rank of the group fails there alike (same sizes, same plan), before any block
-            # computes: the next generation starts afresh.
-            sharder = _raised_in(exc, "shard", "diffusers.hooks.context_parallel")
-            if self.parallel is None or sharder is None:
-                raise
-            raise self._unsplittable(call, sharder) from exc
         pixels = to_uint8(out.frames[0] if hasattr(out, "frames") else out.images[0])
         elapsed = time.perf_counter() - start
         after = compile_seconds() if compiling is not None else None
@@ -513,28 +514,50 @@ class Omni:
         default = params[key].default if key in params else None
         return None if default is inspect.Parameter.empty else default
 
-    def _unsplittable(self, call: Mapping[str, Any], sharder: types.FrameType) -> GenerationOptionError:
-        """The error for sizes whose sequence the context-parallel group's size does not divide.
-        The token count is the length diffusers' sharder was given (its ``tensor`` along ``dim``)."""
-        size = self.parallel.cp_size
+    def _unsplittable(self, call: Mapping[str, Any], exc: UnevenSplitError) -> GenerationOptionError:
+        """The error for sizes whose sequence the context-parallel group's size does not divide:
+        the image's or video's tokens (height, width, num_frames), or the prompt's text
+        embedding, which Flux, Flux2, LTX and QwenImage split with them (:meth:`_text_unsplittable`)."""
+        if exc.text:
+            return self._text_unsplittable(call, exc)
+        size, tokens = exc.size, exc.tokens
         sizes = {key: self._effective(call, key) for key in ("height", "width", "num_frames")
                  if key in self._signature.parameters}
         given = ", ".join(f"{key}={value}" if value is not None else f"{key} (the pipeline's default)"
                           for key, value in sizes.items())
-        tensor, dim = sharder.f_locals.get("tensor"), sharder.f_locals.get("dim")
-        tokens = int(tensor.shape[dim]) if isinstance(tensor, torch.Tensor) and isinstance(dim, int) else None
-        counted = f"{tokens} tokens" if tokens is not None else "a sequence"
         # Tokens grow in proportion to the height (and the width): scaled so that they divide.
-        scale = size // math.gcd(tokens, size) if tokens else None
+        scale = size // math.gcd(tokens, size)
         height = sizes.get("height")
-        example = (f" (e.g. height={height * scale}: {tokens * scale} tokens)"
-                   if scale and isinstance(height, int) and tokens % size else "")
-        spec = self.parallel.spec
+        example = f" (e.g. height={height * scale}: {tokens * scale} tokens)" if isinstance(height, int) else ""
         return GenerationOptionError(
-            f"{given} give {counted} per sample, which context parallelism over {size} ranks (ulysses_degree "
-            f"{spec.ulysses_degree} x ring_degree {spec.ring_degree}) cannot split evenly: choose a height, width "
-            f"or num_frames that gives a token count {size} divides{example}, or degrees whose product divides "
-            f"{tokens if tokens else 'the token count'}.")
+            f"{given} give {tokens} tokens per sample, which context parallelism over {size} ranks "
+            f"({self.parallel.spec.describe()}) cannot split evenly: choose a height, width or num_frames that "
+            f"gives a token count {size} divides{example}, or degrees whose product divides {tokens}.")
+
+    def _text_unsplittable(self, call: Mapping[str, Any], exc: UnevenSplitError) -> GenerationOptionError:
+        """The error for a text embedding whose length the group's size does not divide. Where it
+        is ``max_sequence_length`` long, the pipeline pads or cuts every prompt to that (Flux,
+        Flux2, LTX; QwenImage cuts a longer prompt): a length the size divides is the fix. Shorter,
+        it is the prompt's own length (QwenImage pads nothing), which only the prompt changes."""
+        size, tokens = exc.size, exc.tokens
+        limit = self._effective(call, "max_sequence_length") if "max_sequence_length" in self._signature.parameters \
+            else None
+        whose = "the prompt" + (" (or of negative_prompt, encoded apart)" if call.get("negative_prompt") is not None
+                                else "")
+        if isinstance(limit, int) and limit == tokens:
+            fits = tokens - tokens % size or size  # the largest that is no longer (every pipeline takes it)
+            why = f"max_sequence_length={limit}, to which the pipeline pads or cuts the prompt"
+            fix = f"give a max_sequence_length that {size} divides (e.g. max_sequence_length={fits})"
+        else:
+            why = (f"the prompt's own length: {type(self.pipeline).__name__} pads no prompt to a fixed length"
+                   + (f" (max_sequence_length={limit} only cuts a longer one)" if isinstance(limit, int) else ""))
+            fix = (f"change the prompt (a word more or fewer) until its text length is one {size} divides"
+                   + (f", or cut it with a max_sequence_length {size} divides" if isinstance(limit, int) else ""))
+        return GenerationOptionError(
+            f"the text embedding of {whose} has {tokens} tokens ({why}), which context parallelism over "
+            f"{size} ranks ({self.parallel.spec.describe()}) cannot split evenly: {exc.model} splits the text "
+            f"sequence across the ranks with the image's, so the height and width do not help. Instead {fix}, or "
+            f"use degrees whose product divides {tokens}.")
 
     def _metadata(self, result: GenerationResult, call: Mapping[str, Any], elapsed: float) -> dict[str, Any]:
         height, width = result.frames.shape[-3:-1]
@@ -668,7 +691,7 @@ def _one_prompt(value: Any) -> bool:
 def _raised_in(exc: BaseException, function: str, module: str | None = None) -> types.FrameType | None:
     """The innermost frame of a function of that name (in that module, if given) that ``exc``
     passed through, or None: diffusers pipelines check their arguments in ``check_inputs``
-    before they run; its context-parallel split asserts in ``EquipartitionSharder.shard``."""
+    before they run."""
     tb, found = exc.__traceback__, None
     while tb is not None:
         frame = tb.tb_frame

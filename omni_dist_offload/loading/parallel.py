@@ -13,13 +13,23 @@ data parallel across groups of ``ring_degree * ulysses_degree`` consecutive rank
 parallel within one. Every rank of a group must run the same call with the same inputs (the
 same prompt and seed): the pipeline itself knows nothing of the split.
 :func:`disable_context_parallel` undoes it and destroys the process groups the mesh created.
+
+diffusers hooks the module objects at its plan's paths as they are when it splits. Each split
+DiT gets a root forward pre-hook that hooks again a module put at such a path later (peft's
+``unload_lora_weights`` puts a LoRA layer's base layer back, a LoRA loaded after the split wraps
+the module), and every split is checked before diffusers makes it: a length the group's size
+does not divide raises :class:`UnevenSplitError` on every rank of the group alike (diffusers'
+own check is an ``assert``, gone under ``python -O``, after which the ranks' shards differ and
+the next collective aborts).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Mapping
+import inspect
+import os
+from typing import Any, Callable, Mapping
 from unittest import mock
 
 import torch
@@ -32,22 +42,55 @@ from ..plan import OffloadPlan, is_bare_module, pipeline_modules
 from .adapters import CACHES, CacheSpec
 
 try:  # diffusers' context parallelism (0.36 and later; the project is tested with 0.42)
-    from diffusers.hooks.context_parallel import remove_context_parallel
+    from diffusers.hooks.context_parallel import (
+        _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE,
+        _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE,
+        ContextParallelSplitHook,
+        apply_context_parallel,
+        remove_context_parallel,
+    )
     from diffusers.models._modeling_parallel import ContextParallelConfig
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 except ImportError:  # pragma: no cover - an older diffusers: enable_context_parallel says so
     ContextParallelConfig = None
 
-__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "check_attention_backend", "check_cache",
-           "check_ranks", "disable_context_parallel", "enable_context_parallel"]
+__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "UnevenSplitError", "check_attention_backend",
+           "check_cache", "check_ranks", "disable_context_parallel", "enable_context_parallel"]
 
 #: Attention backends that split with context parallelism but return no log-sum-exp, which ring
 #: attention needs to merge its partial attentions (their ``return_lse=True`` raises).
 _NO_LSE = frozenset({"native", "_native_npu"})
 
+#: The inputs of diffusers' context-parallel plans that hold the prompt's text sequence (Flux,
+#: Flux2, LTX and QwenImage split it with the image's); the others follow the image or video.
+_TEXT_INPUTS = frozenset({"encoder_hidden_states", "encoder_hidden_states_mask", "encoder_attention_mask", "txt_ids"})
+
+#: Where a split DiT keeps its :class:`_Watch` (a plain attribute: nn.Module keeps it in ``__dict__``).
+_WATCH = "_omni_context_parallel_watch"
+
 
 class ContextParallelError(ValueError):
     """Context parallelism cannot run as asked; the message says why and what to do."""
+
+
+class UnevenSplitError(ContextParallelError):
+    """A sequence that the context-parallel group's size does not divide, found before diffusers
+    splits it (it splits only in equal parts). Raised in the DiT's forward, before that split's
+    collectives, on every rank of the group alike (they run the same call). ``text``: the
+    sequence is the prompt's text embedding rather than the image's or video's tokens."""
+
+    def __init__(self, component: str, model: str, path: str, input: str | int, tokens: int, size: int) -> None:
+        self.component, self.model, self.path, self.input = component, model, path, input
+        self.tokens, self.size = tokens, size
+        self.text = input in _TEXT_INPUTS
+        where = f"output {input} of {path!r}" if isinstance(input, int) else \
+            f"{input!r} of {path!r}" if path else f"its input {input!r}"
+        what = "the text embedding's sequence" if self.text else "the sequence"
+        super().__init__(
+            f"{component} ({model}) splits {where} across {size} ranks, and {what} there has {tokens} tokens, which "
+            f"{size} does not divide (diffusers splits in equal parts only): give inputs whose "
+            f"{'text length' if self.text else 'token count'} {size} divides, or degrees whose product divides "
+            f"{tokens}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +122,12 @@ class ContextParallel:
     @property
     def size(self) -> int:
         return self.ulysses_degree * self.ring_degree
+
+    def describe(self) -> str:
+        """The degrees as ``Omni`` takes them and as the CLI's flags give them: the refusals
+        reach Python callers and command-line users alike."""
+        return (f"ulysses_degree {self.ulysses_degree} x ring_degree {self.ring_degree}; on the command line "
+                f"--ulysses-degree {self.ulysses_degree} --ring-degree {self.ring_degree}")
 
     def to_dict(self) -> dict[str, int]:
         return {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree}
@@ -137,6 +186,9 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
             touched.append(model)  # before the call: diffusers records its config before it may refuse
             with _accelerator_counted(device):
                 model.enable_parallelism(config=config)
+        for name, model in dits.items():
+            _check_splits(name, model)
+            _Watch(name, model)
         # diffusers' own flattening of (ring, ulysses): the ranks that split one sample.
         cp = next(iter(dits.values()))._parallel_config.context_parallel_config._flattened_mesh
     except BaseException:
@@ -166,7 +218,8 @@ def _check_dit(name: str, model: nn.Module, spec: ContextParallel) -> None:
     if isinstance(heads, int) and heads % spec.ulysses_degree:
         raise ContextParallelError(
             f"{name} ({type(model).__name__}) has {heads} attention heads, which ulysses_degree "
-            f"{spec.ulysses_degree} does not divide: use a degree that divides {heads}")
+            f"{spec.ulysses_degree} (--ulysses-degree on the command line) does not divide: use a degree that "
+            f"divides {heads}, or ring_degree (--ring-degree)")
     active = _AttentionBackendRegistry.get_active_backend()[0]
     for module in model.modules():
         # diffusers' own rule (ModelMixin.enable_parallelism): a processor's own backend, else the
@@ -225,15 +278,33 @@ def check_ranks(spec: ContextParallel) -> None:
     if ContextParallelConfig is None:
         raise ContextParallelError(
             f"diffusers {diffusers_version} has no context parallelism: upgrade it (pip install -U diffusers)")
+    start = (f"start it with torchrun --nproc_per_node {spec.size} (or a multiple of it; the launch scripts: "
+             f"NGPU={spec.size})")
     if not (dist.is_available() and dist.is_initialized()):
+        ranks = _job_ranks()
+        if ranks > 1:  # under torchrun, but this process never joined the job's process group
+            raise ContextParallelError(
+                f"context parallelism over {spec.size} ranks ({spec.describe()}) needs torch.distributed, which "
+                f"this process, one of the job's {ranks} ranks (WORLD_SIZE={ranks}), has not initialised: call "
+                "torch.distributed.init_process_group() before Omni (on GPUs after "
+                "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))); the CLI does both")
         raise ContextParallelError(
-            f"context parallelism over {spec.size} ranks needs torch.distributed: start the job with "
-            f"torchrun --nproc_per_node {spec.size} (or a multiple of it)")
+            f"context parallelism over {spec.size} ranks ({spec.describe()}) needs torch.distributed with a "
+            f"multiple of {spec.size} ranks; the job has 1: {start}, and from Python call "
+            "torch.distributed.init_process_group() before Omni (the CLI does)")
     world = dist.get_world_size()
     if world % spec.size:
         raise ContextParallelError(
-            f"context parallelism over {spec.size} ranks (ulysses_degree {spec.ulysses_degree} x ring_degree "
-            f"{spec.ring_degree}) needs a multiple of {spec.size} ranks; the job has {world}")
+            f"context parallelism over {spec.size} ranks ({spec.describe()}) needs a multiple of {spec.size} "
+            f"ranks; the job has {world}: {start}, or degrees whose product divides {world}")
+
+
+def _job_ranks() -> int:
+    """The job's rank count as torchrun tells its processes (``WORLD_SIZE``; 1 when unset or unreadable)."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE") or 1), 1)
+    except ValueError:
+        return 1
 
 
 def check_cache(spec: ContextParallel | None, cache: CacheSpec | None, *, flags: bool = False) -> None:
@@ -276,12 +347,157 @@ def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
 
 def _unsplit(model: nn.Module) -> None:
     """One DiT as it was before ``enable_parallelism`` (also one it refused part-way)."""
+    watch = vars(model).pop(_WATCH, None)
+    if watch is not None:  # first: the modules it hooked may no longer be at their paths
+        watch.remove()
     remove_context_parallel(model, type(model)._cp_plan)
     for module in model.modules():
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(processor, "_parallel_config"):
             processor._parallel_config = None
     model._parallel_config = None
+
+
+def _check_splits(name: str, model: nn.Module) -> None:
+    """Make each of diffusers' split hooks on ``model`` that is not yet checked raise
+    :class:`UnevenSplitError` before it splits a length the group's size does not divide.
+    diffusers only asserts it (``EquipartitionSharder.shard``): under ``python -O`` the ranks
+    would take shards of different lengths and abort in the next collective. Each tensor is
+    checked where diffusers splits it (``_prepare_cp_input``, for inputs and for outputs the plan
+    splits), so no rank of the group gets further than another."""
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for key, hook in list(getattr(registry, "hooks", {}).items()):
+            if isinstance(hook, ContextParallelSplitHook) and "_prepare_cp_input" not in vars(hook):
+                path = key.split("---", 1)[1] if "---" in key else key
+                hook._prepare_cp_input = _checked_split(hook, name, type(model).__name__, path)
+
+
+def _checked_split(hook: Any, component: str, model: str, path: str) -> Callable[..., torch.Tensor]:
+    """``hook``'s own ``_prepare_cp_input``, checking the length first (diffusers leaves a
+    tensor of another rank than the plan expects unsplit: it passes through as it is). The
+    config :func:`enable_context_parallel` makes sets none of diffusers' "anything" modes,
+    which would split uneven lengths."""
+    prepare = hook._prepare_cp_input
+    names: dict[int, str | int] = {}  # each planned split by identity: the input (or output index) it splits
+    for key, planned in hook.metadata.items():
+        for one in planned if isinstance(planned, (list, tuple)) else (planned,):
+            names[id(one)] = key
+
+    def checked(x: torch.Tensor, cp_input: Any) -> torch.Tensor:
+        if cp_input.expected_dims is None or x.dim() == cp_input.expected_dims:
+            size = hook.parallel_config._flattened_mesh.size()
+            tokens = x.size(cp_input.split_dim)
+            if tokens % size:
+                raise UnevenSplitError(component, model, path, names.get(id(cp_input), "?"), int(tokens), size)
+        return prepare(x, cp_input)
+
+    return checked
+
+
+class _Watch:
+    """A split DiT's root forward pre-hook, run before each forward (and before any of its
+    collectives), for what diffusers' hooks do not see:
+
+    - The modules at the plan's paths (those without a wildcard: a block list's entries are not
+      replaced, the leaf layers a LoRA wraps are), as diffusers hooked them; one put at such a
+      path since is hooked again: peft's ``unload_lora_weights`` (also after ``fuse_lora``) puts
+      a LoRA layer's base layer back at Wan's gathered ``proj_out``, which would run ungathered
+      (a shape error far from the cause); a LoRA loaded after the split wraps the hooked layer,
+      whose own gather would leave the adapter's part out. The module that was there loses its
+      hook (dropped, or now inside the new one); the new one gets diffusers' own hooks for just
+      that path.
+    - Where the plan splits the text too (Flux, Flux2, LTX, QwenImage), the length of the root's
+      ``encoder_hidden_states``, checked first: QwenImage splits the text's rotary embedding
+      (``pos_embed``'s second output) before any input named as text, so only here is the text
+      told apart from the image.
+
+    Kept on the model (``_WATCH``); :func:`_unsplit` removes it."""
+
+    __slots__ = ("component", "handle", "plan", "seen", "text", "text_index")
+
+    def __init__(self, component: str, model: nn.Module) -> None:
+        self.component = component
+        self.plan = type(model)._cp_plan
+        self.seen = {path: self._module_at(model, path) for path in self.plan if path and "*" not in path}
+        # How the plan splits the text, if it does (the same wherever it names it).
+        self.text = next((planned["encoder_hidden_states"] for planned in self.plan.values()
+                          if isinstance(planned, dict) and "encoder_hidden_states" in planned), None)
+        parameters = list(inspect.signature(type(model).forward).parameters)[1:]  # self: not passed
+        self.text_index = parameters.index("encoder_hidden_states") if "encoder_hidden_states" in parameters else None
+        # Excluded from torch.compile (a DiT compiled whole traces its hooks): it changes hooks.
+        self.handle = model.register_forward_pre_hook(torch.compiler.disable(self._before_forward), prepend=True,
+                                                      with_kwargs=True)
+        setattr(model, _WATCH, self)
+
+    def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._check_text(model, args, kwargs)  # first: a refused call changes nothing
+        self._rehook(model)
+
+    def _check_text(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.text is None:
+            return
+        text = kwargs.get("encoder_hidden_states")
+        if text is None and self.text_index is not None and self.text_index < len(args):
+            text = args[self.text_index]
+        if not isinstance(text, torch.Tensor) or (self.text.expected_dims is not None
+                                                  and text.dim() != self.text.expected_dims):
+            return  # diffusers leaves it unsplit
+        size = model._parallel_config.context_parallel_config._flattened_mesh.size()
+        if text.size(self.text.split_dim) % size:
+            raise UnevenSplitError(self.component, type(model).__name__, "", "encoder_hidden_states",
+                                   int(text.size(self.text.split_dim)), size)
+
+    def _rehook(self, model: nn.Module) -> None:
+        changed = {path: module for path, module in self.seen.items()
+                   if self._module_at(model, path) is not module}
+        if not changed:
+            return
+        config = model._parallel_config.context_parallel_config
+        for path, before in changed.items():
+            now = self._module_at(model, path)
+            name = self._hook_name(path)
+            try:
+                for module in (before, now):  # now: a module hooked by another split, say
+                    registry = getattr(module, "_diffusers_hook", None)
+                    if registry is not None:
+                        registry.remove_hook(name, recurse=False)
+                apply_context_parallel(model, config, {path: self.plan[path]})
+            except Exception as exc:
+                raise ContextParallelError(
+                    f"{self.component} ({type(model).__name__})'s {path} was replaced after the context-parallel "
+                    f"split (now a {type(now).__name__}), and diffusers could not hook the new one for the split "
+                    f"({type(exc).__name__}: {exc}): put the module that was there back, or undo the split "
+                    "(disable_context_parallel; Omni.close()) before changing the model and split it again after"
+                ) from exc
+            self.seen[path] = now
+        _check_splits(self.component, model)
+
+    def _module_at(self, model: nn.Module, path: str) -> nn.Module:
+        found: Any = model
+        for atom in path.split("."):
+            found = getattr(found, atom, None)
+            if not isinstance(found, nn.Module):
+                raise ContextParallelError(
+                    f"{self.component} ({type(model).__name__})'s {path} is split by context parallelism but is "
+                    f"{'gone' if found is None else f'now a {type(found).__name__}'}: diffusers' split needs the "
+                    "module there. Put it back, or undo the split (disable_context_parallel; Omni.close()) before "
+                    "changing the model")
+        return found
+
+    def _hook_name(self, path: str) -> str:
+        template = (_CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE if isinstance(self.plan[path], dict)
+                    else _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE)
+        return template.format(path)
+
+    def remove(self) -> None:
+        """The pre-hook, and diffusers' hooks on the modules it recorded: one replaced since the
+        last forward may sit inside its replacement (a LoRA layer's base layer), still splitting."""
+        self.handle.remove()
+        for path, module in self.seen.items():
+            registry = getattr(module, "_diffusers_hook", None)
+            if registry is not None:
+                registry.remove_hook(self._hook_name(path), recurse=False)
 
 
 def _created_groups(mesh: Any, flattened: Any) -> list:

@@ -1,9 +1,12 @@
 """Context parallelism (diffusers' Ulysses) with streamed blocks, two and four ranks on gloo: the
 streamed model split across ranks equals the resident model split the same way, bitwise, with
 rank-local and allgather rings, in either order; ``Omni`` with a LoRA on a module the split
-gathers and a step cache equals the unsplit pipeline; the errors before anything changes (an
-attention backend that cannot split, a refusal from diffusers part-way through the DiTs, sizes
-whose sequence the degree does not divide); the process groups go when the split does."""
+gathers and a step cache equals the unsplit pipeline, also once the LoRA is unloaded, loaded
+again or fused after the split (a module put at a gathered path is hooked again); the errors
+before anything changes (an attention backend that cannot split, a refusal from diffusers
+part-way through the DiTs, sizes whose sequence the degree does not divide, the image's or the
+text's, also without diffusers' assert as under ``python -O``); the process groups go when the
+split does."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from omni_dist_offload.app.api import GenerationOptionError
 from omni_dist_offload.loading.parallel import (
     ContextParallel,
     ContextParallelError,
+    UnevenSplitError,
     disable_context_parallel,
     enable_context_parallel,
 )
@@ -59,22 +63,48 @@ def _lora_on_proj_out(path: str) -> None:
               path)
 
 
+class _Wrapped(torch.nn.Module):
+    """A layer put around another after the split, as a LoRA loaded then wraps it: its own part
+    (nothing, but shaped by the input) is added to the inner layer's output."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + 0 * x[..., :1]
+
+
 def omni_with_lora_and_cache(lora: str) -> dict:
     """``Omni`` streaming the DiT, split over the two ranks, with a LoRA on ``proj_out`` (loaded
     after ``enable_parallelism`` it crashed: the gather stayed on its base layer) and a step
-    cache, against the resident, unsplit ``Omni``; and without the LoRA, to see it counts."""
+    cache, against the resident, unsplit ``Omni``; and without the LoRA, to see it counts. Then
+    the LoRA unloaded after the split (peft puts ``proj_out``'s base layer back, which lost the
+    gather), loaded again, and fused and unloaded, on both."""
     options = {"lora": [lora], "cache": "pyramid-attention:2", "progress": False}
     call = {"prompt": "a red fox", "seed": 0, "num_inference_steps": 4}
-    with Omni("tiny-wan", None, **options) as whole:
-        ref = whole.generate(**call).frames
-    with Omni("tiny-wan", {"mode": "layer", "components": ["dit"]}, **options,
-              context_parallel={"ulysses_degree": 2}) as split:
-        got = split.generate(**call)
-        again = split.generate(**call).frames  # the cache is reset between generations
     with Omni("tiny-wan", None, cache=options["cache"], progress=False) as plain:
         no_lora = plain.generate(**call).frames
+    with Omni("tiny-wan", None, **options) as whole, \
+            Omni("tiny-wan", {"mode": "layer", "components": ["dit"]}, **options,
+                 context_parallel={"ulysses_degree": 2}) as split:
+        ref = whole.generate(**call).frames
+        got = split.generate(**call)
+        again = split.generate(**call).frames  # the cache is reset between generations
+        split.pipeline.unload_lora_weights()
+        unloaded = split.generate(**call).frames
+        split.pipeline.load_lora_weights(lora, adapter_name="lora_0")
+        reloaded = split.generate(**call).frames
+        fused = []
+        for omni in (whole, split):
+            omni.pipeline.fuse_lora()
+            omni.pipeline.unload_lora_weights()
+            fused.append(omni.generate(**call).frames)
     return {"equal": np.array_equal(got.frames, ref) and np.array_equal(again, ref),
             "lora_counts": not np.array_equal(ref, no_lora),
+            "after the split": {"unloaded": np.array_equal(unloaded, no_lora), "reloaded": np.array_equal(reloaded, ref),
+                                "fused and unloaded": np.array_equal(*fused),
+                                "fusing counts": not np.array_equal(fused[0], no_lora)},
             "meta": {k: got.metadata[k] for k in ("lora", "cache", "context_parallel")}}
 
 
@@ -92,6 +122,18 @@ def streamed_with_context_parallel(rank: Rank, lora: str) -> dict:
     out = {"groups": [groups.dp_rank, groups.dp_size, groups.cp_rank, groups.cp_size,
                       dist.get_process_group_ranks(groups.group)],
            "split_equals_whole": torch.equal(ref, plain)}
+    # A module put at the gathered proj_out after the split: one wrapping it (a LoRA loaded
+    # then), the one it wrapped put back (unload_lora_weights), wrapped again and undone before
+    # any forward (its inner layer gathers no more).
+    base = resident.proj_out
+    resident.proj_out = _Wrapped(base)
+    swapped = {"wrapped": torch.equal(resident(**x)[0], ref)}
+    resident.proj_out = base
+    swapped["put back"] = torch.equal(resident(**x)[0], ref)
+    resident.proj_out = _Wrapped(base)
+    disable_context_parallel(resident, groups)
+    swapped["undone"] = torch.equal(resident(**x)[0], plain) and not resident._forward_pre_hooks
+    out["swapped"] = swapped
     for transfer in ("rank-local", "allgather"):
         for order in ("offload first", "split first"):
             streamed = copy.deepcopy(model)
@@ -133,15 +175,17 @@ def test_streamed_and_split_equals_resident_and_split(tmp_path):
                 case = r[f"{transfer}, {order}"]
                 assert case["equal"] and case["whole_again"], (transfer, order, case)
                 assert case["transfer"] == transfer
+        assert all(r["swapped"].values()), r["swapped"]
         omni = r["omni"]
         assert omni["equal"] and omni["lora_counts"], omni
+        assert all(omni["after the split"].values()), omni
         assert omni["meta"] == {"lora": [{"path": lora, "scale": 1.0}],
                                 "cache": {"type": "pyramid-attention", "spatial_attention_block_skip_range": 2},
                                 "context_parallel": {"ulysses_degree": 2, "ring_degree": 1, "group": 0, "groups": 1}}
         errors = r["errors"]
         assert "ToyDiT" in errors["no plan"] and "_cp_plan" in errors["no plan"]
-        assert "multiple of 3" in errors["world"]
-        assert "attention heads" in errors["heads"]
+        assert "multiple of 3" in errors["world"] and "--ulysses-degree 3 --ring-degree 1" in errors["world"]
+        assert "attention heads" in errors["heads"] and "--ulysses-degree" in errors["heads"]
         assert "log-sum-exp" in errors["ring"]
         assert all(errors[f"{name} untouched"] for name in ("no plan", "world", "heads", "ring"))
 
@@ -328,10 +372,31 @@ def test_undo_destroys_the_process_groups_the_split_made():
         assert r["world works"]
 
 
+def _shard_without_assert(cls, tensor, dim, mesh):
+    """diffusers' ``EquipartitionSharder.shard`` as ``python -O`` runs it: its check is an
+    ``assert``, so an uneven length gives the ranks shards of different lengths."""
+    return tensor.chunk(mesh.size(), dim=dim)[dist.get_rank(mesh.get_group())]
+
+
+def _option_error(omni: Omni, **call) -> str | None:
+    try:
+        omni.generate(**call)
+    except GenerationOptionError as exc:
+        return str(exc)
+    return None
+
+
 @torch.no_grad()
 def odd_sequence(rank: Rank) -> dict:
     """Sizes whose sequence two ranks do not split (9 tokens): a GenerationOptionError on every
-    rank, and the same Omni generates the unsplit pipeline's output after; its groups go on close."""
+    rank, also without diffusers' assert (``python -O``: the shards would differ and the ranks
+    abort in the all-to-all), and the same Omni generates the unsplit pipeline's output after;
+    its groups go on close. Flux's text (7 tokens): the error names the text and a
+    max_sequence_length, which then generates. QwenImage splits the text's rotary embedding
+    before the text itself: still the text's error."""
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.hooks.context_parallel import EquipartitionSharder
+
     call = {"prompt": "a red fox", "seed": 0, "num_inference_steps": 2}
     config = {"mode": "layer", "components": ["dit"], "collective_timeout_s": 30,
               "layer_options": {"dit": {"weight_transfer": "allgather"}}}
@@ -339,19 +404,42 @@ def odd_sequence(rank: Rank) -> dict:
         ref = whole.generate(**call).frames
     before = _group_count()
     with Omni("tiny-wan", config, progress=False, context_parallel={"ulysses_degree": 2}) as split:
-        try:
-            split.generate(**call, height=48, width=48, num_frames=1)
-            error = None
-        except GenerationOptionError as exc:
-            error = str(exc)
+        error = _option_error(split, **call, height=48, width=48, num_frames=1)
+        with mock.patch.object(EquipartitionSharder, "shard", classmethod(_shard_without_assert)):
+            optimized = _option_error(split, **call, height=48, width=48, num_frames=1)
         equal = np.array_equal(split.generate(**call).frames, ref)
-    return {"error": error, "equal": equal, "groups": [before, _group_count()]}
+    out = {"error": error, "-O": optimized, "equal": equal, "groups": [before, _group_count()]}
+    with Omni("tiny-flux", config, progress=False, context_parallel={"ulysses_degree": 2}) as split:
+        out["text"] = _option_error(split, **call, max_sequence_length=7)
+        out["text fixed"] = split.generate(**call, max_sequence_length=6).frames.shape[0] > 0
+    torch.manual_seed(0)
+    qwen = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                       axes_dims_rope=(4, 6, 6))
+    qwen_split = enable_context_parallel(qwen, ULYSSES_2, rank.device)
+    try:
+        qwen(hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 7, 32),
+             encoder_hidden_states_mask=torch.ones(1, 7, dtype=torch.long), timestep=torch.tensor([0.5]),
+             img_shapes=[(1, 4, 4)], return_dict=False)
+        out["qwen text"] = None
+    except UnevenSplitError as exc:
+        out["qwen text"] = [exc.text, exc.tokens, str(exc)]
+    disable_context_parallel(qwen, qwen_split)
+    return out
 
 
 def test_sizes_the_degree_does_not_divide_are_an_option_error():
     for r in run_ranks(odd_sequence, 2):
-        error = r["error"]
-        for words in ("height=48, width=48, num_frames=1", "9 tokens", "over 2 ranks", "height=96"):
-            assert words in error, error
+        for error in (r["error"], r["-O"]):
+            for words in ("height=48, width=48, num_frames=1", "9 tokens", "over 2 ranks", "height=96",
+                          "--ulysses-degree 2"):
+                assert words in error, error
         assert r["equal"]
         assert r["groups"][0] == r["groups"][1]
+        text = r["text"]
+        for words in ("text embedding of the prompt has 7 tokens", "max_sequence_length=7", "max_sequence_length=6",
+                      "height and width do not help"):
+            assert words in text, text
+        assert r["text fixed"]
+        text, tokens, message = r["qwen text"]
+        assert text and tokens == 7 and "'encoder_hidden_states'" in message, message
