@@ -640,9 +640,9 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
     mode.enter_context(torch.inference_mode(
         any(e.inference for ls in layouts.values() for layout in ls for e in layout.entries)))
     for c in components:
-        check_not_cuda_graphs(c.name, c.module)
-        for name, block in c.blocks:
+        for name, block in c.blocks:  # first: a block's own name in the message
             check_not_cuda_graphs(f"{c.name} block {name}", block)
+        check_not_cuda_graphs(c.name, c.module)
     sources = _checked_sources(block_sources, components)
     for c in components:
         if c.name in per_layer and not hasattr(c.module, "enable_layerwise_casting"):

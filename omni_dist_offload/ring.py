@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import sys
 import threading
@@ -58,6 +59,30 @@ def _compile_config(module: torch.nn.Module) -> Mapping | None:
         return None
 
 
+def _compile_backend(module: torch.nn.Module) -> str | None:
+    """The name of the backend ``module`` was compiled with (``"inductor"``, ``"cudagraphs"``),
+    or None: not compiled, or a torch whose compiled callables answer otherwise (dynamo keeps the
+    backend in the callback of the context the callable closes over: private, so best effort)."""
+    try:
+        if hasattr(module, "_orig_mod"):
+            context = getattr(module, "dynamo_ctx", None)
+        else:
+            fn = getattr(module, "_compiled_call_impl", None)
+            if fn is None:
+                return None
+            context = inspect.getclosurevars(fn).nonlocals.get("self")
+        backend = getattr(context, "callback", None)
+        for _ in range(8):  # the callback wraps the backend in a few layers
+            inner = getattr(backend, "_torchdynamo_orig_backend", None)
+            if inner is None or inner is backend:
+                break
+            backend = inner
+        name = getattr(backend, "compiler_name", None)
+        return name if isinstance(name, str) else None
+    except Exception:  # noqa: BLE001 - a private API: treated as not known
+        return None
+
+
 def _is_compiled(module: torch.nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
@@ -70,14 +95,20 @@ def check_not_cuda_graphs(name: str, module: torch.nn.Module) -> None:
     different slot address from one call to the next (and, under a plan, from one block to the
     next): torch would re-record or replay stale weights. The regional resident model fails in
     CUDA-graph trees too (a block's output is overwritten by the next block's replay), so there
-    is no reference this stack could match."""
-    config = _compile_config(module)
-    if config is not None and config.get("triton.cudagraphs"):
-        raise RuntimeError(
-            f"{name} was compiled with CUDA graphs (mode=\"reduce-overhead\" or the inductor option "
-            "triton.cudagraphs), which streamed blocks cannot replay: their weights move between "
-            "device slots. Compile with the default mode or mode=\"max-autotune-no-cudagraphs\" "
-            "(regional: model.compile_repeated_blocks(), or torch.compile on each block).")
+    is no reference this stack could match. Layers compiled inside the block count too, as does
+    dynamo's ``backend="cudagraphs"``."""
+    for sub_name, sub in module.named_modules():
+        if not _is_compiled(sub):
+            continue
+        config = _compile_config(sub)
+        if (config is not None and config.get("triton.cudagraphs")) or _compile_backend(sub) == "cudagraphs":
+            where = f"{name}'s {sub_name}" if sub_name else name
+            raise RuntimeError(
+                f"{where} was compiled with CUDA graphs (mode=\"reduce-overhead\", the inductor option "
+                "triton.cudagraphs, or backend=\"cudagraphs\"), which streamed blocks cannot replay: their "
+                "weights move between device slots. Compile with the default mode or "
+                "mode=\"max-autotune-no-cudagraphs\" (regional: model.compile_repeated_blocks(), or "
+                "torch.compile on each block).")
 
 
 def _keep_in(name: str, tensor: torch.Tensor, view: torch.Tensor, stored: bool = False) -> None:

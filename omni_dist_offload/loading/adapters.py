@@ -52,6 +52,8 @@ class LoraSpec:
         if not isinstance(self.path, (str, os.PathLike)):
             raise TypeError(f"a LoRA's path is a str or a Path, found {type(self.path).__name__} {self.path!r}.")
         object.__setattr__(self, "path", os.fsdecode(self.path))
+        # Built directly too (not only through parse): a scale of NaN generated black frames.
+        object.__setattr__(self, "scale", _scale(self.scale, self.path))
 
     @classmethod
     def parse(cls, value: str | os.PathLike[str] | Mapping[str, Any] | LoraSpec) -> LoraSpec:
@@ -67,9 +69,11 @@ class LoraSpec:
             if unknown or "path" not in value:
                 raise AdapterError(f"a LoRA is {{'path': ..., 'scale': ...}}; found keys {sorted(value)}")
             return cls(str(value["path"]), _scale(value.get("scale", 1.0), value))
-        text = str(value)
+        if not isinstance(value, str):  # a path object names the path whole: "run:1000" is a folder
+            return cls(value)
+        text = value
         path, sep, tail = text.rpartition(":")
-        if sep and path and _is_number(tail):
+        if sep and path and _is_number(tail) and not Path(text).exists():
             return cls(path, _scale(tail, text))
         if not text:
             raise AdapterError("--lora needs a path: PATH or PATH:SCALE")
@@ -201,8 +205,8 @@ class CacheSpec:
         """``NAME``, ``NAME:VALUE`` (the cache's main option, e.g. ``first-block:0.1``), a JSON
         object, or a dict ``{"type": NAME, option: value, ...}``. Checked against the diffusers
         config class, so a bad option fails here, before anything loads."""
-        if isinstance(value, CacheSpec):
-            return value
+        if isinstance(value, CacheSpec):  # built directly: checked as a dict is
+            value = {**value.options, "type": value.type}
         given = value
         if isinstance(value, str) and value.lstrip().startswith("{"):
             try:

@@ -61,6 +61,22 @@ def test_bad_cache_specs_say_what_to_fix(value, message):
         CacheSpec.parse(value)
 
 
+def test_specs_built_directly_are_checked_as_parsed_ones_are(tmp_path):
+    """A LoraSpec or CacheSpec object skipped the checks: a NaN scale generated black frames."""
+    with pytest.raises(AdapterError, match="a LoRA scale is a finite number; found nan"):
+        LoraSpec("a.safetensors", float("nan"))
+    assert LoraSpec("a.safetensors", "0.5").scale == 0.5
+    with pytest.raises(AdapterError, match="a LoRA scale is a number; found 'half'"):
+        LoraSpec("a.safetensors", "half")
+    with pytest.raises(AdapterError, match="cache_interval is an integer, 1 or more, found 0"):
+        CacheSpec.parse(CacheSpec("taylorseer", {"cache_interval": 0}))
+    # A folder whose name ends in ':<number>' is a path, not a path and a scale.
+    (tmp_path / "run:1000").mkdir()
+    assert LoraSpec.parse(tmp_path / "run:1000") == LoraSpec(str(tmp_path / "run:1000"))
+    assert LoraSpec.parse(str(tmp_path / "run:1000")) == LoraSpec(str(tmp_path / "run:1000"))
+    assert LoraSpec.parse(str(tmp_path / "run:0.5")) == LoraSpec(str(tmp_path / "run"), 0.5)
+
+
 @pytest.fixture(scope="module")
 def lora_files(tmp_path_factory):
     """A LoRA file, and a folder holding one as diffusers saves it."""

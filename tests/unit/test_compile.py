@@ -112,6 +112,23 @@ def test_cuda_graphs_are_refused_before_anything_changes():
     assert not model.blocks[0]._forward_pre_hooks
 
 
+@pytest.mark.parametrize("how", ["backend", "layer"])
+def test_cuda_graphs_by_dynamo_s_backend_or_inside_a_block_are_refused(how):
+    """backend="cudagraphs", and a layer inside a block compiled with CUDA graphs, record the
+    addresses streaming moves as well."""
+    model = tiny.tiny_wan_transformer(num_layers=3)
+    if how == "backend":
+        model.blocks[1].compile(backend="cudagraphs")
+        where = "transformer block blocks.1 was compiled"
+    else:
+        model.blocks[1].ffn.compile(mode="reduce-overhead")
+        where = "transformer block blocks.1's ffn was compiled"
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=f"{where} with CUDA graphs"):
+        apply_offload(model, {"mode": "layer"})
+    assert [p.data_ptr() for p in model.parameters()] == before
+
+
 def test_cuda_graphs_compiled_after_offload_are_refused_at_the_first_forward():
     model, batch, ref = _eager(num_layers=3)
     handle = apply_offload(model, {"mode": "layer"})
