@@ -47,15 +47,17 @@ from torch.nn.modules.module import (
 
 from .ring import BlockRing
 
-__all__ = ["EDITED_METHODS", "FIXED_SKIPS", "PEFT_FUNCTIONS", "READING_METHODS", "REFUSED_METHODS", "REWRITING_METHODS",
-           "SAVING_METHODS", "SKIPPING_HOOKS", "TOGGLING_METHODS", "BlockWatch", "skipped_by_hooks"]
+__all__ = ["DECIDING_HOOKS", "EDITED_METHODS", "FIXED_SKIPS", "PEFT_FUNCTIONS", "READING_METHODS", "REFUSED_METHODS",
+           "REWRITING_METHODS", "SAVING_METHODS", "SKIPPING_HOOKS", "TOGGLING_METHODS", "BlockWatch",
+           "skipped_by_hooks"]
 
 #: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
 EDITED_METHODS = ("merge", "unmerge")
 
 #: The tuner-layer methods after which a layer may be merged with its adapters disabled: peft's
 #: forward then unmerges it, inside the block's forward, where no edit can run. The watch does that
-#: unmerge itself as the component's next forward starts (:meth:`BlockWatch._unmerge_disabled`).
+#: unmerge itself just before the block's next forward that runs (:meth:`BlockWatch._unmerge_block`);
+#: under a lockstep transfer, as the component's next forward starts (:meth:`BlockWatch._unmerge_disabled`).
 TOGGLING_METHODS = ("enable_adapters", "merge")
 
 #: Methods of any module in a block that read the block's weights to build new ones, run inside
@@ -107,26 +109,34 @@ SKIPPING_HOOKS: dict[str, Callable[[Any], bool]] = {
 #: The hooks of :data:`SKIPPING_HOOKS` whose decision is fixed before a forward starts.
 FIXED_SKIPS = frozenset({"TransformerBlockSkipHook"})
 
+#: diffusers' head (leader) block hooks, which decide while their block is called whether this
+#: forward skips: on a DiT of one block, diffusers puts one beside that block's skipping hook,
+#: whose state then still holds the last forward's decision. Such a block counts as running.
+DECIDING_HOOKS = frozenset({"FBCHeadBlockHook", "MagCacheHeadHook", "SeaCacheLeaderBlockHook"})
+
 
 def skipped_by_hooks(block: nn.Module, fixed_only: bool = False) -> bool:
     """Whether a diffusers hook on ``block`` will return without running its forward. Each hook
     calls the next one in, down to the block's forward, so one that skips skips the block. A
     state this does not understand counts as running: the ring then streams the block as usual.
     ``fixed_only``: ask only the hooks whose decision is fixed before the forward (for a block
-    ahead of the one running)."""
+    ahead of the one running). A block that also holds a head hook (:data:`DECIDING_HOOKS`)
+    counts as running: its decision is not made yet."""
     registry = block.__dict__.get("_diffusers_hook")
     if registry is None:
         return False
+    skips = False
     for hook in registry.hooks.values():
         kind = type(hook).__name__
+        if kind in DECIDING_HOOKS:
+            return False
         probe = SKIPPING_HOOKS.get(kind)
-        if probe is not None and (not fixed_only or kind in FIXED_SKIPS):
+        if probe is not None and not skips and (not fixed_only or kind in FIXED_SKIPS):
             try:
-                if probe(hook):
-                    return True
+                skips = bool(probe(hook))
             except (AttributeError, ValueError, TypeError):
                 continue
-    return False
+    return skips
 
 
 def _edited(ring: BlockRing, index: int, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -533,11 +543,24 @@ def _saving(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, 
 
 #: Methods of a component that write its weights in: refused, before anything is written, where
 #: they would write a streamed tensor that holds a placeholder between forwards (allgather, 8-bit
-#: ``"block"``): torch refuses such a write only once it has copied every tensor before it.
+#: ``"block"``): torch refuses such a write only once it has copied every tensor before it. Where
+#: a ring cannot see the writes (a model built under ``torch.inference_mode()``: inference tensors
+#: keep no version counter), its slots are forgotten afterwards, as after a hotswap.
 LOADING_METHODS = ("load_state_dict",)
 
 
 def _loading(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return _checked_load(rings, method, *args, **kwargs)
+    finally:
+        # Also after a load torch refused at the end (missing keys, strict): it copied the rest.
+        # A ring that sees writes by their version counters copies again only what changed.
+        for ring in rings:
+            if not ring._versioned and not ring.parks_placeholders:
+                ring.forget_slots()
+
+
+def _checked_load(rings: Sequence[BlockRing], method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         bound = inspect.signature(method).bind(*args, **kwargs)
     except TypeError:
@@ -588,9 +611,11 @@ class BlockWatch:
         self._owner: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[BlockRing], int]] = \
             weakref.WeakKeyDictionary()
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        # Per component root, the pre-forward hook that unmerges its disabled merged layers,
-        # while one is due (see _unmerge_disabled).
+        # Per component root (lockstep rings), or per block (the others), the pre-forward hook
+        # that unmerges its disabled merged layers, while one is due (see _schedule_unmerge).
+        # Blocks weakly: a block dropped from its list takes its hook with it.
         self._unmerge_hooks: dict[int, Any] = {}
+        self._block_unmerges: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         for ring in rings:
             ring.skip_probe = skipped_by_hooks
             ring.skip_ahead_probe = functools.partial(skipped_by_hooks, fixed_only=True)
@@ -617,9 +642,10 @@ class BlockWatch:
         A layer left merged with its adapters disabled is unmerged by peft's own forward, as on a
         model never offloaded."""
         _unwatch(self)
-        for hook in self._unmerge_hooks.values():
+        for hook in [*self._unmerge_hooks.values(), *self._block_unmerges.values()]:
             hook.remove()
         self._unmerge_hooks = {}
+        self._block_unmerges = weakref.WeakKeyDictionary()
         for layer in list(self._wrapped):
             for name in (*EDITED_METHODS, *TOGGLING_METHODS, *READING_METHODS):
                 layer.__dict__.pop(name, None)
@@ -653,27 +679,62 @@ class BlockWatch:
 
     # peft's LoRA forward unmerges a merged layer whose adapters are disabled (``disable_lora``
     # or ``disable_adapter_layers`` after ``fuse_lora``/``merge_adapter``, or in the other
-    # order), inside the block's forward, where the ring cannot edit the block. The resident
-    # model unmerges it in that forward; here it is unmerged as the component's forward starts,
-    # between forwards, through the same edit as ``unfuse_lora`` (so the bits match). Not
-    # earlier: enabling the adapters again before a forward leaves the layer merged, as peft does.
+    # order), inside the layer's own forward, inside the block's, where the ring cannot edit the
+    # block. Here the layer's block gets a one-off pre-forward hook, ahead of the ring's own:
+    # before the block's next forward, between blocks (no block is bound then), it unmerges the
+    # block's disabled merged layers through the same edit as ``unfuse_lora`` (so the bits
+    # match), unless a step cache skips that block (``ring.skip_probe``): as in peft, a layer
+    # that does not run stays merged (a later ``enable_lora``, ``unload_lora`` or hotswap finds
+    # it so). Not earlier: enabling the adapters again before a forward leaves the layer merged,
+    # as peft does. Under a lockstep transfer an edit is collective and each rank's cache
+    # decides on its own, so there every such layer is unmerged as the component's next forward
+    # starts, on every rank alike, whether or not its block then runs.
     def _schedule_unmerge(self, layer: nn.Module, ring: BlockRing) -> None:
         if not (getattr(layer, "disable_adapters", False) and getattr(layer, "merged", False)):
             return
-        root = ring.component.module
-        if id(root) in self._unmerge_hooks:
+        if _lockstep(ring):
+            root = ring.component.module
+            if id(root) not in self._unmerge_hooks:
+                # First among the root's pre-forward hooks: before the ring's own mark a forward's start.
+                self._unmerge_hooks[id(root)] = root.register_forward_pre_hook(
+                    _UnmergeDisabled(weakref.ref(self), weakref.ref(root)), prepend=True)
             return
-        # First among the root's pre-forward hooks: before the ring's own mark a forward's start.
-        self._unmerge_hooks[id(root)] = root.register_forward_pre_hook(
-            _UnmergeDisabled(weakref.ref(self), weakref.ref(root)), prepend=True)
+        owner = self._owner.get(layer)
+        if owner is None or owner[0]() is not ring:
+            return
+        block = ring.layouts[owner[1]].module
+        if block not in self._block_unmerges:
+            # Prepended: ahead of the ring's pre-forward (which binds the block, after which no
+            # edit can run) and of the block's other hooks.
+            self._block_unmerges[block] = block.register_forward_pre_hook(
+                _UnmergeBlock(weakref.ref(self), weakref.ref(ring)), prepend=True)
 
-    def _unmerge_disabled(self, root: nn.Module) -> None:
-        """Unmerge the watched tuner layers of ``root`` that are merged with their adapters
-        disabled, in module order (the same on every rank: an edit is collective under
-        allgather), then drop the hook that called this."""
-        for sub in root.modules():
+    def _unmerge_block(self, ring: BlockRing, block: nn.Module) -> None:
+        """Before ``block`` of ``ring`` runs (a rank-local or shared ring): unmerge its
+        watched tuner layers that are merged with their adapters disabled, in module order, then
+        drop the hook that called this; if a step cache skips the block, leave them (and the
+        hook) for a forward that runs it. Only while an unmerge is due: the edit synchronises,
+        once, as ``unfuse_lora`` would; the per-block path is otherwise untouched."""
+        probe = ring.skip_probe
+        if probe is not None and probe(block):
+            return
+        for sub in block.modules():
             if sub in self._wrapped and getattr(sub, "disable_adapters", False) and getattr(sub, "merged", False):
                 sub.unmerge()  # the edit set by _follow
+        hook = self._block_unmerges.pop(block, None)
+        if hook is not None:
+            hook.remove()  # torch iterates a copy of the hooks: safe inside one
+
+    def _unmerge_disabled(self, root: nn.Module) -> None:
+        """Unmerge the watched tuner layers of ``root``'s lockstep rings that are merged with
+        their adapters disabled, in module order (the same on every rank: an edit is collective
+        there), then drop the hook that called this."""
+        for sub in root.modules():
+            if sub in self._wrapped and getattr(sub, "disable_adapters", False) and getattr(sub, "merged", False):
+                owner = self._owner.get(sub)
+                ring = owner[0]() if owner is not None else None
+                if ring is not None and _lockstep(ring):
+                    sub.unmerge()  # the edit set by _follow
         hook = self._unmerge_hooks.pop(id(root), None)
         if hook is not None:
             hook.remove()  # torch iterates a copy of the hooks: safe inside one
@@ -695,6 +756,12 @@ class BlockWatch:
             ring.adopt_pending = True
 
 
+def _lockstep(ring: BlockRing) -> bool:
+    """Whether every rank of ``ring`` moves the same blocks in the same order (a gather): then
+    an edit is a collective too."""
+    return ring.transfer.gather is not None
+
+
 def _toggled(watch: "BlockWatch", layer: nn.Module, ring: BlockRing, method: Callable[..., Any], *args: Any,
              **kwargs: Any) -> Any:
     result = method(*args, **kwargs)
@@ -703,8 +770,9 @@ def _toggled(watch: "BlockWatch", layer: nn.Module, ring: BlockRing, method: Cal
 
 
 class _UnmergeDisabled:
-    """A component root's forward pre-hook while some layer of its blocks is merged with its
-    adapters disabled (:meth:`BlockWatch._schedule_unmerge`). Weak: the root holds the hook."""
+    """A component root's forward pre-hook while some layer of its lockstep rings' blocks is
+    merged with its adapters disabled (:meth:`BlockWatch._schedule_unmerge`). Weak: the root
+    holds the hook."""
 
     __slots__ = ("_watch", "_root")
 
@@ -718,6 +786,26 @@ class _UnmergeDisabled:
         watch, root = self._watch(), self._root()
         if watch is not None and root is not None:
             watch._unmerge_disabled(root)
+
+
+class _UnmergeBlock:
+    """A block's forward pre-hook while some layer of it is merged with its adapters disabled
+    (:meth:`BlockWatch._schedule_unmerge`), on a ring that is not lockstep. Weak: the block holds
+    the hook, and the ring holds the block."""
+
+    __slots__ = ("_watch", "_ring")
+
+    def __init__(self, watch: "weakref.ref[BlockWatch]", ring: "weakref.ref[BlockRing]") -> None:
+        self._watch = watch
+        self._ring = ring
+
+    # Run eagerly, as the ring's own hooks: an edit synchronises and rebinds tensors, which no
+    # compiled graph may hold.
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        watch, ring = self._watch(), self._ring()
+        if watch is not None and ring is not None:
+            watch._unmerge_block(ring, module)
 
 
 # torch's registration hooks are global and live as long as the process: a hook that held a

@@ -191,3 +191,36 @@ def test_a_cache_enabled_before_offloading():
     handle.remove()
     assert [torch.equal(a, b) for a, b in zip(got, ref)] == [True] * STEPS
     assert len(fills) < 4 * STEPS  # the ring saw the cache's skips
+
+
+def test_a_single_block_dit_whose_head_hook_decides_runs_on_its_weights():
+    """On a DiT of one block diffusers puts MagCache's head hook beside the block hook, whose
+    state still holds the last forward's decision when the block is called: the block counts as
+    running, and is bound. Under 8-bit storage a block left unbound runs on placeholders (NaN on
+    the CPU, where the parked copy is on the block's device). The reference: the resident model
+    under diffusers' layerwise casting."""
+    config, _, _ = cache_configs()["mag"]
+    ran = []
+
+    def steps(offload: bool) -> list[torch.Tensor]:
+        model = tiny.tiny_wan_transformer(num_layers=1)
+        model.blocks[0].attn1.register_forward_pre_hook(lambda *_: ran.append(offload))
+        if offload:
+            handle = apply_offload(model, {"mode": "layer", "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})
+        else:
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+        model.enable_cache(config)
+        torch.manual_seed(1)
+        base, text = torch.randn(1, 16, 2, 8, 8), torch.randn(1, 8, tiny.TINY_TEXT_DIM)
+        outs = []
+        with torch.no_grad():
+            for s in range(STEPS):
+                kwargs = {"hidden_states": base + 0.001 * s, "timestep": torch.full((1,), 999.0 - s * 125),
+                          "encoder_hidden_states": text, "return_dict": False}
+                outs.append(model(**kwargs)[0])
+        if offload:
+            handle.remove()
+        return outs
+
+    assert [torch.equal(a, b) for a, b in zip(steps(True), steps(False))] == [True] * STEPS
+    assert 0 < ran.count(True) == ran.count(False) < STEPS  # the head skipped the block, and ran it

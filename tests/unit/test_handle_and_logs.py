@@ -200,3 +200,18 @@ def test_discard_frees_the_offload_without_restoring_it(options):
     for config in ({}, {"device_budget": "100KiB"}):
         with pytest.raises(OffloadConfigError, match=r"transformer \(ToyDiT\) was emptied by OffloadHandle.discard"):
             apply_offload(model, {"mode": "layer", "components": ["dit"], **config})
+
+
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [0]}], ids=["streamed", "resident-block"])
+def test_load_state_dict_into_a_model_built_under_inference_mode_is_what_the_next_forward_runs(options):
+    """Its tensors are inference tensors, which keep no version counter: a write into the host
+    copy is not seen by the ring, so the component's ``load_state_dict`` forgets the slots after
+    it (two blocks, two slots: the last forward left every streamed block in one)."""
+    with torch.inference_mode():
+        model, other, x = ToyDiT(2), ToyDiT(2, seed=1), torch.randn(4, 8)
+        want = other(x)
+        handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "layer_options": {"dit": options}})
+        first = model(x)
+        model.load_state_dict(other.state_dict())
+        assert not torch.equal(first, want) and torch.equal(model(x), want)
+    handle.remove()

@@ -343,10 +343,64 @@ def test_disabling_fused_adapters_unfuses_between_forwards_as_peft_does_in_one(o
         got.append(model(**x)[0])
     assert [torch.equal(a, b) for a, b in zip(got, want)] == [True] * len(want)
     handle.remove()
-    assert not any("_forward_pre_hooks" in vars(m) and any(type(h).__name__ == "_UnmergeDisabled"
+    assert not any("_forward_pre_hooks" in vars(m) and any(type(h).__name__ in ("_UnmergeBlock", "_UnmergeDisabled")
                                                            for h in m._forward_pre_hooks.values())
                    for m in model.modules())
     assert torch.equal(model(**x)[0], want[-1])
+
+
+@pytest.mark.parametrize("after", ["enable", "unload", "remove"])
+@pytest.mark.parametrize("options", [{}, {"resident_blocks": [2]}], ids=["streamed", "resident"])
+@torch.no_grad()
+def test_fused_adapters_disabled_stay_fused_in_blocks_a_cache_skips(options, after, loras):
+    """peft unmerges a fused layer whose adapters are disabled in that layer's own forward: a
+    block a step cache skips keeps its layers fused, and a later ``enable_lora`` (fused again:
+    the adapters are not added twice), ``unload_lora`` (the base weights keep the fusion) or
+    ``remove()`` finds them so. The watch unmerges per block, before each block that runs."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    a = {k: v.clone() for k, v in loras[0].items()}
+
+    def run(offload: bool):
+        model = tiny.tiny_wan_transformer(num_layers=3)
+        x = tiny.wan_transformer_inputs(model)
+        handle = apply_offload(model, {"mode": "layer", "layer_options": {"dit": options}}) if offload else None
+        model.load_lora_adapter({k: v.clone() for k, v in a.items()}, prefix="transformer", adapter_name="a")
+        model.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+        ran = []
+        for i, block in enumerate(model.blocks):
+            block.attn1.register_forward_pre_hook(lambda *_, i=i: ran.append(i))
+
+        def forward() -> torch.Tensor:
+            ran.clear()
+            with model.cache_context("cond"):
+                return model(**x)[0]
+
+        outs = [forward()]
+        model.fuse_lora(lora_scale=0.8)
+        model.disable_lora()
+        outs.append(forward())  # the cache runs block 0 only
+        skipped = list(ran)
+        merged = [m.merged for m in model.modules() if hasattr(m, "lora_A")]
+        if after == "enable":
+            model.enable_lora()
+        elif after == "unload":
+            model.unload_lora()
+        elif handle is not None:
+            handle.remove()
+        model._reset_stateful_cache()
+        outs.append(forward())  # every block runs
+        if handle is not None and after != "remove":
+            handle.remove()
+        assert not any(type(h).__name__ in ("_UnmergeBlock", "_UnmergeDisabled")
+                       for m in model.modules() for h in m._forward_pre_hooks.values())
+        return outs, skipped, merged, model.state_dict()
+
+    (got, got_ran, got_merged, got_state), (want, want_ran, want_merged, want_state) = run(True), run(False)
+    assert got_ran == want_ran == [0]
+    assert got_merged == want_merged and 0 < sum(want_merged) < len(want_merged)
+    assert [torch.equal(g, w) for g, w in zip(got, want)] == [True] * 3
+    assert all(torch.equal(got_state[k], v) for k, v in want_state.items()) and got_state.keys() == want_state.keys()
 
 
 @pytest.mark.parametrize("config", [
