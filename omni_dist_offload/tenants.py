@@ -690,7 +690,7 @@ class BlockWatch:
     # decides on its own, so there every such layer is unmerged as the component's next forward
     # starts, on every rank alike, whether or not its block then runs.
     def _schedule_unmerge(self, layer: nn.Module, ring: BlockRing) -> None:
-        if not (getattr(layer, "disable_adapters", False) and getattr(layer, "merged", False)):
+        if not _merged_while_disabled(layer):
             return
         if _lockstep(ring):
             root = ring.component.module
@@ -719,7 +719,7 @@ class BlockWatch:
         if probe is not None and probe(block):
             return
         for sub in block.modules():
-            if sub in self._wrapped and getattr(sub, "disable_adapters", False) and getattr(sub, "merged", False):
+            if sub in self._wrapped and _merged_while_disabled(sub):
                 sub.unmerge()  # the edit set by _follow
         hook = self._block_unmerges.pop(block, None)
         if hook is not None:
@@ -730,7 +730,7 @@ class BlockWatch:
         their adapters disabled, in module order (the same on every rank: an edit is collective
         there), then drop the hook that called this."""
         for sub in root.modules():
-            if sub in self._wrapped and getattr(sub, "disable_adapters", False) and getattr(sub, "merged", False):
+            if sub in self._wrapped and _merged_while_disabled(sub):
                 owner = self._owner.get(sub)
                 ring = owner[0]() if owner is not None else None
                 if ring is not None and _lockstep(ring):
@@ -754,6 +754,11 @@ class BlockWatch:
         ring = owner[0]() if owner is not None else None
         if ring is not None and tensor is not None:
             ring.adopt_pending = True
+
+
+def _merged_while_disabled(layer: nn.Module) -> bool:
+    """A tuner layer that peft's forward would unmerge: merged, with its adapters disabled."""
+    return bool(getattr(layer, "disable_adapters", False) and getattr(layer, "merged", False))
 
 
 def _lockstep(ring: BlockRing) -> bool:

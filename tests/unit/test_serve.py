@@ -718,9 +718,8 @@ def _leave(port: int, body: dict):
     return sock
 
 
-def test_slots_of_a_client_that_left_leave_the_queue_at_once() -> None:
-    # They used to stay until the running slot ended: counted in /health, /metrics and against
-    # --max-queue, so clients that queue work and leave could get every other client 429.
+def _gated_tiny_flux() -> tuple[Omni, threading.Event, list[str]]:
+    """tiny-flux whose generations each wait for ``gate``; ``ran`` lists the prompts that started."""
     omni = Omni("tiny-flux", CONFIG, progress=False)
     generate, gate, ran = omni.generate, threading.Event(), []
 
@@ -730,6 +729,13 @@ def test_slots_of_a_client_that_left_leave_the_queue_at_once() -> None:
         return generate(prompt, **kwargs)
 
     omni.generate = gated
+    return omni, gate, ran
+
+
+def test_slots_of_a_client_that_left_leave_the_queue_at_once() -> None:
+    # They used to stay until the running slot ended: counted in /health, /metrics and against
+    # --max-queue, so clients that queue work and leave could get every other client 429.
+    omni, gate, ran = _gated_tiny_flux()
     with in_process(omni, ServeOptions(port=0, max_queue=2)) as service, ThreadPoolExecutor(2) as pool:
         port = service.options.port
         try:
@@ -1526,15 +1532,7 @@ def test_bytes_pipelined_behind_a_request_still_being_answered_are_bounded() -> 
     the handler's disconnect polls, without limit (about 1 MiB/s a connection). Past --max-body
     plus 64 KiB the connection is closed, which drops its request as a client that left; a
     keep-alive client's next request, pipelined, is still answered in turn."""
-    omni = Omni("tiny-flux", CONFIG, progress=False)
-    generate, gate, ran = omni.generate, threading.Event(), []
-
-    def gated(prompt: str, **kwargs):
-        ran.append(prompt)
-        assert gate.wait(60)
-        return generate(prompt, **kwargs)
-
-    omni.generate = gated
+    omni, gate, ran = _gated_tiny_flux()
     with in_process(omni, ServeOptions(port=0, max_body_bytes=64 << 10)) as service:
         port = service.options.port
         polite = _leave(port, {"prompt": "first", "seed": 1})
