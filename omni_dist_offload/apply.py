@@ -5,7 +5,8 @@ config, discovery, layouts, ownership checks, and (allgather) the weight group e
 on. The second changes the target: each component's blocks move into host buffers (or this
 rank's shards) one block at a time, its ring and slots are built, everything else moves to the
 device and the hooks go in. If anything in the second phase fails, what was done is undone and
-the target is as it was; under allgather the ranks agree at the end, all or nothing.
+the target is as it was; under allgather the ranks agree once every host copy is filled (before
+the weight group's first collective) and at the end, all or nothing.
 """
 
 from __future__ import annotations
@@ -258,9 +259,10 @@ class OffloadHandle:
         setup created. Calling it again does nothing.
 
         With allgather rings this is collective: every rank of the weight group calls it, at
-        the same point. If a rank is missing or out of step, it raises and changes nothing: the
-        model stays offloaded (its streamed blocks are gathered into storage of their own before
-        anything is bound)."""
+        the same point. If a rank is missing or out of step, or fails to restore a block (its
+        device out of memory), every rank raises and changes nothing: the model stays offloaded,
+        the ranks in step (its streamed blocks are gathered into storage of their own, and the
+        ranks agree that every one of them has all of it, before anything is bound)."""
         if self._removed:
             return
         self._synchronize()
@@ -269,13 +271,14 @@ class OffloadHandle:
                 stored.settle()  # a layer a Ctrl-C left on the upcast buffer: its 8-bit tensors again
         rings = self.rings
         lockstep = [ring for ring in rings if ring._lockstep]
+        agreeing = bool(lockstep) and self._groups.group is not None and dist.is_initialized()  # (a job may tear down first)
         try:
             broken = next((ring._broken for ring in lockstep if ring._broken), None)
             if broken is not None:  # its blocks cannot be gathered
                 raise RuntimeError(broken)
             for ring in lockstep:
                 ring.finish_interrupted()  # a forward a Ctrl-C cut short: its fills, as every rank's
-            if lockstep and self._groups.group is not None and dist.is_initialized():  # (a job may tear down first)
+            if agreeing:
                 try:
                     self._groups.agree_in_step("remove()", {ring.component.name: ring._fills for ring in lockstep})
                 except RuntimeError as exc:
@@ -283,7 +286,14 @@ class OffloadHandle:
                         for ring in lockstep:
                             ring._broken = f"{ring.component.name}: {exc}"
                     raise
-            streamed = [ring.restored_streamed(self.device) for ring in rings]
+            streamed, error = self._restored_streamed(rings, lockstep)
+            if agreeing:
+                # Every rank made every gather; none binds unless every one has all its blocks.
+                failed = self._groups.agree_done("remove()", None if error is None else f"{type(error).__name__}: {error}")
+                if failed:
+                    raise RuntimeError("; ".join(f"rank {r} failed: {why}" for r, why in failed)) from error
+            elif error is not None:
+                raise error
         except RuntimeError as exc:
             raise RuntimeError(f"remove() changed nothing; the model is still offloaded: {exc}") from exc
         self._unguard_casts()  # what undoing the storage does may cast
@@ -295,6 +305,37 @@ class OffloadHandle:
         for stored in self._stored:
             stored.unstore()
         self._ended()
+
+    def _restored_streamed(self, rings: Sequence[BlockRing], lockstep: Sequence[BlockRing]
+                           ) -> tuple[list[dict[int, list[torch.Tensor]]], Exception | None]:
+        """:meth:`remove`'s gathers: every ring's streamed blocks in storage of their own, bound to
+        nothing yet, and this rank's first failure, if any. With lockstep rings a failure of this
+        rank's own (the device out of memory for a restored tensor) does not end it: each such
+        ring makes all of its fills, as every rank of the weight group does
+        (``BlockRing.restored_streamed``), and so does every ring after it, so that the ranks'
+        gathers stay paired and the failure can be agreed on. A failed fill (a collective) ends
+        it at once: no gather of the weight group can be trusted after it, so every lockstep
+        ring refuses from then on."""
+        streamed: list[dict[int, list[torch.Tensor]]] = []
+        error: Exception | None = None
+        for ring in rings:
+            if error is not None and not ring._lockstep:  # no gathers to make: nothing to do
+                streamed.append({})
+                continue
+            try:
+                # After a failure the fills alone (what is restored would be dropped).
+                streamed.append(ring.restored_streamed(self.device) if error is None
+                                else ring.restored_streamed(self.device, keep=False))
+            except Exception as exc:
+                if ring._broken is not None:  # its fills failed: the weight group's gathers no longer pair
+                    for other in lockstep:
+                        other._broken = other._broken or ring._broken
+                    raise RuntimeError(ring._broken) from exc
+                if not lockstep:
+                    raise
+                error = error or exc
+                streamed.append({})
+        return streamed, error
 
     def discard(self) -> None:
         """End the offload without bringing the model back, for when the model is done with:
@@ -663,7 +704,9 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
 
     # Phase 2 changes the target; any failure undoes it.
     handle = OffloadHandle(target, modules, dev, cfg, groups)
-    setup = _Setup.start(cfg, dev, any(s.group is not None for s in specs), progress, groups)
+    gathers = any(s.group is not None for s in specs)
+    setup = _Setup.start(cfg, dev, gathers, progress, groups)
+    filled: list[_Filled] = []  # host copies whose rings are not built yet: undone here on a failure
     try:
         in_blocks = {id(e.tensor) for ls in layouts.values() for l in ls for e in l.entries}
         upcasts = {}
@@ -671,8 +714,32 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
             if c.name in per_layer:  # before the rings point the tensors at their 8-bit bytes
                 upcasts[c.name] = upcast_per_layer(c.module, casts[c.name], in_blocks, dev)
                 handle._keep_stored(c.module, upcasts[c.name])
+        # Every ring's host copy first (and a ring of 8-bit images that does not gather, its
+        # resident images): this rank's own work, which may fail on this rank only (page-locking,
+        # host or device memory; a shared ring's fill agrees with the other ranks itself). Then,
+        # where some ring gathers, the ranks agree that every copy is filled before any makes a
+        # collective of the weight group (the gathers that bring in a ring's 8-bit images, the
+        # copy-engine gather's slots: a rendezvous). A rank that failed here would otherwise be
+        # told of in the setup's last agreement, where it would wait while the others waited in
+        # that collective until collective_timeout_s.
         for spec in specs:
-            ring, originals = _build_ring(spec, setup)
+            filled.append(_fill_ring(spec, setup))
+            if spec.group is None:
+                _hold_images(filled[-1])
+        if gathers:
+            _agree_filled(groups)
+        for fill in filled:
+            if fill.spec.group is not None:  # agreed before its first gather (CastingTransfer.hold)
+                _hold_images(fill)
+        # The rings whose slots are this rank's own first, then those of a gather: the
+        # copy-engine gather's slots are a collective (agreed before its rendezvous), which a rank
+        # whose device could not hold another ring's slots must not leave the others waiting in.
+        built = {k: None for k in range(len(filled))}
+        for k in sorted(built, key=lambda k: filled[k].spec.group is not None):
+            built[k] = _ring_of(filled[k], setup)  # a failure: every fill is still listed, undone below
+        for k in built:
+            ring, originals = built[k]
+            spec = filled.pop(0).spec
             if spec.component.name in upcasts:
                 ring.upcasts = upcasts[spec.component.name].compute_dtypes()
             handle._add_ring(ring, originals)
@@ -682,7 +749,11 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
                 handle._keep_stored(c.module, store_outside_blocks(c.module, casts[c.name], in_blocks))
         handle._install(trace_enabled(trace), specs)
     except BaseException as exc:
-        _undo_setup(handle, groups, specs, exc)
+        try:
+            for fill in reversed(filled):
+                _undo_filled(fill)
+        finally:
+            _undo_setup(handle, groups, specs, exc)
         raise
     finally:
         setup.pin.close()
@@ -1252,9 +1323,24 @@ class _Setup:
                    cfg.collective_timeout_s, progress, groups)
 
 
-def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[torch.Tensor]] | None]:
-    """One component's ring, and (allgather) its blocks' original storage, kept until every
-    rank's setup has succeeded."""
+@dataclasses.dataclass(slots=True)
+class _Filled:
+    """One ring's host copy, filled, before its ring is built."""
+
+    spec: _RingSpec
+    transfer: Any
+    parked: list
+    resident: dict[int, torch.Tensor]
+    originals: list[list[torch.Tensor]] | None
+    """allgather (and 8-bit copies): the blocks' original storage, kept until every rank's setup
+    has succeeded."""
+    seconds: float
+    """Spent filling and page-locking it (and bringing its 8-bit images in)."""
+
+
+def _fill_ring(spec: _RingSpec, setup: _Setup) -> _Filled:
+    """One component's host copy (this rank's shards under allgather), its blocks' tensors
+    parked on it, and its transfer. Undoes itself on a failure."""
     start = time.perf_counter()
     with _setup_bar(setup.progress, spec) as step:
         if spec.group is not None:
@@ -1263,32 +1349,65 @@ def _build_ring(spec: _RingSpec, setup: _Setup) -> tuple[BlockRing, list[list[to
             transfer, parked, resident, originals = _fill_shared(spec, setup, step)
         else:
             transfer, parked, resident, originals = _fill_buffers(spec, setup, step)
-        if spec.stored:
-            transfer = CastingTransfer(transfer, spec.layouts, spec.storage_dtype, setup.streams, setup.device)
-    try:
-        ring = BlockRing(spec.component, spec.layouts, transfer, setup.device, parked, resident,
-                         spec.residency.num_slots)
-        # A ring of 8-bit images brings its plan's images in now, before the ranks agree, so that
-        # a failure here (the device out of memory) is one every rank hears of. A shared ring's
-        # fill has agreed already that every rank wrote its part: the copy holds every block.
-        if spec.stored and spec.residency.resident:
-            ring.apply_plan(spec.residency.resident, spec.residency.num_slots, settle=spec.residency.settled)
-    except BaseException:
-        if originals is None:  # give the blocks their storage back, as _fill_buffers does on failure
-            restore_blocks(spec.layouts, [parked[i] if parked[i] is not None else
-                                          [e.view_in(resident[i]) for e in l.entries]
-                                          for i, l in enumerate(spec.layouts)], None)
-        else:
-            for layout, data in zip(spec.layouts, originals):
-                bind(layout.entries, data)
-        transfer.release()
-        raise
-    ring.setup_s = time.perf_counter() - start
+    filled = _Filled(spec, transfer, parked, resident, originals, 0.0)
+    if spec.stored:
+        try:
+            filled.transfer = CastingTransfer(transfer, spec.layouts, spec.storage_dtype, setup.streams, setup.device,
+                                              spec.component.name)
+        except BaseException:
+            _undo_filled(filled)
+            raise
+    filled.seconds = time.perf_counter() - start
+    return filled
+
+
+def _hold_images(filled: _Filled) -> None:
+    """A ring of 8-bit images brings its plan's images in before its ring is built (which then
+    sizes its staging buffers to the images that still stream), and before the ranks agree at
+    the end of setup, so that a failure here (the device out of memory) is one every rank hears
+    of. Under a gather it is collective: ``hold`` agrees with the weight group before its first
+    gather (every rank raises there alike; each tells the ranks of other weight groups at its
+    undo). A shared ring's fill has agreed already that every rank wrote its part: the copy
+    holds every block."""
+    spec, residency = filled.spec, filled.spec.residency
+    if not (spec.stored and residency.resident):
+        return
+    start = time.perf_counter()
+    filled.transfer.hold(residency.resident)
+    if residency.settled:  # resident for good: held blocks give up their host copies
+        for i in residency.resident:
+            if filled.transfer.has_host_copy(i):
+                filled.transfer.drop(i)
+    filled.seconds += time.perf_counter() - start
+
+
+def _ring_of(filled: _Filled, setup: _Setup) -> tuple[BlockRing, list[list[torch.Tensor]] | None]:
+    """The ring of a filled host copy, and (allgather) its blocks' original storage, kept until
+    every rank's setup has succeeded. On a failure the caller undoes the fill
+    (:func:`_undo_filled`)."""
+    spec = filled.spec
+    ring = BlockRing(spec.component, spec.layouts, filled.transfer, setup.device, filled.parked, filled.resident,
+                     spec.residency.num_slots)
+    ring.setup_s = filled.seconds
     ring.storage_dtype = spec.storage_dtype
     ring.upcast = spec.upcast if spec.storage_dtype is not None else None
     ring.plan = spec.residency.plan
     ring.budget = spec.residency.budget
-    return ring, originals
+    return ring, filled.originals
+
+
+def _undo_filled(filled: _Filled) -> None:
+    """A host copy whose ring was not built: give the blocks their storage back (as
+    ``_fill_buffers`` does on a failure), free the copy."""
+    spec, parked, resident = filled.spec, filled.parked, filled.resident
+    if filled.originals is None:
+        restore_blocks(spec.layouts, [parked[i] if parked[i] is not None else
+                                      [e.view_in(resident[i]) for e in l.entries]
+                                      for i, l in enumerate(spec.layouts)], None)
+    else:
+        for layout, data in zip(spec.layouts, filled.originals):
+            bind(layout.entries, data)
+    filled.transfer.release()
 
 
 def _device_copy(spec: _RingSpec, layout: BlockLayout, setup: _Setup, image: torch.Tensor | None) -> torch.Tensor:
@@ -1611,6 +1730,24 @@ def _agreed_failure(failed: Sequence[tuple[int, str]]) -> RuntimeError:
         f"apply_offload failed on rank {rank} ({error}); every rank undid its setup, since "
         "the ranks share weights (allgather or shared). Fix the error on that rank and apply again."
     )
+
+
+def _agree_filled(groups: GroupSession) -> None:
+    """allgather: every rank filled its host copies, agreed before the weight group's first
+    collective (see ``_apply_offload``); otherwise every rank raises alike, and the caller
+    undoes this rank's setup. Every rank knows the outcome (or the exchange broke): no rank
+    tells the others again (``AGREED``)."""
+    try:
+        failed = groups.agree(None)
+    except BaseException as exc:
+        exc.add_note("apply_offload could not agree with the other ranks that every host copy was filled; "
+                     "this rank undid its setup (the model is as it was).")
+        setattr(exc, AGREED, True)
+        raise
+    if failed:
+        exc = _agreed_failure(failed)
+        setattr(exc, AGREED, True)
+        raise exc
 
 
 def _agree_all_or_nothing(handle: OffloadHandle, groups: GroupSession, specs: Sequence[_RingSpec]) -> None:

@@ -30,6 +30,7 @@ from .layout import BlockLayout, bind, restored
 from .plan import StreamedComponent
 from .residency import ResidencyPlan, RingCosts, image_slot_bytes
 from .trace import RingTracer
+from .transfer.groups import IN_STEP, agree_step
 from .transfer.protocol import WeightTransfer
 
 __all__ = ["NUM_SLOTS", "BlockRing", "check_not_cuda_graphs"]
@@ -1048,18 +1049,29 @@ class BlockRing:
                 kept = self._kept_views(i)
                 views = [*kept, *self._slot_views[slot][i]]
             bind(layout.entries, views)
-            # upcast "layer": the edit sees the weights in the model's dtype, as under "block",
-            # and what it leaves is stored in 8 bits again (rounded as Tensor.to rounds).
-            for entry in layout.entries:
-                compute = self.upcasts.get(id(entry.tensor))
-                if compute is not None:
-                    entry.tensor.data = entry.tensor.data.to(compute)
+            # Under allgather every rank compares its edit with the others' (collectives): a rank
+            # whose edit raised joins them too, saying so, and every rank raises there (no rank's
+            # collectives then pair with another's next fill).
+            checked = self._lockstep and (slot is not None or self.transfer.has_host_copy(i))
             try:
-                result = edit()
-                for entry, view in zip(layout.entries, views):
-                    _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
-                if self._lockstep and (slot is not None or self.transfer.has_host_copy(i)):
-                    self._check_same_edit(i, views)
+                error: Exception | None = None
+                try:
+                    # upcast "layer": the edit sees the weights in the model's dtype, as under
+                    # "block", and what it leaves is stored in 8 bits again (rounded as Tensor.to
+                    # rounds).
+                    for entry in layout.entries:
+                        compute = self.upcasts.get(id(entry.tensor))
+                        if compute is not None:
+                            entry.tensor.data = entry.tensor.data.to(compute)
+                    result = edit()
+                    for entry, view in zip(layout.entries, views):
+                        _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
+                except Exception as exc:  # noqa: BLE001 - lockstep: told to the other ranks, then raised
+                    if not checked:
+                        raise
+                    error = exc
+                if checked:
+                    self._check_same_edit(i, views, error)
                 if slot is not None:
                     self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
                     if layout.image is not None:
@@ -1089,7 +1101,7 @@ class BlockRing:
                     bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
 
-    def _check_same_edit(self, i: int, parts: Sequence[torch.Tensor]) -> None:
+    def _check_same_edit(self, i: int, parts: Sequence[torch.Tensor], error: Exception | None = None) -> None:
         """Under allgather every rank must leave the same bytes in a block it edits: each writes
         back its own shard only, so different edits (adapters, or scales, fused differently on
         different ranks) would be stitched into one block at the next gather, wrong on every
@@ -1097,19 +1109,36 @@ class BlockRing:
         element-wise maximum or minimum differs from each rank's own bytes, so every rank finds
         it. Raises before anything is written back (the host shards keep the block as it was).
         ``parts``: the block's tensors (not its buffer, whose alignment gaps hold whatever the
-        allocator left there, on each rank its own)."""
+        allocator left there, on each rank its own). ``error``: this rank's edit raised it.
+
+        The comparison's buffers are allocated first, and the ranks agree that every edit (and
+        allocation) succeeded before the first comparison (``groups.agree_step``): a rank whose
+        edit raised would otherwise leave the others in the comparison's collectives, which its
+        next fills would answer. Where one failed, every rank raises there."""
         group = _weight_group(self.transfer)
         if group is None or group.size == 1:
+            if error is not None:
+                raise error
             return
-        differs = torch.zeros((), dtype=torch.bool, device=self.device)
-        for part in parts:
-            flat = part.detach().reshape(-1).view(torch.uint8)
+        flats = [part.detach().reshape(-1).view(torch.uint8) for part in parts]
+        try:
+            if error is None:
+                n = min(_EDIT_CHUNK, max((f.numel() for f in flats), default=0))
+                most = torch.empty(n, dtype=torch.uint8, device=self.device)
+                least = torch.empty(n, dtype=torch.uint8, device=self.device)
+                differs = torch.zeros((), dtype=torch.bool, device=self.device)
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised (agree_step)
+            error = exc
+        agree_step(group, self.device, error, f"{self.component.name}: editing block {self.layouts[i].name}")
+        for flat in flats:
             for start in range(0, flat.numel(), _EDIT_CHUNK):
                 own = flat[start: start + _EDIT_CHUNK]
-                most, least = own.clone(), own.clone()
-                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group.group)
-                dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group.group)
-                differs |= (most != own).any() | (least != own).any()
+                high, low = most[: own.numel()], least[: own.numel()]
+                high.copy_(own)
+                low.copy_(own)
+                dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group.group)
+                dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group.group)
+                differs |= (high != own).any() | (low != own).any()
         if bool(differs):  # an edit, not the per-block path
             raise RuntimeError(
                 f"{self.component.name}: the ranks of the weight group edited block {self.layouts[i].name} "
@@ -1263,7 +1292,12 @@ class BlockRing:
         it makes are made in the mode setup ran in (ordinary tensors when ``apply_offload`` ran
         outside it, so ``remove()`` can write them later). A failure part way leaves a ring
         that is consistent for the blocks it had moved by then, streaming through the slots it
-        was given, or two where those could not be had (see :meth:`_configure_new_slots`)."""
+        was given, or two where those could not be had (see :meth:`_configure_new_slots`).
+        Under a gather, whose plan gathers are collectives paired by order only, what could fail
+        on one rank comes before the first and the ranks agree on it
+        (:meth:`_agreed_plan_buffers`): where one failed, every rank raises, the ring as it was;
+        a failure after that leaves this rank's gathers short of its peers', and the ring refuses
+        from then on (:meth:`_lose_step`)."""
         resident = frozenset(resident)
         bad = [i for i in resident if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.layouts)]
         if bad:  # bad input changes nothing
@@ -1290,7 +1324,11 @@ class BlockRing:
                                  f"(a streamed block keeps a leading part that ends where one of its tensors "
                                  f"starts; under allgather, one of the ring's cuts())")
         with torch.inference_mode(self._inference), torch.no_grad():
-            self._adopt_given_storage()
+            if gather:  # every rank has what the plan needs, or every rank raises here: nothing changed
+                buffers, scratch = self._agreed_plan_buffers(resident, kept)
+            else:
+                self._adopt_given_storage()
+                buffers, scratch = None, None
             try:
                 if not gather:
                     # The old slots go first: blocks come in through a buffer of one block each,
@@ -1300,10 +1338,18 @@ class BlockRing:
                         torch.cuda.synchronize(self.device)
                     self.slots, self._slot_views, self._fill_views = [], [], []
                     self.transfer.allocate_slots(0, 0)
-                self._apply_plan(resident, kept, settle)
+                self._apply_plan(resident, kept, settle, buffers, scratch)
+            except BaseException as exc:
+                self._lose_step(exc, "applying its residency plan")
+                raise
             finally:
                 self.slots, self._slot_views, self._fill_views = [], [], []  # the old go before the new come
-                self._configure_new_slots(num_slots)
+                if self._broken is None:  # a broken ring makes no more collectives (the copy-engine's slots)
+                    try:
+                        self._configure_new_slots(num_slots)
+                    except BaseException as exc:
+                        self._lose_step(exc, "allocating the slots of its new residency plan")
+                        raise
                 if self.tracer is not None:  # parts now kept move no more
                     self.tracer.nbytes = self._fill_bytes()
         if settle:
@@ -1330,11 +1376,18 @@ class BlockRing:
             self.transfer.drop_slots()
             try:
                 # Held first: the staging buffers are then sized to the images that still stream.
+                # Under a gather, hold() agrees with the other ranks before its first gather.
                 self.transfer.hold(resident)
-            except BaseException:
-                self._configure_new_slots(NUM_SLOTS)  # the blocks held by then run from the device
+            except BaseException as exc:
+                self._lose_step(exc, "holding the 8-bit images of its residency plan")
+                if self._broken is None:  # a broken ring makes no more collectives (the copy-engine's slots)
+                    self._configure_new_slots(NUM_SLOTS)  # the ring streams on as it was
                 raise
-            self._configure_new_slots(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
+            try:
+                self._configure_new_slots(max(num_slots, NUM_SLOTS))  # held blocks run from a slot too
+            except BaseException as exc:
+                self._lose_step(exc, "allocating the slots of its new residency plan")
+                raise
         if settle:
             for i in resident:
                 if self.transfer.has_host_copy(i):
@@ -1356,7 +1409,11 @@ class BlockRing:
                     self._configure(NUM_SLOTS)
             raise
 
-    def _apply_plan(self, new: frozenset[int], kept: dict[int, int], settle: bool) -> None:
+    def _apply_plan(self, new: frozenset[int], kept: dict[int, int], settle: bool,
+                    buffers: Mapping[int, torch.Tensor] | None = None, scratch: torch.Tensor | None = None) -> None:
+        """``buffers``, ``scratch``: a gathering ring's device buffers, allocated and agreed before
+        the first gather (:meth:`_agreed_plan_buffers`, which also wrote back the demoted blocks);
+        None: allocated here, block by block."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
         for i in sorted(self._kept):  # partly kept blocks stream whole again first
@@ -1369,7 +1426,7 @@ class BlockRing:
             if self._parked[i] is None:
                 raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} has no host copy "
                                    "to stream from; it was made resident for good")
-            if self._written_on_device(i):
+            if buffers is None and self._written_on_device(i):  # (a gathering ring's: written back already)
                 self._write_back_resident(i)
             bind(self.layouts[i].entries, self._parked[i])
             del self._device_blocks[i]
@@ -1379,7 +1436,8 @@ class BlockRing:
         self._slot_block = [_EMPTY] * self.num_slots
         for i in promote:
             layout = self.layouts[i]
-            buf = self._whole_on_device(i)[: layout.nbytes].clone()
+            whole = self._whole_on_device(i, scratch)[: layout.nbytes]
+            buf = buffers[i].copy_(whole) if buffers is not None else whole.clone()
             bind(layout.entries, [e.view_in(buf) for e in layout.entries])
             self._device_blocks[i] = buf
             self._note_device_versions(i)
@@ -1387,8 +1445,8 @@ class BlockRing:
         for i, nbytes in sorted(kept.items()):
             layout = self.layouts[i]
             k = next(j for j, e in enumerate(layout.entries) if j and e.offset == nbytes)
-            whole = self._whole_on_device(i)
-            buf = whole[:nbytes].clone()
+            whole = self._whole_on_device(i, scratch)
+            buf = buffers[i].copy_(whole[:nbytes]) if buffers is not None else whole[:nbytes].clone()
             kept_views = [e.view_in(buf) for e in layout.entries[:k]]
             if self.transfer.gather is not None:  # the shards are cut again from what streams
                 self.transfer.keep_part(i, nbytes, whole[nbytes : layout.nbytes])
@@ -1402,6 +1460,64 @@ class BlockRing:
             bind(layout.entries[:k], kept_views)
             self._kept[i], self._kept_bufs[i] = k, buf
             self._note_device_versions(i)
+
+    def _agreed_plan_buffers(self, new: frozenset[int], kept: Mapping[int, int]
+                             ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """A gathering ring's plan change up to its first gather, agreed with the other ranks of
+        the weight group (``groups.agree_step``). Every fill is a collective, paired by order
+        only: a rank that failed part way through the plan's gathers (the device out of memory
+        for a promoted block's buffer) would leave the rest unmade, and its next forward's fills
+        would pair with them. So what could fail on one rank comes first: the tensors given new
+        storage taken in, the demoted blocks' writes written back to their shards, and every
+        device buffer the plan's gathers fill allocated (the promoted blocks', the kept parts',
+        and where slot 0 is too small for a gathered block, a scratch buffer; the copy-engine
+        gather fills only its own slots, which it allocates after agreeing itself). Where any
+        rank failed, every rank raises (:data:`IN_STEP`), the ring as it was, streaming.
+        Returns the buffers by block, and the scratch buffer or None."""
+        error: BaseException | None = None
+        buffers: dict[int, torch.Tensor] = {}
+        scratch = None
+        try:
+            self._adopt_given_storage()
+            for i in sorted(self.resident - new):  # demoted: their shards take what was written on the device
+                if self._parked[i] is None:
+                    raise RuntimeError(f"{self.component.name}: block {self.layouts[i].name} has no host copy "
+                                       "to stream from; it was made resident for good")
+                if self._written_on_device(i):
+                    self._write_back_resident(i)
+            promote = sorted(new - self.resident)
+            for i in promote:
+                buffers[i] = torch.empty(self.layouts[i].nbytes, dtype=torch.uint8, device=self.device)
+            for i, nbytes in sorted(kept.items()):
+                buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            need = max((self.transfer.device_nbytes(i) for i in (*promote, *kept)), default=0)
+            if (need and not (self.slots and self.slots[0].numel() >= need)
+                    and self.transfer.gather != "copy-engine"):
+                scratch = torch.empty(need, dtype=torch.uint8, device=self.device)
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised (agree_step)
+            error = exc
+        if error is not None:
+            buffers, scratch = {}, None  # freed before the agreement: nothing of the plan stays
+        try:
+            agree_step(_weight_group(self.transfer), self.device, error,
+                       f"{self.component.name}: preparing its residency plan")
+        except BaseException as exc:  # the agreement itself failed (a peer gone): no collective pairs now
+            self._lose_step(exc, "agreeing on its residency plan")
+            raise
+        return buffers, scratch
+
+    def _lose_step(self, exc: BaseException, what: str) -> None:
+        """A lockstep ring's plan change failed on this rank part way through its collectives (a
+        gather or the agreement failed, or something this rank did between the gathers, after
+        the ranks had agreed): its gathers no longer pair with the other ranks', which went on
+        with theirs, so the ring refuses to move blocks from then on, with the reason (the rank
+        makes no collective after this: the others time out rather than pair theirs with the
+        wrong ones). Not where every rank raised at the same point (:data:`IN_STEP`): those are
+        in step still."""
+        if self._lockstep and self._broken is None and not getattr(exc, IN_STEP, False):
+            self._broken = (f"{self.component.name}: {what} failed on this rank part way through the collectives "
+                            f"its weight group makes for it ({type(exc).__name__}: {exc}), so the weight group can "
+                            "no longer move blocks in lockstep; end the job on every rank and start it again.")
 
     def _adopt_given_storage(self) -> None:
         """Before a plan change (which rebinds every block's tensors): tensors given new storage
@@ -1440,13 +1556,15 @@ class BlockRing:
                     t.data_ptr() != ptr for t, ptr in zip(self._moving_tensors[i], self._parked_ptrs[i])):
                 self._take_new_storage(i)
 
-    def _whole_on_device(self, i: int) -> torch.Tensor:
-        """Block ``i`` filled whole into slot 0 (or, where slot 0 is smaller than the block: on a
-        rank-local ring a buffer of its own, under a gather a new slot 0 of its size), synchronised.
-        Plan changes only."""
+    def _whole_on_device(self, i: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Block ``i`` filled whole into slot 0 (or, where slot 0 is smaller than the block:
+        ``scratch``, else on a rank-local ring a buffer of its own, under the copy-engine gather a
+        new slot 0 of its size), synchronised. Plan changes only."""
         need = self.transfer.device_nbytes(i)
         if self.slots and self.slots[0].numel() >= need:
             dst = self.slots[0][:need]
+        elif scratch is not None and scratch.numel() >= need:
+            dst = scratch[:need]
         elif self.transfer.gather is None:
             dst = torch.empty(need, dtype=torch.uint8, device=self.device)
         else:
@@ -1471,28 +1589,57 @@ class BlockRing:
         0, so it is collective under allgather: every rank of the weight group calls it."""
         self.bind_restored(self.restored_streamed(device), device)
 
-    def restored_streamed(self, device: torch.device | None) -> dict[int, list[torch.Tensor]]:
+    def restored_streamed(self, device: torch.device | None, keep: bool = True) -> dict[int, list[torch.Tensor]]:
         """The first half of :meth:`restore`: the streamed blocks' tensors in storage of their own
         (collective under allgather), bound to nothing yet, so that a failure (a peer gone) leaves
-        the ring as it was, streaming."""
-        slot, out = 0, {}
-        if self.streamed and not self.slots:  # a plan change could not allocate them: once more
-            self._configure(NUM_SLOTS)
-        for i in self.streamed:
-            layout = self.layouts[i]
-            given = self._given_storage(i)
-            self._slot_block[slot] = _EMPTY
-            with torch.inference_mode(self._inference or torch.is_inference_mode_enabled()):
-                self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
-                                   start=self._base[i])
-            if self._cuda:
-                self._ready[slot].synchronize()  # teardown, not the per-block path
-            views = [*self._kept_views(i), *self._slot_views[slot][i]]
-            out[i] = [restored(e, v, device) if id(e) not in given
-                      else given[id(e)].to(device if device is not None else e.origin)
-                      for e, v in zip(layout.entries, views)]
-            if self._cuda:  # the next fill of slot 0 must wait for these copies
-                self._free[slot].record(torch.cuda.current_stream(self.device))
+        the ring as it was, streaming.
+
+        Lockstep: every rank of the weight group must make the same gathers, so a failure of this
+        rank's own (the device out of memory for a restored tensor) does not end the loop: the
+        remaining fills are made, their results dropped, and the first such error raised at the
+        end (``remove()`` then tells the other ranks, and none binds). ``keep`` False: the fills
+        only, nothing restored (``remove()``, after an earlier ring's failure). A failed fill (a
+        collective) cannot be made up for: the ring is broken from then on, and it raises at once."""
+        slot, out, error = 0, {}, None
+        try:
+            if self.streamed and not self.slots:  # a plan change could not allocate them: once more
+                self._configure(NUM_SLOTS)
+            self._disrupted = True  # slot 0 is reused: a forward after a failed remove() fetches its first block
+            for i in self.streamed:
+                given = {}
+                if keep and error is None:
+                    try:
+                        given = self._given_storage(i)
+                    except Exception as exc:  # noqa: BLE001 - lockstep: the fills go on (see above)
+                        if not self._lockstep:
+                            raise
+                        error = exc
+                self._slot_block[slot] = _EMPTY
+                with torch.inference_mode(self._inference or torch.is_inference_mode_enabled()):
+                    self.transfer.fill(i, self._fill_views[slot][i], self._free[slot], self._ready[slot],
+                                       start=self._base[i])
+                if self._cuda:
+                    self._ready[slot].synchronize()  # teardown, not the per-block path
+                if keep and error is None:
+                    try:
+                        layout = self.layouts[i]
+                        views = [*self._kept_views(i), *self._slot_views[slot][i]]
+                        out[i] = [restored(e, v, device) if id(e) not in given
+                                  else given[id(e)].to(device if device is not None else e.origin)
+                                  for e, v in zip(layout.entries, views)]
+                    except Exception as exc:  # noqa: BLE001 - lockstep: the fills go on (see above)
+                        if not self._lockstep:
+                            raise
+                        error, out = exc, {}  # what was restored goes: nothing is bound
+                if self._cuda:  # the next fill of slot 0 must wait for these copies
+                    self._free[slot].record(torch.cuda.current_stream(self.device))
+        except BaseException as exc:
+            # A fill failed, or this rank stopped making them (an interrupt): the other ranks'
+            # gathers no longer pair with this rank's.
+            self._lose_step(exc, "restoring its blocks (remove())")
+            raise
+        if error is not None:
+            raise error
         return out
 
     def bind_restored(self, streamed: dict[int, list[torch.Tensor]], device: torch.device | None) -> None:

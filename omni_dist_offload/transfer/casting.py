@@ -20,6 +20,7 @@ import torch
 
 from ..layout import BlockLayout
 from ..storage import downcast, upcast
+from .groups import agree_step
 from .protocol import TransferStreams, WeightTransfer, plain_slots
 
 __all__ = ["CastingTransfer"]
@@ -32,8 +33,9 @@ class CastingTransfer:
     """Wraps a transfer whose host copy holds block images in their stored dtypes."""
 
     def __init__(self, inner: WeightTransfer, layouts: Sequence[BlockLayout], storage_dtype: str,
-                 streams: TransferStreams, device: torch.device) -> None:
+                 streams: TransferStreams, device: torch.device, name: str = "") -> None:
         self.inner = inner
+        self._name = name  # the component's, for messages
         self.layouts = tuple(layouts)
         self.storage_dtype = storage_dtype
         self.name, self.gather, self.fallback_reason = inner.name, inner.gather, inner.fallback_reason
@@ -100,35 +102,60 @@ class CastingTransfer:
         """Keep exactly ``blocks``' images on the device. Between forwards, before the plan's
         slots are allocated (so the staging buffers can be sized to the images that still
         stream); synchronises; collective under allgather (every rank holds the same blocks, in
-        the same order)."""
-        wanted = sorted(set(blocks))
-        for i in [i for i in self.held if i not in wanted]:
-            del self.held[i]
-        new = [i for i in wanted if i not in self.held]
+        the same order).
+
+        Images no longer wanted go first (within the budget: their blocks stream from their host
+        copies, which a plan that is not final keeps). Then every new image's buffer is
+        allocated before the first fill, and under a gather the ranks of the weight group agree
+        on it there (``groups.agree_step``): a rank whose device cannot hold them (out of memory)
+        would otherwise leave the gathers while the others went on into them. Where any rank
+        failed, every rank raises there, holding no new image. A failure after that (a gather)
+        holds none either, but leaves the ranks out of step: the caller stops gathering."""
+        wanted = set(blocks)
+        self.held = {i: image for i, image in self.held.items() if i in wanted}
+        new = sorted(wanted - set(self.held))
         if not new:
             return
-        need = max(self.inner.device_nbytes(i) for i in new)
         gather = self.inner.gather is not None
+        images: dict[int, torch.Tensor] = {}
+        error: BaseException | None = None
+        try:
+            for i in new:
+                images[i] = torch.empty(self.inner.device_nbytes(i), dtype=torch.uint8, device=self._device)
+        except Exception as exc:  # noqa: BLE001 - under a gather, told to the other ranks first
+            if not gather:
+                raise
+            error, images = exc, {}
         if gather:
-            # A gather fills only its own slots (the copy-engine gather's are mapped into every
-            # rank of the group): one of the size, for this call only.
-            self._staging = []
-            self.inner.allocate_slots(need, 1)
-            stage = self.inner.slots[0]
-        else:
-            stage = self._scratch(need)
-        for i in new:
-            staged = stage[: self.inner.device_nbytes(i)]
-            # fill() records its ready event; synchronised just below (plan time, never per block).
-            ready = torch.cuda.Event() if self._copy is not None else None
-            self.inner.fill(i, staged, None, ready)
-            if ready is not None:
-                ready.synchronize()
-            self.held[i] = staged.clone()
+            what = f"{self._name}: holding" if self._name else "holding"
+            agree_step(self.inner.group, self._device, error, f"{what} 8-bit images on the device")
         if self._copy is not None:
+            # The new buffers may be memory the compute stream used last: the fills below write
+            # them on the inner's streams.
             torch.cuda.synchronize(self._device)
-        if gather:
-            self.inner.close()
+        # The copy-engine gather fills only its own slots (mapped into every rank of the group):
+        # one of the largest size, for this call only, allocated after the ranks agree in turn.
+        # Any other transfer fills the held buffer itself.
+        mapped = self.inner.gather == "copy-engine"
+        try:
+            if mapped:
+                self._staging = []
+                self.inner.allocate_slots(max(image.numel() for image in images.values()), 1)
+            for i in new:
+                dst = self.inner.slots[0][: images[i].numel()] if mapped else images[i]
+                # fill() records its ready event; synchronised just below (plan time, never per block).
+                ready = torch.cuda.Event() if self._copy is not None else None
+                self.inner.fill(i, dst, None, ready)
+                if ready is not None:
+                    ready.synchronize()
+                if mapped:
+                    images[i].copy_(dst)
+            if self._copy is not None:
+                torch.cuda.synchronize(self._device)
+        finally:
+            if mapped:
+                self.inner.close()
+        self.held = {**self.held, **images}
 
     def fill(self, block, dst, after, ready, marks=None, start=0) -> None:
         if start:

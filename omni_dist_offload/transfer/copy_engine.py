@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..hostmem import HostBuffer
 from .allgather import AllGatherTransfer
-from .groups import WeightGroup
+from .groups import WeightGroup, agree_step
 from .memops import StreamMemOps
 from .protocol import TransferStreams
 from .sharding import ShardPlan
@@ -66,22 +66,29 @@ class CopyEngineGatherTransfer(AllGatherTransfer):
 
     def _allocate_slots(self, nbytes: int, count: int, device: torch.device) -> list[torch.Tensor]:
         """The slots as one symmetric allocation mapped into every rank, with the flag words
-        after them; collective over the weight group."""
+        after them; collective over the weight group. The allocation may fail on one rank only
+        (its device out of memory): the ranks agree on it before the rendezvous, so that every
+        rank raises at once (``groups.agree_step``) rather than the others waiting in it."""
         pg, world = self.group.group, self.group.size
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            # Older torch needs the group registered first; newer torch deprecates the call.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(pg.group_name)
         flags_at = nbytes * count
         total = flags_at + _FLAG_BYTES * world * 2
-        base = symm_mem.empty(total, dtype=torch.uint8, device=device)
-        # Flags start at zero on every rank before any peer can write them: zeroed and
-        # synchronised here, and rendezvous (collective) comes after. The sequence numbers
-        # restart with them (every rank allocates its slots at the same point).
-        self._arrived = self._filled = 0
-        base[flags_at:].zero_()
-        torch.cuda.synchronize(device)
+        error: BaseException | None = None
+        try:
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                # Older torch needs the group registered first; newer torch deprecates the call.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(pg.group_name)
+            base = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            # Flags start at zero on every rank before any peer can write them: zeroed and
+            # synchronised here, and rendezvous (collective) comes after. The sequence numbers
+            # restart with them (every rank allocates its slots at the same point).
+            self._arrived = self._filled = 0
+            base[flags_at:].zero_()
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised (agree_step)
+            error, base = exc, None
+        agree_step(self.group, device, error, "allocating the copy-engine gather's slots")
         handle = symm_mem.rendezvous(base, pg)
         self._handle, self._base = handle, base
         # Each rank's whole allocation as seen from this device; fills slice it per chunk.

@@ -37,7 +37,8 @@ try:  # CUDA symmetric memory is in torch >= 2.5; without it the copy-engine gat
 except ImportError:  # pragma: no cover - older torch
     symm_mem = None
 
-__all__ = ["AGREED", "ALLOW_GLOO_ENV", "ComponentFacts", "GroupSession", "HostRanks", "SetupAsk", "WeightGroup"]
+__all__ = ["AGREED", "ALLOW_GLOO_ENV", "IN_STEP", "ComponentFacts", "GroupSession", "HostRanks", "SetupAsk", "WeightGroup",
+           "agree_step"]
 
 
 #: Set to 1 to let the allgather transfer run over gloo on CPU devices (tests, CI).
@@ -48,6 +49,11 @@ MAX_CTAS_ENV = "OMNI_OFFLOAD_NCCL_MAX_CTAS"
 #: Set on an exception every rank raised alike (all saw the same exchange): no rank tells the
 #: others of it again.
 AGREED = "_omni_offload_agreed"
+#: Set on an exception every rank of a weight group raised at the same point, having made the
+#: same collectives (:func:`agree_step`): the ranks are still in step, so a ring that meets it
+#: goes on (the other hosts' ranks, outside the weight group, do not know of it: see
+#: ``apply.py``'s setup, which still tells them).
+IN_STEP = "_omni_offload_in_step"
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,9 @@ class WeightGroup:
     peer_copy_reason: str | None = "not a CUDA group"
     """None when every GPU of the group can map every other's memory (the copy-engine gather
     can run); otherwise why not."""
+    flags: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """One word per rank for :func:`agree_step`, made with the group (on its device for NCCL, on
+    the host for gloo): an agreement that a device out of memory calls for needs no allocation."""
 
 
 @dataclass(frozen=True)
@@ -324,9 +333,11 @@ class GroupSession:
             return None, reason
         if process_group is not None:
             ranks = facts.group_ranks
-            self.group = WeightGroup(process_group, dist.get_rank(process_group),
-                                     dist.get_world_size(process_group), str(dist.get_backend(process_group)),
-                                     ranks, _peer_copy_reason([f for f in gathered if f.rank in ranks]))
+            backend = str(dist.get_backend(process_group))
+            size = dist.get_world_size(process_group)
+            self.group = WeightGroup(process_group, dist.get_rank(process_group), size, backend,
+                                     ranks, _peer_copy_reason([f for f in gathered if f.rank in ranks]),
+                                     _flags(size, backend, device))
             groups = [list(r) for r in sorted({f.group_ranks for f in gathered if f.group_ranks}, key=lambda r: r[0])]
         else:
             self.group = _host_group(gathered, device, self.timeout_s)
@@ -352,26 +363,44 @@ class GroupSession:
         (on the weight group it would: gloo aborts the process on the sizes, NCCL rebuilds
         nothing), and other weight groups (other hosts) are not waited for. Raises
         ``RuntimeError`` naming what it found."""
-        assert self.group is not None and self._agreement is not None
-        gathered: list[Any] = [None] * self.group.size
-        try:
-            dist.all_gather_object(gathered, (what, {"ranks": self.group.ranks, "fills": fills}),
-                                   group=self._agreement)
-        except RuntimeError as exc:  # a timeout, a peer gone
-            raise RuntimeError(
-                f"the ranks did not all come to {what} within collective_timeout_s ({self.timeout_s:g} s): "
-                f"{exc}. With allgather, every rank calls it at the same point (after the same forwards, "
-                "for the same models in the same order).") from exc
-        if any(tag != what for tag, _ in gathered):
-            raise RuntimeError(f"the ranks of the weight group reached different steps ({_by_rank([t for t, _ in gathered])}) "
-                               f"where every rank calls {what}.")
-        if any(g["fills"] != fills for _, g in gathered):
-            counts = {r: g["fills"] for r, (_, g) in zip(self.group.ranks, gathered)}
+        assert self.group is not None
+        gathered = self._gather_in_group(what, {"ranks": self.group.ranks, "fills": fills},
+                                         f"the ranks did not all come to {what}")
+        if any(g["fills"] != fills for g in gathered):
+            counts = {r: g["fills"] for r, g in zip(self.group.ranks, gathered)}
             raise RuntimeError(
                 f"the ranks of the weight group are out of step at {what}: fills made so far "
                 f"({_by_rank(counts)}). With allgather every rank must run the same forwards (a rank "
                 "that skipped or added some has rebuilt blocks from mixed shards): end the job on every "
                 "rank and start it again.")
+
+    def agree_done(self, what: str, error: str | None) -> list[tuple[int, str]]:
+        """After a step whose collectives every rank of the weight group made in full (``remove()``'s
+        gathers, which a rank whose own part failed still makes): whether each rank's own part
+        succeeded (``error`` None) or why not. Returns the failures by global rank, the same list
+        on every rank, so that all bind or none does. Over the same gloo group as
+        :meth:`agree_in_step`, and only after it. Raises ``RuntimeError`` where the ranks do not
+        all get here."""
+        gathered = self._gather_in_group(f"{what}: done", error, f"the ranks did not all finish {what}'s gathers")
+        return [(r, e) for r, e in zip(self.group.ranks, gathered) if e is not None]
+
+    def _gather_in_group(self, tag: str, obj: Any, late: str) -> list[Any]:
+        """Every rank of the weight group's ``obj``, in group order, over its gloo agreement group.
+        ``tag``: what the ranks have come to (ranks that came to different steps raise alike);
+        ``late``: what a timeout means, for its message."""
+        assert self.group is not None and self._agreement is not None
+        gathered: list[Any] = [None] * self.group.size
+        try:
+            dist.all_gather_object(gathered, (tag, obj), group=self._agreement)
+        except RuntimeError as exc:  # a timeout, a peer gone
+            raise RuntimeError(
+                f"{late} within collective_timeout_s ({self.timeout_s:g} s): {exc}. With allgather, every "
+                "rank calls it at the same point (after the same forwards, for the same models in the "
+                "same order).") from exc
+        if any(t != tag for t, _ in gathered):
+            raise RuntimeError(f"the ranks of the weight group reached different steps ({_by_rank([t for t, _ in gathered])}) "
+                               f"where every rank calls {tag}.")
+        return [o for _, o in gathered]
 
     def close_exchange(self) -> None:
         """Release the side group: setup is agreed, nothing more is exchanged."""
@@ -393,6 +422,51 @@ class GroupSession:
         if self._exchange is None:
             self._exchange = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._exchange
+
+
+def agree_step(group: WeightGroup, device: torch.device, error: BaseException | None, what: str) -> None:
+    """The local part of a collective step is done on every rank of the weight group (the device
+    buffers it needs allocated, and whatever else could fail on one rank only): before its
+    first collective, every rank says whether its part failed (``error``). Where one did, every
+    rank raises here, none having made a collective of the step, so they stay in step and the
+    caller changes nothing: the failing rank its own ``error``, the others a ``RuntimeError``
+    naming it (``what`` failed on it). Both carry :data:`IN_STEP`. Without it, the rank that
+    failed would leave the step while the others went on into its collectives, which it would
+    answer with its next ones (a forward's fills): gloo aborts the process where the sizes
+    differ, and blocks are rebuilt from mixed shards where they match.
+
+    One all-reduce of a word per rank over the weight group, in the words the group was made
+    with (:attr:`WeightGroup.flags`: no allocation, as an out-of-memory calls for). Between
+    forwards only (plan changes, setup); synchronises."""
+    flags = group.flags
+    if flags is None:  # a group made without them: made now, on the host for gloo
+        flags = _flags(group.size, group.backend, device)
+    flags.zero_()
+    if error is not None:
+        flags[group.rank] = 1
+    dist.all_reduce(flags, group=group.group)
+    failed = [group.ranks[k] for k, flag in enumerate(flags.tolist()) if flag]
+    if not failed:
+        return
+    if error is not None:
+        error.add_note(f"{what} failed on this rank; every rank of its weight group ({list(group.ranks)}) stopped "
+                       "there too, before the step's first collective, and changed nothing.")
+        setattr(error, IN_STEP, True)
+        raise error
+    exc = RuntimeError(
+        f"{what} failed on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} (its own error says "
+        f"why); every rank of the weight group {list(group.ranks)} stopped before the step's first collective "
+        "and changed nothing.")
+    setattr(exc, IN_STEP, True)
+    raise exc
+
+
+def _flags(size: int, backend: str, device: torch.device) -> torch.Tensor:
+    """:func:`agree_step`'s words: on the device for NCCL (which reduces device tensors only), on
+    the host for gloo."""
+    where = device if "nccl" in backend else torch.device("cpu")
+    with torch.inference_mode(False):  # written in place whatever mode the step runs in
+        return torch.zeros(size, dtype=torch.int32, device=where)
 
 
 def _destroy(group: Any) -> None:
@@ -562,7 +636,7 @@ def _fallback_reason(gathered: list[_RankFacts]) -> str | None:
     for where, ranks in groups.items():
         if len(ranks) < 2:
             return (f"{where} runs a single rank ({ranks[0].rank}): a weight group needs at "
-                    "least two ranks on one host")
+                    "least two ranks")
         if device_type == "cuda":
             seen: dict[str | int | None, int] = {}
             for f in ranks:
@@ -596,7 +670,8 @@ def _host_group(gathered: list[_RankFacts], device: torch.device, timeout_s: flo
                                pg_options=options)
         if me in ranks:
             mine = WeightGroup(group, ranks.index(me), len(ranks), backend, tuple(ranks),
-                               _peer_copy_reason([f for f in gathered if f.rank in ranks]))
+                               _peer_copy_reason([f for f in gathered if f.rank in ranks]),
+                               _flags(len(ranks), backend, device))
     assert mine is not None
     return mine
 
