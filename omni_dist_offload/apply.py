@@ -513,30 +513,66 @@ class _RefuseCast:
         self._name = name
 
     def __call__(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> nn.Module:
-        self.check(fn)
         module = self._module()
+        stored = _stored_dtypes(module)
+        self.check(fn, stored)
+        if stored:
+            # A tensor storage_dtype keeps in 8 bits stays so: a cast to the dtype it computes in
+            # (which check() let through: the model's own) would otherwise upcast it for good.
+            # A move to another device still moves it.
+            def applied(t: torch.Tensor) -> Any:
+                if id(t) not in stored:
+                    return fn(t)
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                if not isinstance(probe, torch.Tensor) or probe.dtype == t.dtype:
+                    return fn(t)
+                return t if probe.device == t.device else t.to(probe.device)
+            return type(module)._apply(module, applied, recurse)
         return type(module)._apply(module, fn, recurse)
 
-    def check(self, fn: Callable[[torch.Tensor], Any]) -> None:
-        """Raise if ``fn`` would change the dtype of a tensor of the module; changes nothing."""
+    def check(self, fn: Callable[[torch.Tensor], Any], stored: Mapping[int, torch.dtype] | None = None) -> None:
+        """Raise if ``fn`` would change the dtype of a tensor of the module; changes nothing. A
+        tensor stored in 8 bits (``storage_dtype``) is judged by the dtype it computes in, the one
+        the model reports: a cast to it changes nothing."""
         module = self._module()
         if module is None:
             return
+        if stored is None:
+            stored = _stored_dtypes(module)
         seen: set[tuple[torch.dtype, torch.device]] = set()
         for t in (*module.parameters(), *module.buffers()):
-            if (t.dtype, t.device) in seen:
+            dtype = stored.get(id(t), t.dtype)
+            if (dtype, t.device) in seen:
                 continue
-            seen.add((t.dtype, t.device))
-            out = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-            if isinstance(out, torch.Tensor) and out.dtype != t.dtype:
+            seen.add((dtype, t.device))
+            out = fn(torch.empty(0, dtype=dtype, device=t.device))
+            if isinstance(out, torch.Tensor) and out.dtype != dtype:
                 raise RuntimeError(
-                    f"{self._name}: casting {type(module).__name__} ({t.dtype} tensors to {out.dtype}) after "
+                    f"{self._name}: casting {type(module).__name__} ({dtype} tensors to {out.dtype}) after "
                     "apply_offload is refused, and nothing was changed: streamed blocks stay in the dtype "
                     "they were laid out in. Cast before apply_offload, or call remove() on the handle, "
                     "cast, and apply again.")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise refuse_copy(self._name)
+
+
+def _stored_dtypes(module: nn.Module | None) -> dict[int, torch.dtype]:
+    """``id(tensor) -> the dtype it computes in`` of the module's tensors that ``storage_dtype``
+    keeps in 8 bits (layers outside the blocks under diffusers' hook; the blocks' own under
+    ``upcast: "layer"``)."""
+    out: dict[int, torch.dtype] = {}
+    if module is None:
+        return out
+    for stored in _owned(module)["stored"]:
+        if isinstance(stored, LayerUpcasts):
+            out.update(stored.compute_dtypes())
+            continue
+        for layer, compute, _originals in stored.layers:
+            for t in (*layer.parameters(), *layer.buffers()):
+                if t.is_floating_point() and t.dtype.itemsize == 1:
+                    out[id(t)] = compute
+    return out
 
 
 class _RefuseCopy:
@@ -673,6 +709,7 @@ def _apply_offload(target: Any, config: OffloadConfig | Mapping[str, Any] | str,
     layouts = {c.name: [layout_block(i, n, b, cast=casts.get(c.name), per_layer=c.name in per_layer)
                         for i, (n, b) in enumerate(c.blocks)] for c in components}
     check_ownership(((c.name, layouts[c.name]) for c in components), modules)
+    _check_not_meta(modules, {id(e.tensor) for ls in layouts.values() for layout in ls for e in layout.entries})
     # What the rings make (host copies, slots, staging) is ordinary tensors whatever mode the
     # caller sets up in: later fills write into them in place in whatever mode the forwards run
     # (a pipeline's __call__ is no_grad, not inference_mode), and their version counters see
@@ -847,6 +884,19 @@ def quantized_refusal(what: str, method: str) -> OffloadConfigError:
         "layer's weights are not those (its packed data and scales live in a tensor subclass or beside "
         "the layer). Load the model without quantization_config and stream it as it is, or with "
         "layer_options.<component>.storage_dtype 'float8_e4m3fn' for 8-bit host storage.")
+
+
+def _check_not_meta(modules: Mapping[str, nn.Module], in_blocks: set[int]) -> None:
+    """What does not stream moves to the device in phase 2, where a tensor on the meta device
+    would fail with torch's message, naming nothing: refused here, naming it (the blocks' own
+    tensors are checked as they are laid out)."""
+    for name, root in modules.items():
+        for qual, t in (*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)):
+            if id(t) not in in_blocks and t.is_meta:
+                raise OffloadConfigError(
+                    f"{name}.{qual} is on the meta device: load real weights before offloading "
+                    "(e.g. call to_empty() and load a state dict, or build the model with "
+                    "from_pretrained without leaving weights on 'meta').")
 
 
 def _check_not_quantized(comp: StreamedComponent) -> None:

@@ -298,6 +298,15 @@ def test_meta_tensors_are_rejected():
         apply_offload(model, DIT)
     assert_same(before, model)
 
+    # Outside the blocks too (it would move to the device in the second phase, where torch's
+    # "Cannot copy out of meta tensor" named nothing).
+    model = ToyDiT(3)
+    model.proj_out.bias = nn.Parameter(torch.empty(8, device="meta"))
+    before = snapshot(model)
+    with pytest.raises(OffloadConfigError, match=r"transformer\.proj_out\.bias is on the meta device"):
+        apply_offload(model, DIT)
+    assert_same(before, model)
+
 
 @pytest.mark.parametrize("device", ["cuda:7", 3, "bogus"] if not torch.cuda.is_available() else ["cuda:99", "bogus"])
 def test_a_device_that_is_not_here_is_a_config_error(device):

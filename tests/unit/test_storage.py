@@ -827,3 +827,31 @@ def test_remove_leaves_every_module_as_it_was_and_frees_it_without_a_collection(
         assert weight() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("upcast_where", ["block", "layer"])
+@torch.no_grad()
+def test_a_cast_to_the_dtype_the_model_computes_in_changes_nothing(upcast_where):
+    """A float32 model stored in 8 bits reports float32; pipe.to(torch.float32), .float() and
+    .to(torch.float32) were refused ("float8_e4m3fn tensors to torch.float32"), where the same
+    calls go through without storage_dtype and under diffusers' own layerwise casting. They now
+    change nothing: the 8-bit tensors stay 8-bit, the outputs bitwise as before. A cast to
+    another dtype is still refused."""
+    pipe = tiny.tiny_flux_pipeline()
+    run = lambda: pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), output_type="pt",
+                       **tiny.TINY_FLUX_DEFAULTS).images
+    handle = apply_offload(pipe, stored(upcast=upcast_where), device="cpu")
+    eight = lambda: sorted(n for n, t in pipe.transformer.named_parameters() if t.dtype.itemsize == 1)
+    held = eight()
+    assert held and pipe.transformer.dtype == torch.float32
+    want = run()
+    pipe.to(torch.float32)
+    pipe.transformer.to(torch.float32)
+    pipe.transformer.float()
+    pipe.transformer.to("cpu", torch.float32)
+    assert eight() == held
+    assert torch.equal(run(), want)
+    with pytest.raises(RuntimeError, match=r"casting FluxTransformer2DModel \(torch.float32 tensors to torch.bfloat16\)"):
+        pipe.to(torch.bfloat16)
+    assert eight() == held and torch.equal(run(), want)
+    handle.remove()
