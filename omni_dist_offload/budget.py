@@ -236,11 +236,21 @@ class Replanner:
         self.device = device
         self.keep_trace = keep_trace
         self.forwards = 0
+        # The plan made from the measured forward, until it is applied: a plan change that
+        # failed (the device out of memory) is tried again after the next forward as it was,
+        # not planned again from that forward's figures. A final plan cut short part way has
+        # given up host bytes of the blocks it kept by then, which only the same plan can
+        # follow; under a gather every rank retries the same plan, in step, with no collective.
+        self._planned: tuple[ResidencyPlan, RingCosts] | None = None
 
     def __call__(self, ring: BlockRing) -> bool:
         self.forwards += 1
         if self.forwards < MEASURED_FORWARD:
             return False
+        if self._planned is not None:
+            plan, costs = self._planned
+            ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True, kept=dict(plan.kept))
+            return self._applied(ring, plan, costs)
         costs = ring.measured_costs(ring.tracer.report())
         if self.group is not None:  # every rank must take the same plan: agree on the figures first
             costs = _agreed(costs, len(ring.layouts), self.group, self.device)
@@ -252,9 +262,17 @@ class Replanner:
                            "residency plan", ring.component.name, MEASURED_FORWARD, LAST_MEASURED_FORWARD)
         else:
             plan = plan_fewest(costs, self.budget, AUTO_TOLERANCE) if self.fewest else plan_residency(costs, self.budget)
+            self._planned = (plan, costs)
             ring.apply_plan(plan.resident, plan.slots or NUM_SLOTS, settle=True, kept=dict(plan.kept))
-            ring.plan, ring.costs = plan, costs
-            _log_plan(ring, plan, costs)
+            return self._applied(ring, plan, costs)
+        if not self.keep_trace:
+            ring.tracer = None
+        return True
+
+    def _applied(self, ring: BlockRing, plan: ResidencyPlan, costs: RingCosts) -> bool:
+        self._planned = None
+        ring.plan, ring.costs = plan, costs
+        _log_plan(ring, plan, costs)
         if not self.keep_trace:
             ring.tracer = None
         return True

@@ -1310,7 +1310,11 @@ class BlockRing:
                              f"found {num_slots}")
         kept = dict(kept or {})
         gather = self.transfer.gather is not None
-        if self._kept_off_host:  # bad input changes nothing
+        # A final plan that was cut short (the device or host out of memory part way through its
+        # kept blocks) may be applied again as it was: the blocks it had kept by then stay as they
+        # are. Any other plan would need bytes their host copies gave up.
+        final = {i: self.kept_bytes(i) for i in self._kept_off_host}
+        if final and (not settle or any(kept.get(i) != nbytes for i, nbytes in final.items())):  # bad input changes nothing
             raise ValueError(f"{self.component.name}: blocks {sorted(self._kept_off_host)} keep parts on the "
                              "device for good (their host copies gave them up: a settled plan with partly "
                              "kept blocks is final); no other plan can follow it")
@@ -1416,7 +1420,9 @@ class BlockRing:
         None: allocated here, block by block."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
-        for i in sorted(self._kept):  # partly kept blocks stream whole again first
+        same = self._kept_as_they_are(kept, settle)
+        kept = {i: nbytes for i, nbytes in kept.items() if i not in same}
+        for i in sorted(set(self._kept) - same):  # partly kept blocks stream whole again first
             if self._written_on_device(i):  # the host copy takes what was written to the kept part
                 self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
             bind(self.layouts[i].entries, self._parked[i])
@@ -1486,6 +1492,8 @@ class BlockRing:
                 if self._written_on_device(i):
                     self._write_back_resident(i)
             promote = sorted(new - self.resident)
+            same = self._kept_as_they_are(kept, True)  # a gather keeps parts in final plans only
+            kept = {i: nbytes for i, nbytes in kept.items() if i not in same}
             for i in promote:
                 buffers[i] = torch.empty(self.layouts[i].nbytes, dtype=torch.uint8, device=self.device)
             for i, nbytes in sorted(kept.items()):
@@ -1505,6 +1513,13 @@ class BlockRing:
             self._lose_step(exc, "agreeing on its residency plan")
             raise
         return buffers, scratch
+
+    def _kept_as_they_are(self, kept: Mapping[int, int], settle: bool) -> set[int]:
+        """Blocks a plan keeps partly on the device as they are kept now (the same bytes, and
+        their host copies settled already where the plan settles): a plan change leaves them
+        alone."""
+        return {i for i, nbytes in kept.items() if i in self._kept and self.kept_bytes(i) == nbytes
+                and (i in self._kept_off_host or not settle)}
 
     def _lose_step(self, exc: BaseException, what: str) -> None:
         """A lockstep ring's plan change failed on this rank part way through its collectives (a

@@ -3,6 +3,8 @@ streaming, bitwise equal to the resident model, with no host copy."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -599,6 +601,43 @@ def test_a_plan_change_that_cannot_allocate_its_slots_leaves_a_ring_that_recover
         model(x)
     ring.transfer.allocate_slots = real
     assert torch.equal(model(x), ref) and torch.equal(model(x), ref)
+    handle.remove()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@torch.no_grad()
+def test_a_final_plan_cut_short_part_way_through_its_kept_blocks_is_applied_again_as_it_was(monkeypatch):
+    """The re-plan fails at its second partly kept block (the device out of memory), after the
+    first gave up its host bytes: every later forward used to be refused ("keep parts on the
+    device for good"). The same plan is applied again after the next forward, and the ring
+    streams on, bitwise."""
+    from omni_dist_offload import ring as ring_module
+
+    base = tiny.tiny_wan_transformer(num_layers=6, seed=0)
+    total = sum(layout_block(i, f"blocks.{i}", b).nbytes for i, b in enumerate(base.blocks))
+    model = copy.deepcopy(base)
+    inputs = tiny.wan_transformer_inputs(base)
+    ref = base(**inputs)[0]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": int(0.6 * total)})
+    real, calls = ring_module.BlockRing._whole_on_device, []
+
+    def whole(self, i, *args):
+        calls.append(i)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(self, i, *args)
+
+    monkeypatch.setattr(ring_module.BlockRing, "_whole_on_device", whole)
+    assert torch.equal(model(**inputs)[0], ref)  # the first forward: not measured
+    with pytest.raises(torch.OutOfMemoryError):
+        model(**inputs)  # measured: the plan fails at its second kept block
+    ring = handle.rings[0]
+    assert len(ring._kept_off_host) == 1
+    for _ in range(3):
+        assert torch.equal(model(**inputs)[0], ref)
+    assert len(handle.summary()[0]["kept_blocks"]) >= 2 and ring.plan is not None
+    assert sorted(ring.kept_blocks()) == sorted(i for i, _ in ring.plan.kept)
     handle.remove()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
