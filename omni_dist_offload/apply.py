@@ -37,6 +37,7 @@ from .layout import (
     bind,
     check_ownership,
     layout_block,
+    quantized_refusal,
     restore_blocks,
 )
 from .plan import (
@@ -876,14 +877,6 @@ def quantization_method(config: Any) -> str | None:
     method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
     method = getattr(method, "value", method)  # diffusers and transformers use an enum
     return str(method) if method else None
-
-
-def quantized_refusal(what: str, method: str) -> OffloadConfigError:
-    return OffloadConfigError(
-        f"{what} is quantized ({method}): layerwise offloading streams ordinary tensors, and a quantized "
-        "layer's weights are not those (its packed data and scales live in a tensor subclass or beside "
-        "the layer). Load the model without quantization_config and stream it as it is, or with "
-        "layer_options.<component>.storage_dtype 'float8_e4m3fn' for 8-bit host storage.")
 
 
 def _check_not_meta(modules: Mapping[str, nn.Module], in_blocks: set[int]) -> None:

@@ -16,11 +16,13 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.utils.deterministic
 
 from .config import PIN_FAILURES
 
@@ -57,18 +59,22 @@ class HostBuffer:
     registered never shares a page with another registration.
     """
 
-    __slots__ = ("tensor", "pinned", "_finalizer", "__weakref__")
+    __slots__ = ("tensor", "pinned", "pinned_by", "_finalizer", "__weakref__")
 
     def __init__(self, nbytes: int) -> None:
         rounded = -(-nbytes // _PAGE) * _PAGE
         huge = nbytes >= _HUGE_PAGE and huge_pages_wanted()
         align = _HUGE_PAGE if huge else _PAGE
-        raw = torch.empty(rounded + align, dtype=torch.uint8, device="cpu")  # whatever the default device
+        with _unfilled():
+            raw = torch.empty(rounded + align, dtype=torch.uint8, device="cpu")  # whatever the default device
         start = (-raw.data_ptr()) % align
         self.tensor = raw[start : start + nbytes]
         if huge:
             _advise_huge_pages(self.tensor.data_ptr(), rounded)
         self.pinned = False
+        self.pinned_by: tuple[HostPinner, str, str] | None = None
+        """``(pinner, component, block)`` when a :class:`HostPinner` page-locked it: the policy
+        and the names :func:`pin_instead` applies to a copy that replaces it."""
         self._finalizer: weakref.finalize | None = None
 
     @classmethod
@@ -78,7 +84,7 @@ class HostBuffer:
         if tensor.data_ptr() % _PAGE:
             raise ValueError("a wrapped host buffer must start at a page boundary")
         self = cls.__new__(cls)
-        self.tensor, self.pinned, self._finalizer = tensor, False, None
+        self.tensor, self.pinned, self.pinned_by, self._finalizer = tensor, False, None, None
         return self
 
     @property
@@ -93,6 +99,7 @@ class HostBuffer:
         size = -(-self.nbytes // _PAGE) * _PAGE
         err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
+            _clear_last_cuda_error()
             amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
             raise PinMemoryError(f"could not page-lock {amount} of host memory (CUDA error {int(err)})")
         self.pinned = True
@@ -109,17 +116,28 @@ class HostBuffer:
 
 
 def pin_instead(old: HostBuffer, new: HostBuffer) -> None:
-    """``new`` replaces ``old`` (a smaller copy of part of it): page-lock ``new`` if ``old`` was.
-    ``old`` is unlocked first, so the two never need more locked memory than ``old`` had; if
-    ``new`` cannot be locked, ``old`` is locked again and the :class:`PinMemoryError` raised."""
+    """``new`` replaces ``old`` (a smaller copy of part of it, made when a residency plan keeps
+    part of a block on the device): page-lock ``new`` if ``old`` was. ``old`` is unlocked first,
+    so the two never need more locked memory than ``old`` had. If ``new`` cannot be locked, the
+    policy of the :class:`HostPinner` that locked ``old`` decides (it ran at setup, so the user's
+    ``pin_failure`` holds for this copy too): ``"pageable"`` keeps ``new`` pageable and warns
+    once; ``"error"`` (or ``old`` locked by no pinner) locks ``old`` again and raises the
+    :class:`PinMemoryError`, naming the component and block where the pinner knows them."""
     if not old.pinned:
         return
+    pinner = old.pinned_by
     old.release()
     try:
         new.pin()
-    except PinMemoryError:
+    except PinMemoryError as exc:
+        if pinner is not None and pinner[0].on_failure == "pageable":
+            pinner[0].continue_pageable(pinner[1], pinner[2], exc)
+            return
         old.pin()
-        raise
+        if pinner is None:
+            raise
+        raise pinner[0].failure(pinner[1], pinner[2], exc) from exc
+    new.pinned_by = pinner
 
 
 class HostPinner:
@@ -138,6 +156,7 @@ class HostPinner:
         self.on_failure = on_failure
         self.stopped_at: str | None = None
         """``"<component> block <name>"`` where pinning failed under ``"pageable"``, else None."""
+        self._replaced_pageable = False  # continue_pageable has warned
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
 
@@ -155,9 +174,7 @@ class HostPinner:
             buffer.pin()
         except PinMemoryError as exc:
             if self.on_failure == "error":
-                raise PinMemoryError(
-                    f"{component}: page-locking the host copy of block {block} failed: {exc.what}"
-                ) from exc
+                raise self.failure(component, block, exc) from exc
             self.stopped_at = f"{component} block {block}"
             warnings.warn(
                 f"{component}: page-locking the host copy of block {block} failed: {exc.what}. "
@@ -169,7 +186,30 @@ class HostPinner:
                 RuntimeWarning, stacklevel=2,
             )
             return False
+        buffer.pinned_by = (self, component, block)
         return True
+
+    @staticmethod
+    def failure(component: str, block: str, exc: PinMemoryError) -> PinMemoryError:
+        """The error ``"error"`` raises: ``exc`` with the component and block it happened to."""
+        return PinMemoryError(f"{component}: page-locking the host copy of block {block} failed: {exc.what}")
+
+    def continue_pageable(self, component: str, block: str, exc: PinMemoryError) -> None:
+        """Under ``"pageable"``: a host copy that replaced a page-locked one (:func:`pin_instead`)
+        could not be locked, and stays pageable. Warns once per pinner (the limit that refused
+        it will refuse the next one too); the copy works, only its copies are slower."""
+        if self._replaced_pageable:
+            return
+        self._replaced_pageable = True
+        warnings.warn(
+            f"{component}: page-locking the new host copy of block {block} failed: {exc.what}. The residency "
+            "plan keeps part of the block on the device, so its host copy was replaced by a smaller one, which "
+            'stays in pageable host memory, as "pin_failure": "pageable" allows (one warning: later such '
+            "copies stay pageable alike): its host-to-device copies run synchronously with respect to the host "
+            "and several times slower. To pin, raise the memlock limit (ulimit -l) or free host memory; to "
+            'not try, set "pin_memory": false.',
+            RuntimeWarning, stacklevel=3,
+        )
 
     def pin_later(self, buffer: HostBuffer, component: str, block: str) -> None:
         """:meth:`pin` on a background thread, so page-locking overlaps filling the next blocks
@@ -224,6 +264,32 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+# Serialises the switch below among this module's own allocations (threads that set up rings
+# side by side); it cannot serialise other code reading torch's flag meanwhile (see _unfilled).
+_FILL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _unfilled():
+    """Allocations in this block skip ``torch.use_deterministic_algorithms``' fill of
+    uninitialized memory. A host buffer is written by its fill before anything reads it (the
+    padding between tensors, and the gaps a tensor with gaps spans, are never read as values),
+    so the fill only costs: it touches
+    every page before the huge-page advice (up to twice ``host_bytes`` resident, for ~2 MiB
+    blocks) and writes the model's bytes once more. The flag is process-wide: another thread that
+    allocates while it is off gets unfilled memory too (torch has no per-thread switch), for the
+    microseconds an ``empty`` takes; it is restored at once, also if the allocation fails."""
+    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
+        yield
+        return
+    with _FILL_LOCK:
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        try:
+            yield
+        finally:
+            torch.utils.deterministic.fill_uninitialized_memory = True
+
+
 def _advise_huge_pages(ptr: int, nbytes: int) -> None:
     """Ask for transparent huge pages before the buffer is first touched: filling 28 GB then
     takes 512 times fewer page faults. Advice only: ignored where THP is off."""
@@ -232,4 +298,34 @@ def _advise_huge_pages(ptr: int, nbytes: int) -> None:
 
 def _unregister(tensor: torch.Tensor, ptr: int) -> None:
     del tensor  # kept alive by the finalizer until the range is unregistered
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _clear_last_cuda_error()
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error after a failed ``cudaHostRegister`` or
+    ``cudaHostUnregister`` (reported by its return value, and handled there). The runtime also
+    keeps it as the thread's last error, which torch's next kernel launch check on this thread
+    reads and raises as its own ("part or all of the requested memory range is already
+    mapped"), failing an unrelated kernel: a forward after a re-plan whose smaller host copy
+    could not be locked under "pageable", or a caller's after catching the PinMemoryError.
+    torch exposes no ``cudaGetLastError``; it is called in the runtime library torch loaded
+    (found in the process's mappings, so that it is the same runtime and its state). Where
+    none is found (a runtime linked in statically), nothing is done."""
+    fn = _cuda_get_last_error()
+    if fn is not None:
+        fn()
+
+
+@functools.cache
+def _cuda_get_last_error():
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line and "/" in line})
+        for path in paths:
+            fn = ctypes.CDLL(path).cudaGetLastError
+            fn.restype = ctypes.c_int
+            return fn
+    except (OSError, AttributeError):
+        pass
+    return None

@@ -1,11 +1,14 @@
 """Host layout of a block: every parameter and buffer at an aligned offset in one byte buffer.
 
 A block's tensors, whatever their dtypes, are packed into one flat ``uint8`` buffer. Each
-tensor keeps its shape and strides: a dense tensor (contiguous, or any other order without gaps
-or overlaps: a transposed weight, a ``channels_last`` convolution, strides of size-1 dimensions
-included) is stored in its own memory order, so the views rebuilt on the device have exactly
-the strides of the original, and kernels (which pick their memory format from the strides)
-see what they saw before offloading.
+tensor keeps its shape and strides: it is stored in its own memory order, from its first element
+to its last (its *span*), and viewed with its own strides, so the views rebuilt on the device
+have exactly the strides of the original, and kernels (which pick their memory format from the
+strides) see what they saw before offloading. A dense tensor (contiguous, or any other order
+without gaps: a transposed weight, a ``channels_last`` convolution, strides of size-1
+dimensions included) spans its elements exactly; a view with gaps (``weight[:, ::2]``) spans the
+gaps too (bytes no view reads, as the alignment padding between tensors). See :func:`_placement`
+for the tensors that cannot keep theirs.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .config import OffloadConfigError
 from .storage import BlockImage, Run
 
 __all__ = [
-    "ALIGNMENT", "BlockLayout", "BlockSource", "TensorEntry", "align", "bind", "check_ownership", "layout_block",
-    "restore_blocks", "restored",
+    "ALIGNMENT", "BlockLayout", "BlockSource", "TensorEntry", "align", "bind", "check_ownership", "distinct",
+    "layout_block", "quantized_refusal", "restore_blocks", "restored",
 ]
 
 #: Offset alignment of every tensor in a block buffer, in bytes.
@@ -38,10 +42,12 @@ class TensorEntry:
     """The parameter or buffer object; it is kept, only its ``.data`` moves."""
     offset: int
     nbytes: int
+    """Bytes from its first element to its last in the block buffer (its span): the tensor's
+    bytes for a dense one; a tensor with gaps spans them too."""
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    """The tensor's strides (a tensor with gaps or overlaps: contiguous ones, see ``_strides``)."""
+    """The strides it is viewed with: the tensor's own (except where :func:`_placement` says)."""
     origin: torch.device
     """Device the tensor was on before offloading (restored there if setup fails)."""
     inference: bool = False
@@ -53,6 +59,11 @@ class TensorEntry:
         offset where ``buffer`` starts (a buffer holding only the block's later tensors)."""
         start = self.offset - base
         return _strided(buffer[start : start + self.nbytes].view(self.dtype), self)
+
+    def distinct(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (of this entry's shape: :meth:`view_in`, or the tensor itself) with each of
+        the entry's places once (see :func:`distinct`)."""
+        return distinct(view, self.stride)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,28 +140,36 @@ def layout_block(index: int, name: str, block: nn.Module, cast: Mapping[int, tor
                     continue
                 seen.add(id(t))
                 qual = f"{name}.{mod_name}.{attr}" if mod_name else f"{name}.{attr}"
+                if is_traceable_wrapper_subclass(t):
+                    # Its values live in inner tensors (torchao's quantize_ applied by hand, a
+                    # DTensor): it has no storage of its own to lay out, and torch would fail on
+                    # the first read of one with an error that names nothing.
+                    raise quantized_refusal(f"tensor {qual}", f"{type(t).__module__}.{type(t).__qualname__}, a "
+                                            "tensor subclass")
                 if t.is_meta:
                     raise OffloadConfigError(
                         f"{qual} is on the meta device: load real weights before offloading "
                         "(e.g. call to_empty() and load a state dict, or build the model with "
                         "from_pretrained without leaving weights on 'meta')."
                     )
-                dtype = cast.get(id(t), t.dtype) if cast and per_layer else t.dtype
-                found.append((qual, t, dtype))
+                stored = cast.get(id(t), t.dtype) if cast else t.dtype
+                dtype = stored if per_layer else t.dtype
+                stride, span = _placement(qual, t, stored)
+                found.append((qual, t, dtype, stride, span * dtype.itemsize))
     # Largest tensors first (ties in module order). A streamed block can keep a leading part on
     # the device and stream the rest ([Note: residency planner]); with the small tensors last,
     # the streamed part can be sized in small steps, which is where it must be small: where a
     # block copies much slower than it computes, only a small part hides under the compute.
     # Tensors of no size to speak of (biases, norm weights) go before all of them: any kept
     # part keeps them, so a streamed part is a few weights, each rebound at every use.
-    sizes = [t.numel() * dtype.itemsize for _, t, dtype in found]
+    sizes = [nbytes for *_, nbytes in found]
     tiny = max(sizes, default=0) * TINY_SHARE
     order = sorted(range(len(found)), key=lambda k: (sizes[k] >= tiny, -sizes[k]))
     entries = []
     offset = 0
     for k in order:
-        (qual, t, dtype), nbytes = found[k], sizes[k]
-        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, tuple(t.shape), _strides(t), t.device,
+        qual, t, dtype, stride, nbytes = found[k]
+        entries.append(TensorEntry(qual, t, offset, nbytes, dtype, tuple(t.shape), stride, t.device,
                                    t.is_inference()))
         offset = align(offset + nbytes)
     if cast and not per_layer and any(id(e.tensor) in cast for e in entries):
@@ -215,33 +234,85 @@ def align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides a tensor keeps in its block buffer: its own where its elements fill a range of
-    memory without gaps or overlaps (then the buffer holds them in memory order), else
-    contiguous ones (an expanded or sliced view: its values are kept, its strides cannot be)."""
-    if t.numel() <= 1 or _dense(t):
-        return tuple(t.stride())
+def quantized_refusal(what: str, method: str) -> OffloadConfigError:
+    """The refusal of a quantized model or tensor (``what``), quantized by ``method``."""
+    return OffloadConfigError(
+        f"{what} is quantized ({method}): layerwise offloading streams ordinary tensors, and a quantized "
+        "layer's weights are not those (its packed data and scales live in a tensor subclass or beside "
+        "the layer). Load the model without quantization_config (and without quantizing it by hand: torchao's "
+        "quantize_) and stream it as it is, or with layer_options.<component>.storage_dtype 'float8_e4m3fn' "
+        "for 8-bit host storage.")
+
+
+def _placement(qual: str, t: torch.Tensor, stored: torch.dtype) -> tuple[tuple[int, ...], int]:
+    """The strides ``t`` is viewed with in its block buffer, and the elements it spans there.
+
+    Its own strides, spanning from its first element to its last (gaps included), with these
+    exceptions, which are stored densely in their dimensions' memory order:
+
+    - stored in another dtype (``stored``, 8-bit storage): the strides ``Tensor.to`` gives, what
+      diffusers' layerwise casting stores and upcasts (its own where dense), so outputs match it;
+    - one value broadcast over every dimension (all strides 0): also what a cold start's block
+      tensors are until their bytes are read, row-major from the checkpoint;
+    - expanded along some dimensions (stride 0 there, an ``expand``ed buffer): its writers (the
+      fill of the host copy, a cold start's, an edit written back) copy into its view, which torch
+      refuses where elements share a place; until they copy through :meth:`TensorEntry.distinct`,
+      it is stored as ``Tensor.to`` would give it, its values kept and its strides not.
+
+    Elements that overlap otherwise (strides from ``as_strided``) are refused, naming it."""
+    n = t.numel()
+    if n <= 1:
+        return tuple(t.stride()), n
+    dims = [(t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) != 1]
+    span = _span(dims)
+    if span == n or (span is not None and stored == t.dtype):
+        return tuple(t.stride()), span
+    if stored == t.dtype and all(stride != 0 for stride, _ in dims):
+        raise OffloadConfigError(
+            f"{qual} has strides {tuple(t.stride())} for its shape {tuple(t.shape)}: its elements overlap (or "
+            "interleave in an order a block buffer cannot keep), so streaming cannot store them as they are. "
+            "Make it an ordinary tensor before apply_offload: give the module a .contiguous() (or .clone()) "
+            "copy of it (a parameter: nn.Parameter(t.contiguous())), or leave this component out of "
+            "'components'.")
+    if all(stride == 0 for stride, _ in dims):
+        return _contiguous(t.shape), n
+    return tuple(torch.empty_like(t, dtype=stored, device="meta").stride()), n
+
+
+def _span(dims: Sequence[tuple[int, int]]) -> int | None:
+    """How many elements (first to last) the ``(stride, size)`` dimensions (sizes over one)
+    reach, if no two elements share a place: with the strides sorted, each must pass every place
+    the smaller ones reach. None otherwise (a stride 0 included)."""
+    reach = 0
+    for stride, size in sorted(dims):
+        if stride <= reach:
+            return None
+        reach += (size - 1) * stride
+    return reach + 1
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
-    for size in reversed(t.shape):
+    for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether the elements fill ``numel`` consecutive places: the strides of the dimensions
-    longer than one, smallest first, are 1 and then each the product of the sizes before."""
-    expected = 1
-    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _strided(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """``entry``'s tensor over ``flat``, its elements in memory order."""
     return flat.as_strided(entry.shape, entry.stride, flat.storage_offset())
+
+
+def distinct(t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """``t`` along the dimensions where ``stride`` (the strides of the tensor ``t`` is copied into
+    or out of, ``t``'s shape) is 0 (an expanded tensor) at index 0 only: the places such a tensor
+    holds, each once. torch refuses to write to a tensor whose elements share a place, so a copy
+    into one goes ``distinct(dst, dst.stride()).copy_(distinct(src, dst.stride()))``."""
+    for d, (size, step) in enumerate(zip(t.shape, stride)):
+        if step == 0 and size > 1:
+            t = t.narrow(d, 0, 1)
+    return t
 
 
 def bind(entries: Sequence[TensorEntry], tensors: Sequence[torch.Tensor]) -> None:
@@ -268,8 +339,10 @@ def restored(entry: TensorEntry, view: torch.Tensor, device: torch.device | None
     offloading (whatever mode the caller runs in: ``remove()`` under ``inference_mode`` must
     not leave the model's weights unusable for autograd)."""
     with torch.inference_mode(entry.inference):
-        return torch.empty_strided(entry.shape, entry.stride, dtype=view.dtype,
-                                   device=device if device is not None else entry.origin).copy_(view)
+        out = torch.empty_strided(entry.shape, entry.stride, dtype=view.dtype,
+                                  device=device if device is not None else entry.origin)
+        entry.distinct(out).copy_(entry.distinct(view))
+        return out
 
 
 def check_ownership(
@@ -329,7 +402,9 @@ def check_ownership(
                     if t is None:
                         continue
                     owner = block_of_tensor.get(id(t))
-                    if owner is None and t.numel() and not t.is_meta:
+                    # A tensor subclass outside the blocks (a layer quantized by hand) has no
+                    # storage of its own to compare (the blocks' are refused by layout_block).
+                    if owner is None and t.numel() and not t.is_meta and not is_traceable_wrapper_subclass(t):
                         owner = block_of_storage.get((str(t.device), t.untyped_storage().data_ptr()))
                     if owner is not None and owner[0] != here:
                         user = f"{comp}.{mod_name}.{attr}" if mod_name else f"{comp}.{attr}"

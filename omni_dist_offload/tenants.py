@@ -34,6 +34,7 @@ import operator
 import sys
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,8 +49,8 @@ from torch.nn.modules.module import (
 from .ring import BlockRing
 
 __all__ = ["DECIDING_HOOKS", "EDITED_METHODS", "FIXED_SKIPS", "PEFT_FUNCTIONS", "READING_METHODS", "REFUSED_METHODS",
-           "REWRITING_METHODS", "SAVING_METHODS", "SKIPPING_HOOKS", "TOGGLING_METHODS", "BlockWatch",
-           "skipped_by_hooks"]
+           "REWRITING_METHODS", "SAVING_METHODS", "SKIPPING_HOOKS", "STATE_DICT_READERS", "TOGGLING_METHODS",
+           "BlockWatch", "skipped_by_hooks"]
 
 #: The tuner-layer methods that change a block's own weights, run inside ``edit_block``.
 EDITED_METHODS = ("merge", "unmerge")
@@ -584,6 +585,99 @@ def _checked_load(rings: Sequence[BlockRing], method: Callable[..., Any], *args:
     return method(*args, **kwargs)
 
 
+#: Libraries whose own ``state_dict()`` calls on a component read its keys, shapes and devices
+#: (diffusers' ``load_lora_adapter`` builds its LoRA config from them, Flux's LoRA loading checks
+#: shapes) or only its adapter tensors: no placeholder notice for them. Their calls that write
+#: weights out are refused where they would write placeholders (:data:`SAVING_METHODS`,
+#: :data:`PEFT_FUNCTIONS`).
+STATE_DICT_READERS = frozenset({"diffusers", "peft", "transformers"})
+
+
+class _PlaceholderNotice:
+    """A streamed block's ``state_dict`` post-hook, on a ring whose streamed tensors hold
+    placeholders between forwards (allgather, 8-bit ``"block"``; :attr:`BlockRing.parks_placeholders`):
+    a ``state_dict()`` then holds their shape and dtype but NaN (0 for integers) for their values,
+    and ``torch.save`` writes that without a word. The first time one reaches a state dict that
+    user code asked for, it warns, naming the component and what to do; the values are left as
+    they are. Not the upcast of an 8-bit image (which is exact): every ``state_dict()`` would then
+    hold the whole component in its compute dtype in host memory (for Wan-14B in bf16, 28 GB beside
+    its 14 GB 8-bit copy), also diffusers' own calls that read only keys and shapes, at every LoRA
+    load. Never raises: diffusers reads ``state_dict()`` while loading LoRAs. Weak: the block holds
+    the hook, and the ring holds the block."""
+
+    __slots__ = ("_watch", "_ring", "_index", "_from_public_api")
+
+    def __init__(self, watch: "weakref.ref[BlockWatch]", ring: "weakref.ref[BlockRing]", index: int) -> None:
+        self._watch = watch
+        self._ring = ring
+        self._index = index
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        try:
+            watch, ring = self._watch(), self._ring()
+            if watch is None or ring is None or ring in watch._told_placeholders:
+                return
+            key = _placeholder_key(ring, self._index, module, state_dict, prefix)
+            if key is None:
+                return
+            caller, level = _state_dict_caller()
+            if caller in STATE_DICT_READERS or caller == _PACKAGE:  # (our own tools know what they read)
+                return
+            watch._told_placeholders.add(ring)
+            why, eight_bit = _placeholder_reason(ring)
+            warnings.warn(
+                f"{ring.component.name}: state_dict() holds placeholders for the tensors of its streamed blocks "
+                f"(such as {key}), not their values: they are {why}, and between forwards each holds its shape "
+                "and dtype only (NaN for floats, 0 for integers); torch.save writes those. Call handle.remove() "
+                f"first{' (on every rank: it gathers the blocks back)' if not eight_bit else ''}, then read or save "
+                "the weights (save_pretrained refuses while they are placeholders); or save them before "
+                "apply_offload" + ("; or use upcast 'layer', whose streamed tensors hold their 8-bit values."
+                                   if eight_bit else ".") + " (Warned once per component.)",
+                RuntimeWarning, stacklevel=level)
+        except Exception:  # noqa: BLE001 - a notice only: state_dict() must work whatever it meets
+            return
+
+
+def _placeholder_key(ring: BlockRing, index: int, block: nn.Module, state_dict: Any, prefix: str) -> str | None:
+    """The first key of ``state_dict`` (saved under ``prefix``) that holds a placeholder of
+    ``ring``'s block ``index`` (``block``), or None."""
+    if index in ring.resident or not isinstance(state_dict, Mapping):
+        return None  # a resident block's tensors are views of its device buffer: its values
+    laid_out = {id(e.tensor) for e in ring.layouts[index].entries}
+    for name, tensor in (*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)):
+        key = prefix + name
+        if id(tensor) in laid_out and key in state_dict and _is_placeholder(state_dict[key]):
+            return key
+    return None
+
+
+def _is_placeholder(value: Any) -> bool:
+    """Whether ``value`` (a state dict's, detached or not) is a placeholder as the ring parks them
+    (``apply._placeholder``): a host tensor whose storage is one element, NaN (0 for integers)."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 0 or value.device.type != "cpu" \
+            or value.untyped_storage().nbytes() != value.element_size():
+        return False
+    first = value.detach()[(0,) * value.dim()]  # a view: the storage's one element
+    return bool(first.isnan()) if first.is_floating_point() or first.is_complex() else not bool(first)
+
+
+_PACKAGE = __name__.partition(".")[0]
+
+
+def _state_dict_caller() -> tuple[str, int]:
+    """Who called the ``state_dict()`` under way, for the hook that calls this: the top-level
+    package of the first frame above the hook outside torch (``Module.state_dict`` recursing, a
+    compiled wrapper), and the ``stacklevel`` that points the hook's warning there. Walks the
+    stack only where a placeholder was found and no notice given yet."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        top = (frame.f_globals.get("__name__") or "").partition(".")[0]
+        if top != "torch":
+            return top, level
+        frame, level = frame.f_back, level + 1
+    return "", 1
+
+
 #: Methods of a component refused outright after ``apply_offload``: diffusers'
 #: ``enable_layerwise_casting`` recasts the block weights in place to a dtype the ring did not lay
 #: them out in, so every later forward would fail.
@@ -616,11 +710,19 @@ class BlockWatch:
         # Blocks weakly: a block dropped from its list takes its hook with it.
         self._unmerge_hooks: dict[int, Any] = {}
         self._block_unmerges: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+        # The blocks' state_dict hooks where the ring parks placeholders (_PlaceholderNotice), and
+        # the rings already told of (one notice each).
+        self._state_dict_hooks: list[Any] = []
+        self._told_placeholders: weakref.WeakSet[BlockRing] = weakref.WeakSet()
         for ring in rings:
             ring.skip_probe = skipped_by_hooks
             ring.skip_ahead_probe = functools.partial(skipped_by_hooks, fixed_only=True)
             for layout in ring.layouts:
                 self._follow(layout.module, ring, layout.index)
+                if ring.parks_placeholders:
+                    # On each block, not the component alone: a block's own state_dict() holds them too.
+                    self._state_dict_hooks.append(layout.module.register_state_dict_post_hook(
+                        _PlaceholderNotice(weakref.ref(self), weakref.ref(ring), layout.index)))
         # Components by root module (a component may have several rings: one per block list).
         # Weak: a component the pipeline drops goes, wrappers and all.
         self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -642,8 +744,9 @@ class BlockWatch:
         A layer left merged with its adapters disabled is unmerged by peft's own forward, as on a
         model never offloaded."""
         _unwatch(self)
-        for hook in [*self._unmerge_hooks.values(), *self._block_unmerges.values()]:
+        for hook in [*self._unmerge_hooks.values(), *self._block_unmerges.values(), *self._state_dict_hooks]:
             hook.remove()
+        self._state_dict_hooks = []
         self._unmerge_hooks = {}
         self._block_unmerges = weakref.WeakKeyDictionary()
         for layer in list(self._wrapped):

@@ -222,3 +222,22 @@ def test_tracing_on_cuda_records_events_without_synchronising():
     assert all(b["transfer_ms"] > 0 and b["gbps"] > 0 for b in report["blocks"])
     assert report["forward_ms"] > 0
     handle.remove()
+
+
+def test_a_failed_page_lock_leaves_no_error_for_the_next_kernel():
+    """cudaHostRegister's failure is also the thread's last CUDA error, which torch's next kernel
+    launch check on that thread raised as its own ("part or all of the requested memory range is
+    already mapped"): after a re-plan's smaller host copy could not be locked under "pin_failure":
+    "pageable", the next forward failed; so did a caller's after catching PinMemoryError."""
+    from omni_dist_offload import hostmem
+    from omni_dist_offload.hostmem import HostBuffer, PinMemoryError
+
+    buf = HostBuffer(1 << 20)
+    buf.pin()
+    twin = HostBuffer.wrap(buf.tensor)  # the same pages: registering them again fails
+    with pytest.raises(PinMemoryError):
+        twin.pin()
+    assert float((torch.ones(8, device="cuda") * 2).sum()) == 16.0
+    buf.release()
+    hostmem._unregister(buf.tensor, buf.tensor.data_ptr())  # no longer registered: fails, quietly
+    assert float((torch.ones(8, device="cuda") * 3).sum()) == 24.0

@@ -562,7 +562,10 @@ def test_host_copies_are_host_memory_whatever_the_default_device(storage):
         handle = apply_offload(model, config, device="cpu")
     finally:
         torch.set_default_device(None)
-    assert all(t.device.type == "cpu" for t in model.state_dict(keep_vars=True).values())
+    with warnings.catch_warnings(record=True) as seen:  # an 8-bit ring's blocks hold placeholders: said once
+        warnings.simplefilter("always")
+        assert all(t.device.type == "cpu" for t in model.state_dict(keep_vars=True).values())
+    assert len(seen) == (1 if storage else 0) and all("state_dict() holds placeholders" in str(w.message) for w in seen)
     assert torch.equal(model(x), want)
     handle.remove()
 
