@@ -16,6 +16,7 @@ a checkpoint, for blocks whose tensors were built as placeholders and never mate
 
 from __future__ import annotations
 
+import errno
 import functools
 
 import json
@@ -234,7 +235,13 @@ class SafetensorsCheckpoint:
             with self._lock:
                 fd = self._fds.get(path)
                 if fd is None:
-                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                    except OSError as exc:  # the header was read, so the file went away or the storage failed since
+                        raise CheckpointError(
+                            f"{path}: cannot be opened to read its tensors ({_os_error(exc)}), though its header "
+                            f"was read at start-up: {_os_error_fix(exc)}") from exc
+                    self._fds[path] = fd
         return fd
 
     def _pread(self, path: Path, dst: torch.Tensor, offset: int) -> None:
@@ -243,7 +250,13 @@ class SafetensorsCheckpoint:
         fd = self._fd(path)
         done = 0
         while done < len(view):
-            got = os.preadv(fd, [view[done : done + _READ_BYTES]], offset + done)
+            part = view[done : done + _READ_BYTES]
+            try:
+                got = os.preadv(fd, [part], offset + done)
+            except OSError as exc:  # EIO from a failing disk, ESTALE from a network file system
+                raise CheckpointError(
+                    f"{path}: reading {len(part)} bytes at byte {offset + done} failed ({_os_error(exc)}): "
+                    f"{_os_error_fix(exc)}") from exc
             if got <= 0:
                 raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}; "
                                       "the file is truncated, download it again.")
@@ -261,6 +274,23 @@ class SafetensorsCheckpoint:
     def where(self) -> str:
         """The checkpoint's files, for error messages."""
         return ", ".join(str(f) for f in self.files[:3]) + (" ..." if len(self.files) > 3 else "")
+
+
+def _os_error(exc: OSError) -> str:
+    """``EIO: Input/output error``: the error's symbol and text, for a message."""
+    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}") if exc.errno is not None else type(exc).__name__
+    return f"{name}: {exc.strerror or exc}"
+
+
+def _os_error_fix(exc: OSError) -> str:
+    """What to do about an error the operating system gave while the checkpoint was read."""
+    if exc.errno == errno.ESTALE:
+        return ("the network file system lost the file (replaced on the server, or the mount went away): remount "
+                "it, or copy the checkpoint to a local disk, and start again.")
+    if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM):
+        return "the file was removed or its permissions changed while loading: restore it and start again."
+    return ("the storage returned an error (the kernel log, dmesg, says more): check the disk or network file "
+            "system, or copy the checkpoint to a healthy disk (or download it again), and start again.")
 
 
 def _read_header(path: Path) -> Mapping[str, TensorInfo]:

@@ -27,6 +27,8 @@ not hold are computed by the model's constructor as usual.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import diffusers
+import huggingface_hub.constants
 import torch
 import transformers
 from accelerate import init_empty_weights
@@ -46,6 +49,7 @@ from torch import nn
 from ..apply import apply_offload, quantization_method, quantized_refusal, resolve_device
 from ..config import OffloadConfig
 from ..plan import OffloadPlan, resolve_component
+from ..runtime.dist import agree_on_step
 from .checkpoint import (
     WEIGHT_NAMES,
     CheckpointError,
@@ -54,7 +58,7 @@ from .checkpoint import (
     placeholder,
     read_model_index,
 )
-from .folders import dtype_kwarg, pipeline_class, resolve_dtype
+from .folders import CONFIG_VALUE_ERRORS, dtype_kwarg, pipeline_class, resolve_dtype, wrong_config_values
 
 try:  # transformers 5: keys renamed on load (vision-language models' legacy checkpoint names)
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -89,8 +93,9 @@ class ColdStart:
 
 
 def cold_start_folder(model: str, load_kwargs: Mapping[str, Any] | None = None) -> tuple[Path | None, str | None]:
-    """The local diffusers folder ``model`` names, or None and the reason the cold start does not
-    apply (then the caller loads the ordinary way)."""
+    """The local diffusers folder ``model`` names (a hub id's snapshot, resolved as
+    ``from_pretrained`` resolves it: :func:`_hub_folder`), or None and the reason the cold start
+    does not apply (then the caller loads the ordinary way)."""
     extra = sorted(set(load_kwargs or {}) - COMPATIBLE_LOAD_KWARGS)
     if extra:
         return None, f"load options {extra} need the ordinary loader"
@@ -98,15 +103,43 @@ def cold_start_folder(model: str, load_kwargs: Mapping[str, Any] | None = None) 
         return None, "use_safetensors=False was asked for"
     path = Path(model).expanduser()
     if not path.is_dir():
-        try:
-            path = Path(snapshot_download(model, local_files_only=True,
-                                          revision=(load_kwargs or {}).get("revision"),
-                                          cache_dir=(load_kwargs or {}).get("cache_dir")))
-        except Exception:  # noqa: BLE001 - not cached, or not a hub id: the ordinary loader says why
-            return None, f"{model!r} is not a local folder nor a cached hub snapshot"
+        path = _hub_folder(model, load_kwargs or {})
+        if path is None:
+            return None, f"{model!r} is not a local folder nor a hub id that could be downloaded or found cached"
     if not (path / "model_index.json").is_file():
         return None, f"{path} has no model_index.json"
     return path, None
+
+
+def _hub_folder(model: str, load_kwargs: Mapping[str, Any]) -> Path | None:
+    """The snapshot folder of hub id ``model`` as ``from_pretrained`` would resolve it, or None.
+
+    Online, the Hub is asked, as the ordinary load asks it (``DiffusionPipeline.download``: the
+    revision ``refs/main`` points at now, and only the files the cache lacks are fetched): a
+    cache that holds part of a snapshot (a component never downloaded) or an older revision
+    would otherwise cold-start from what happens to be cached. Offline (``HF_HUB_OFFLINE``, or
+    ``local_files_only`` asked for), or when the Hub cannot be reached, the cached snapshot."""
+    hub = {k: load_kwargs[k] for k in ("revision", "cache_dir", "token") if load_kwargs.get(k) is not None}
+    if not load_kwargs.get("local_files_only") and not _hub_offline():
+        try:
+            return Path(diffusers.DiffusionPipeline.download(
+                model, use_safetensors=load_kwargs.get("use_safetensors", True), **hub))
+        except Exception as exc:  # noqa: BLE001 - no network, an unknown id, a refusal: the cache may still serve
+            first = (str(exc).strip().splitlines() or [""])[0]
+            logger.warning("%s: the Hub could not be asked for its files (%s: %s); looking for a snapshot in the "
+                           "local cache instead (set HF_HUB_OFFLINE=1 to skip the Hub)", model,
+                           type(exc).__name__, first)
+    try:
+        return Path(snapshot_download(model, local_files_only=True, revision=hub.get("revision"),
+                                      cache_dir=hub.get("cache_dir")))
+    except Exception:  # noqa: BLE001 - not cached, or not a hub id: the ordinary loader says why
+        return None
+
+
+def _hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set, at import (huggingface_hub's constant) or since."""
+    value = os.environ.get("HF_HUB_OFFLINE", "")
+    return bool(huggingface_hub.constants.HF_HUB_OFFLINE) or value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def prepare_cold_start(
@@ -134,6 +167,8 @@ def prepare_cold_start(
         for name, spec in index.items():
             if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2:
                 continue
+            if spec[0] is None or spec[1] is None:
+                continue  # an optional component the pipeline was saved without ([null, null]): nothing to load
             category = plan.category_of(name)
             if category not in cfg.components:
                 continue
@@ -173,6 +208,17 @@ def _build(builder: Callable, name: str, library: str, class_name: str, folder: 
         return builder(class_name, folder, dtype, checkpoint)
     except CheckpointError:
         raise
+    except CONFIG_VALUE_ERRORS as exc:  # a value of the wrong type ("num_layers": "3"), found deep in the library
+        first = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+        # What the library said rarely names the value (a diffusers constructor's TypeError comes
+        # from torch): the config's values of another type than their defaults do.
+        found = [f.removeprefix(f"{folder.name}/config.json: ") for f in wrong_config_values(folder, library, class_name)]
+        found = [f for f in found if f not in first]
+        raise CheckpointError(
+            f"{name} ({library}.{class_name}): cannot be built from {folder / 'config.json'} ({type(exc).__name__}: "
+            f"{first}){': it holds ' + '; '.join(found) if found else ''}; fix "
+            f"{'the value' if found else 'the value of the wrong type'} in that file, or download the component "
+            "again.") from exc
     except (OSError, ValueError) as exc:  # json's errors are ValueErrors
         first = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(
@@ -204,26 +250,48 @@ def load_offloaded(
     trace: bool | None = None,
     **load_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Load a diffusers pipeline folder (or cached hub snapshot) with its streamed components
-    cold-started, and offload it. Returns ``(pipeline, handle)``. ``dtype``: as ``Omni``'s
-    (``None``: bfloat16 on a GPU, float32 on the CPU). Collective under allgather, like
-    :func:`~omni_dist_offload.apply.apply_offload`."""
-    if "torch_dtype" in load_kwargs:  # from_pretrained would get the dtype twice
-        raise ValueError("load_offloaded(torch_dtype=...): the dtype is load_offloaded's own argument: "
-                         "pass dtype=... instead.")
-    dev = resolve_device(device)
-    dtype = resolve_dtype(dtype, dev)
-    folder, reason = cold_start_folder(str(model), load_kwargs)
-    if folder is None:
-        raise CheckpointError(f"cannot cold-start {model!r}: {reason}.")
-    cold = prepare_cold_start(folder, config, device=dev, dtype=dtype, plan=plan, threads=threads)
+    """Load a diffusers pipeline folder (or hub id, resolved as ``from_pretrained`` resolves it)
+    with its streamed components cold-started, and offload it. Returns ``(pipeline, handle)``.
+    ``dtype``: as ``Omni``'s (``None``: bfloat16 on a GPU, float32 on the CPU). Collective under
+    allgather or shared, like :func:`~omni_dist_offload.apply.apply_offload`; then, as ``Omni``
+    does, the ranks agree that every one of them loaded before any enters the offload's
+    collectives: a rank that failed (a shard missing on its host) raises its own error, and the
+    others, as soon as they have loaded, a ``PeerFailed`` naming it and its error
+    (``runtime.dist.agree_on_step``), instead of waiting ``collective_timeout_s`` for it in those
+    collectives (a rank that never answers is named after ``collective_timeout_s``)."""
+    cfg = OffloadConfig.parse(config)
+    # Collective when the ranks share weights: one rank's failure to load is told to the others
+    # before they enter apply_offload's collectives, which it never reaches (as Omni does).
+    collective = any(cfg.options_for(c).weight_transfer in ("allgather", "shared") for c in cfg.components)
+    agree = (functools.partial(agree_on_step, "load the model", timeout_s=cfg.collective_timeout_s)
+             if collective else None)
+    cold = None
     try:
+        if "torch_dtype" in load_kwargs:  # from_pretrained would get the dtype twice
+            raise ValueError("load_offloaded(torch_dtype=...): the dtype is load_offloaded's own argument: "
+                             "pass dtype=... instead.")
+        dev = resolve_device(device)
+        dtype = resolve_dtype(dtype, dev)
+        folder, reason = cold_start_folder(str(model), load_kwargs)
+        if folder is None:
+            raise CheckpointError(f"cannot cold-start {model!r}: {reason}.")
+        cold = prepare_cold_start(folder, cfg, device=dev, dtype=dtype, plan=plan, threads=threads)
         # The other components load on the host too, whatever the default device; apply_offload
         # places them on ``dev``.
         with torch.device("cpu"):
             pipe = pipeline_class(folder).from_pretrained(
                 str(folder), **{dtype_kwarg(): dtype}, **{"use_safetensors": True, **load_kwargs}, **cold.components)
-        handle = apply_offload(pipe, config, device=dev, plan=plan, process_group=process_group,
+    except BaseException as exc:  # an interrupt too: the other ranks are told without waiting
+        if cold is not None:
+            cold.close()
+        if agree is not None:
+            with contextlib.suppress(Exception):  # the agreement failing too must not hide why loading failed
+                agree(exc)
+        raise
+    try:
+        if agree is not None:
+            agree(None)
+        handle = apply_offload(pipe, cfg, device=dev, plan=plan, process_group=process_group,
                                trace=trace, block_sources=cold.sources)
     finally:
         cold.close()

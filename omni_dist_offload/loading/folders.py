@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import torch
+import transformers
 
-__all__ = ["DTYPES", "dtype_kwarg", "pipeline_class", "resolve_dtype"]
+try:  # transformers 5 configs are huggingface_hub strict dataclasses, which check each field's type
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub validates nothing, so raises nothing of the kind
+
+    class StrictDataclassError(Exception):  # type: ignore[no-redef]
+        """Stands in for huggingface_hub's class; never raised."""
+
+__all__ = ["CONFIG_VALUE_ERRORS", "DTYPES", "dtype_kwarg", "pipeline_class", "resolve_dtype",
+           "wrong_config_values"]
+
+#: What the libraries raise building a model from a config.json value of the wrong type: a
+#: diffusers constructor fails inside torch (``'str' object cannot be interpreted as an integer``),
+#: a transformers config refuses the field.
+CONFIG_VALUE_ERRORS: tuple[type[BaseException], ...] = (TypeError, StrictDataclassError)
 
 #: Names accepted for ``dtype`` (and ``--dtype``).
 DTYPES: dict[str, torch.dtype] = {
@@ -56,3 +71,76 @@ def pipeline_class(folder: Path | str) -> Any:
         name = None
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     return cls if isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline) else diffusers.DiffusionPipeline
+
+
+def wrong_config_values(folder: Path | str, library: str | None = None, class_name: str | None = None) -> list[str]:
+    """Values of the wrong type in the config.json files of a pipeline folder (``library`` and
+    ``class_name`` None: every component its model_index.json names) or of one component folder,
+    each as ``"<component>/config.json: num_layers='3' (an integer, as the default 40)"``; empty when
+    none is found. For an error message: it never raises.
+
+    A diffusers value is compared with the type of its constructor's default; a transformers
+    config is built, and its own validation says which field it refuses."""
+    folder = Path(folder)
+    if library is None or class_name is None:
+        try:
+            index = json.loads((folder / "model_index.json").read_text())
+        except (OSError, ValueError):
+            return []
+        found = []
+        for name, spec in index.items() if isinstance(index, dict) else ():
+            if not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and all(
+                    isinstance(x, str) for x in spec) and (folder / name).is_dir():
+                found.extend(wrong_config_values(folder / name, spec[0], spec[1]))
+        return found
+    where = f"{folder.name}/config.json"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    if library == "transformers":
+        config_class = getattr(getattr(transformers, class_name, None), "config_class", None)
+        if config_class is None:
+            return []
+        try:
+            config_class.from_pretrained(folder)
+        except CONFIG_VALUE_ERRORS as exc:
+            return [f"{where}: {_one_line(exc)}"]
+        except Exception:  # noqa: BLE001 - another problem, which the load itself reports
+            return []
+        return []
+    cls = getattr(diffusers, class_name, None) if library == "diffusers" else None
+    try:
+        parameters = inspect.signature(cls.__init__).parameters if cls is not None else {}
+    except (TypeError, ValueError):
+        return []
+    found = []
+    for key, value in config.items():
+        param = parameters.get(key)
+        if key.startswith("_") or param is None or param.default is inspect.Parameter.empty or param.default is None:
+            continue  # (compared by identity: a default may be an array, whose == is no truth value)
+        expected = _expected_type(param.default, value)
+        if expected:
+            found.append(f"{where}: {key}={value!r} ({expected}, as the default {param.default!r})")
+    return found
+
+
+def _expected_type(default: Any, value: Any) -> str | None:
+    """What ``value`` should be, judged by the type of the default it replaces; None if it fits."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "a boolean"
+    if isinstance(default, int):
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if isinstance(default, float):
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    if isinstance(default, (tuple, list)):
+        return None if isinstance(value, (tuple, list)) else "a list"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())

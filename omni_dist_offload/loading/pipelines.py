@@ -2,7 +2,7 @@
 built on the host, then streamed with :func:`~omni_dist_offload.apply.apply_offload` (or moved
 whole to the device without a config).
 
-With an offload config, a folder or cached snapshot is cold-started (:mod:`.coldstart`):
+With an offload config, a folder or hub snapshot is cold-started (:mod:`.coldstart`):
 streamed components are built without their weights and each block is read from the
 safetensors files straight into this rank's host buffer or shard, so no rank ever holds the
 whole model; everything else loads as usual.
@@ -31,7 +31,7 @@ from ..plan import module_bytes
 from ..residency import format_bytes
 from .checkpoint import CheckpointError, CheckpointSource, ModelLoadError, check_pipeline_folder
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
-from .folders import DTYPES, dtype_kwarg, pipeline_class, resolve_dtype
+from .folders import CONFIG_VALUE_ERRORS, DTYPES, dtype_kwarg, pipeline_class, resolve_dtype, wrong_config_values
 
 __all__ = [
     "DTYPES",
@@ -227,6 +227,20 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
             f"could not load {model!r} ({type(exc).__name__}: {detail}): give a built-in name "
             f"{list(BUILTIN_MODELS)}, a local diffusers folder, or a hub id whose weights are in "
             "the local cache (set HF_HUB_OFFLINE=1 to skip the network)."
+        ) from exc
+    except CONFIG_VALUE_ERRORS as exc:
+        # A config.json value of the wrong type ("num_layers": "3"): diffusers' constructors fail
+        # inside torch without naming it, transformers' configs name the field but not the file.
+        detail = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+        found = wrong_config_values(path) if path.is_dir() else []
+        # A transformers config's own refusal is the error itself: name only its file then.
+        found = [f"in {where}" if what in detail else f"{where}: {what}"
+                 for where, _, what in (f.partition(": ") for f in found)]
+        raise ModelLoadError(
+            f"could not load {model!r} ({type(exc).__name__}: {detail})"
+            + (f": {'; '.join(found)}; fix the value in that file, or download the component again."
+               if found else ": a component's config.json may hold a value of the wrong type; fix it, or download "
+               "the model again.")
         ) from exc
     except RuntimeError as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -5,7 +5,6 @@ model bitwise."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from ranks import run_ranks

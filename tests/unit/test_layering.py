@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "models": set(),
     "runtime": set(),
-    "loading": {"core", "models"},
+    "loading": {"core", "models", "runtime"},
     "tools": {"core", "models", "loading", "runtime"},
     "app": {"core", "models", "loading", "runtime", "tools"},
     "door": {"core", "app", "runtime"},  # __init__ (the public API) and __main__
