@@ -44,12 +44,14 @@ Rank 0 shows progress and ends with a line reporting images or videos per minute
 import sys
 from pathlib import Path
 
-try:
-    from omni_dist_offload.app.cli import main
-except ImportError:  # run from a checkout that was not pip-installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from omni_dist_offload.app.cli import main
-from omni_dist_offload.runtime.proc import exit_with
+# The checkout this script is in comes first, as launch/bench.sh and serve.sh put it (and as a
+# checkout that was not pip-installed needs): an installed copy of another version must not run
+# in its place.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omni_dist_offload.app.cli import main  # noqa: E402 - after the path is set
+from omni_dist_offload.runtime.proc import exit_with  # noqa: E402
+
 
 if __name__ == "__main__":
     exit_with(main, ["generate", *sys.argv[1:]])

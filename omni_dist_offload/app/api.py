@@ -102,9 +102,10 @@ _POSITIVE_INTS = ("num_inference_steps", "height", "width", "num_frames", "max_s
 # Outputs per prompt: generate makes, returns and records one.
 _PER_PROMPT = ("num_images_per_prompt", "num_videos_per_prompt")
 
-# Negative prompts, one per prompt: negative_prompt, and negative_prompt_2/_3 of pipelines with
-# several text encoders.
-_NEGATIVE_PROMPT = re.compile(r"negative_prompt(_\d+)?")
+# Prompt texts, one per call: prompt_2/_3 (the prompt for a second or third text encoder: Flux's
+# T5, SD3's), negative_prompt and its _2/_3. The pipelines take a list of several and make an
+# output for each (or fail mid-forward on a batch the prompt's does not match).
+_PROMPT_TEXT = re.compile(r"(negative_)?prompt(_\d+)?")
 
 
 class GenerationOptionError(ValueError):
@@ -253,6 +254,11 @@ class Omni:
         self._generating = False
         # A folder given as a path object is kept (and recorded in the metadata) as its string.
         self.model = model = _model_name(model)
+        if _unknown_home(model):  # the loaders' Path.expanduser would raise a bare RuntimeError
+            head = model.split("/", 1)[0]
+            raise ModelLoadError(f"model {model!r}: {head!r} names no home folder known here (no such user, or HOME "
+                                 f"is not set): give the folder's path in full, or ./{model} for a folder named "
+                                 f"{head!r}.")
         for flag, value in (("cold_start", cold_start), ("progress", progress)):
             if not isinstance(value, bool):  # "no" would read as true
                 raise TypeError(f"{flag} must be True or False, found {type(value).__name__} {value!r}.")
@@ -398,11 +404,13 @@ class Omni:
                     f"{key} holds {value.shape[0]} prompts (shape {tuple(value.shape)}): Omni.generate makes, "
                     "returns and records one output per call; pass one prompt's embeddings (batch size 1) "
                     "and call generate once per prompt.")
-            if _NEGATIVE_PROMPT.fullmatch(key) and not _one_prompt(value):
+            if _PROMPT_TEXT.fullmatch(key) and not _one_prompt(value):
                 # The pipelines take a list of as many as the prompts, and Flux's drops the rest
-                # (and runs them all); a number fails mid-run.
+                # of a negative list (and runs them all); a prompt_2 list of two fails mid-forward
+                # on a batch size mismatch; a number fails mid-run.
+                what = "the negative prompt" if key.startswith("negative_") else key
                 raise GenerationOptionError(
-                    f"{key}={value!r}: the prompt is one string, so the negative prompt is one too: give a "
+                    f"{key}={value!r}: the prompt is one string, so {what} is one too: give a "
                     "string (or a list of one string), or None for none.")
             if key in _POSITIVE_INTS:
                 number = _whole_number(value)
@@ -563,7 +571,7 @@ class Omni:
         height, width = result.frames.shape[-3:-1]
         return {
             "prompt": result.prompt,
-            "negative_prompt": call.get("negative_prompt"),
+            "negative_prompt": _recorded(call, "negative_prompt"),
             "seed": result.seed,
             "model": self.model,
             "pipeline_class": type(self.pipeline).__name__,
@@ -574,7 +582,7 @@ class Omni:
             "fps": result.fps if result.kind == "video" else None,
             "num_inference_steps": self._effective(call, "num_inference_steps"),
             "guidance_scale": self._effective(call, "guidance_scale"),
-            "pipeline_kwargs": {k: _scalar(v) for k, v in call.items() if _is_json_scalar(_scalar(v))},
+            "pipeline_kwargs": {k: v for k in call if _is_json_scalar(v := _recorded(call, k))},
             "device": str(self.device),
             "dtype": _dtype_name(self.dtype),
             # After close() nothing streams any more: neither the config nor a summary applies.
@@ -660,6 +668,13 @@ def _not_copied() -> TypeError:
         "there), or share this one: its generations run one at a time.")
 
 
+def _unknown_home(path: str) -> bool:
+    """Whether ``path`` starts with a ``~`` or ``~user`` this host cannot expand (no such user,
+    or no HOME): ``Path.expanduser`` raises a bare RuntimeError for it, ``os.path.expanduser``
+    leaves it as it is."""
+    return path.startswith("~") and os.path.expanduser(path).startswith("~")
+
+
 def _model_name(model: Any) -> str:
     """``model`` as the string it is loaded and recorded by (a path object's string)."""
     if isinstance(model, os.PathLike):
@@ -699,6 +714,15 @@ def _raised_in(exc: BaseException, function: str, module: str | None = None) -> 
             found = frame
         tb = tb.tb_next
     return found
+
+
+def _recorded(call: Mapping[str, Any], key: str) -> Any:
+    """An option as the sidecar records it: a number as a Python one, a prompt text given as a
+    list of one string (``prompt_2=["b"]``, which generate takes) as that string."""
+    value = call.get(key)
+    if _PROMPT_TEXT.fullmatch(key) and isinstance(value, (list, tuple)) and _one_prompt(value):
+        return value[0]
+    return _scalar(value)
 
 
 def _scalar(value: Any) -> Any:

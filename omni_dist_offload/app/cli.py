@@ -264,7 +264,8 @@ def run_setup(plan: RunPlan) -> dict[str, Any]:
     :func:`check_same_run`). A local folder counts by the pipeline class it holds, not its path
     (each host may keep its copy elsewhere); a LoRA file by its name, size and scale."""
     model = plan.model
-    folder = Path(model).expanduser()
+    # os.path's expanduser leaves a ~user it cannot expand as it is; Path's raises RuntimeError.
+    folder = Path(os.path.expanduser(model))
     if folder.is_dir():
         model = f"a folder of {pipeline_class(folder).__name__}"
     loras = []
@@ -387,7 +388,12 @@ def _check_seed(seed: int, count: int) -> None:
 
 
 def _check_model(model: str) -> None:
-    path = Path(model).expanduser()
+    if model.startswith("~"):  # as the path flags say it (Path.expanduser would raise a bare RuntimeError)
+        try:
+            expand_home(model)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"argument --model: {exc}") from None
+    path = Path(os.path.expanduser(model))
     if model.startswith((".", "/", "~")) and not path.is_dir():
         raise UsageError(f"--model {model!r}: no such folder; give a diffusers folder, a hub id or "
                          f"a built-in name ({_BUILTINS}).")
@@ -404,6 +410,14 @@ def _check_device(device: str | None) -> None:
         raise UsageError(f"--device {device!r} is not supported: use cuda, cuda:N or cpu.")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device!r}: no CUDA device is visible; use --device cpu.")
+    world, local = os.environ.get("WORLD_SIZE", "1"), os.environ.get("LOCAL_RANK", "0")
+    if dev.type == "cuda" and dev.index is not None and world.isdigit() and int(world) > 1 and local.isdigit() \
+            and dev.index != int(local):
+        # Under torchrun each rank joins NCCL on its own GPU, cuda:LOCAL_RANK (runtime.dist):
+        # every rank's pipeline on cuda:N would share one GPU while their collectives ran on others.
+        raise UsageError(f"--device {device!r}: under torchrun each rank runs on its own GPU, cuda:LOCAL_RANK "
+                         f"(cuda:{int(local)} on this rank): give --device cuda, or leave it out (choose the GPUs "
+                         "with CUDA_VISIBLE_DEVICES).")
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -428,6 +442,9 @@ def _cmd_generate(plan: RunPlan) -> int:
             # In lockstep the other ranks wait in this wave's collectives: a teardown that
             # destroys the process groups (close() does) would not match theirs, and gloo would
             # abort (NCCL hang) before this error is seen. Leave without it: the exit ends the job.
+            # run_jobs has told the others why in the store (or, PeerStopped, learnt why another
+            # rank left): those gathering with this rank name it when their collective fails, and
+            # the others (other hosts) between waves or at the end.
             teardown = not (ctx.world_size > 1 and omni.lockstep)
             raise
         finally:

@@ -16,8 +16,12 @@ outputs are those of one process. :func:`run_prompts` picks how the prompts are 
   are discarded.
 
 Either way the run ends with the totals over all ranks (outputs, the slowest rank's time), which
-is also a barrier. With one process (``runtime.dist.maybe_init_dist`` does nothing) the same loop
-runs alone.
+is also a barrier, reached through the store (:class:`_Alive`) rather than a bare collective: a
+rank that stopped is named instead of waited for. A lockstep rank that fails says why in the store
+before it exits (the ranks of its weight group are stuck in a collective with it, and those of
+other hosts would run their waves on): between waves each rank reads that (one store read per
+wave), and one whose collective failed because that rank left names it. With one process
+(``runtime.dist.maybe_init_dist`` does nothing) the same loop runs alone.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..runtime.dist import DistContext, default_store
@@ -251,12 +254,39 @@ def run_jobs(
     group's first rank writes them."""
     out = _Output(sampling, output_dir, video_format, fps)
     report = RunReport(kind=_output_kind(omni))
+    key = _run_key(ctx)
     start = _started(ctx)
-    for job in jobs:
-        where = f"wave {job.wave + 1}/{len(jobs)}: " if job.wave is not None else ""
-        _generate(omni, job if writes else dataclasses.replace(job, padding=True), ctx, out, report, where)
-    report.elapsed_s = time.perf_counter() - start
-    report.total_count, report.elapsed_s = _reduce_totals(report.local_count, report.elapsed_s, ctx)
+    # No hang deadline: nothing is claimed, and another host may be waves behind this one.
+    alive = _Alive(ctx, key, len(jobs), hangs=False)
+    left: str | None = None  # why this rank leaves the run early, for the others
+    try:
+        for number, job in enumerate(jobs, 1):
+            where = f"wave {number}/{len(jobs)}"
+            if number > 1:  # between waves: stop here if a rank has left (one store read)
+                alive.raise_if_departed(f"stops before {where}")
+            try:
+                _generate(omni, job if writes else dataclasses.replace(job, padding=True), ctx, out, report,
+                          f"{where}: " if job.wave is not None else "")
+            except RuntimeError as exc:
+                # A collective that failed because a rank it gathers with left (gloo: "Connection
+                # closed by peer"): that rank wrote why before it exited. Other errors (a file
+                # that cannot be written, an option refused) are this rank's own.
+                alive.raise_if_departed(f"stops: their collective failed in {where}", cause=exc)
+                raise
+        report.elapsed_s = time.perf_counter() - start
+        report.total_count, report.elapsed_s = _finish(report.local_count, report.elapsed_s, None, ctx, key, alive)
+    except PeerStopped:
+        left = "stopped with another rank"
+        raise
+    except BaseException as exc:
+        # This rank's own error (its output that cannot be written, an interrupt): told to the
+        # others before it exits, which they read between waves, at the end, or when their
+        # collective with this rank fails.
+        left = _why(exc)
+        alive.depart(left)
+        raise
+    finally:
+        alive.stop(left)
     return report
 
 
@@ -294,10 +324,8 @@ def run_free(
             # The others go on with the prompts left (none waits on this rank until the end), then
             # learn why this rank stopped, instead of a lost connection when its process exits.
             if ctx.backend is not None and ctx.world_size > 1:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 try:
-                    _finish(report.local_count, time.perf_counter() - start, f"{type(exc).__name__}: {first}",
-                            ctx, key, alive)
+                    _finish(report.local_count, time.perf_counter() - start, _why(exc), ctx, key, alive)
                 except Exception:  # noqa: BLE001 - the group is gone too: the original error says more
                     pass
             raise
@@ -310,14 +338,24 @@ def run_free(
 
 
 class PeerStopped(RuntimeError):
-    """Another rank's generation raised: this rank ran its own prompts, and the job fails."""
+    """Another rank's generation raised: this rank ran its own prompts (free), or stopped with it
+    (lockstep), and the job fails."""
+
+
+def _why(exc: BaseException) -> str:
+    """One line saying why a rank stopped: ``interrupted``, or the error's type and first line."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first.rstrip('.')}"  # it goes in parentheses mid-sentence
 
 
 def _finish(count: int, elapsed_s: float, error: str | None, ctx: DistContext,
             key: str | None, alive: _Alive) -> tuple[int, float]:
-    """Free mode's end: the sum of outputs and the slowest rank's time, and whether a rank
-    stopped on an error (:class:`PeerStopped` on the others, naming it). Also a barrier, so rank
-    0's final line comes after every rank has written."""
+    """A run's end, free or lockstep: the sum of outputs and the slowest rank's time, and whether
+    a rank stopped on an error (:class:`PeerStopped` on the others, naming it). Also a barrier, so
+    rank 0's final line comes after every rank has written; the collective runs once every rank
+    has arrived (:meth:`_Alive.arrive`), so none waits in it for a rank that left."""
     if ctx.backend is None:
         return count, elapsed_s
     alive.arrive()
@@ -361,10 +399,15 @@ class _Alive:
     says so, and is named at once. A rank that lives but hangs beats on: each rank publishes the
     longest generation it has run, and once every prompt is taken (each rank is then on its last)
     one that has not arrived within :data:`_HANG_FACTOR` times its own longest is named (one on its
-    first prompt, past :data:`_FIRST_HANG_S`)."""
+    first prompt, past :data:`_FIRST_HANG_S`).
 
-    def __init__(self, ctx: DistContext, key: str | None, total: int) -> None:
-        self.ctx, self.key, self.total = ctx, key, total
+    Lockstep runs end the same way (``hangs=False``: nothing is claimed, and another host may be
+    waves behind). A lockstep rank that fails does not arrive: it records why (:meth:`depart`)
+    and exits, and the others name it (:meth:`raise_if_departed`) between waves, when their
+    collective with it fails, or while they wait here."""
+
+    def __init__(self, ctx: DistContext, key: str | None, total: int, *, hangs: bool = True) -> None:
+        self.ctx, self.key, self.total, self.hangs = ctx, key, total, hangs
         self.store = default_store() if key is not None and ctx.world_size > 1 else None
         self._arrived = False
         self._longest = 0.0
@@ -404,12 +447,55 @@ class _Alive:
             return None  # no rank has finished a generation: nothing to measure by
         return max(_FIRST_HANG_S, _HANG_FACTOR * max(took.values()))
 
-    def stop(self) -> None:
-        """This rank leaves the run: no more beats; unless it arrived, the others are told."""
+    def stop(self, why: str | None = None) -> None:
+        """This rank leaves the run: no more beats; unless it arrived, the others are told
+        (``why``: the reason they give; default ``interrupted``)."""
         self._stop.set()
         if self.store is not None and not self._arrived:
             with contextlib.suppress(Exception):
-                self.store.set(f"{self.key}/left/{self.ctx.rank}", "1")
+                self.store.set(f"{self.key}/left/{self.ctx.rank}", why or "interrupted")
+
+    def depart(self, why: str) -> None:
+        """Lockstep: this rank stops on its own error (``why``) and exits without arriving. The
+        first rank to do so is recorded as the run's cause, which :meth:`raise_if_departed` and
+        :meth:`arrive` name on the others (a rank that stops only because it left does not count)."""
+        if self.store is None:
+            return
+        with contextlib.suppress(Exception):  # the job is going down; this rank's own line says why
+            self.store.set(f"{self.key}/left/{self.ctx.rank}", why)
+            if self.store.add(f"{self.key}/departed", 1) == 1:
+                self.store.set(f"{self.key}/first", f"{self.ctx.rank}\t{why}")
+
+    def departed(self) -> tuple[int, str] | None:
+        """The first rank that stopped on its own error (:meth:`depart`), and why; None if none
+        has, or it is this rank. One store read when none has. Raises :class:`PeerStopped` when
+        the store cannot be reached (its holder, the launcher or rank 0, stopped)."""
+        if self.store is None:
+            return None
+        first = f"{self.key}/first"
+        try:
+            if not self.store.check([first]):
+                return None
+            rank, _, why = self.store.get(first).decode().partition("\t")
+        except Exception:  # noqa: BLE001 - whatever the store raises, its holder is gone
+            raise PeerStopped("the job's store became unreachable (the rank or launcher holding it stopped); this "
+                              "rank stops: see the other ranks' logs. The outputs written stay.") from None
+        return None if int(rank) == self.ctx.rank else (int(rank), why)
+
+    def raise_if_departed(self, what: str, cause: BaseException | None = None) -> None:
+        """:class:`PeerStopped` naming the rank that stopped (:meth:`departed`), if one has;
+        ``what`` says what this rank does (``stops before wave 2/3``). ``cause``: this rank's own
+        error, which is raised instead if the store cannot be read."""
+        try:
+            found = self.departed()
+        except PeerStopped:
+            if cause is None:
+                raise
+            found = None  # a failure of this rank's own: its error says more than a lost store
+        if found is not None:
+            rank, why = found
+            raise PeerStopped(f"rank {rank} stopped on an error ({why}); this rank, in lockstep with it, {what}. "
+                              "See that rank's log; the outputs written stay.") from None
 
     def arrive(self) -> None:
         """Wait until every rank has reached the end of its prompts; :class:`PeerStopped` naming
@@ -428,18 +514,21 @@ class _Alive:
         check = time.monotonic() + _BEAT_S
         while store.add(arrived, 0) < world:
             time.sleep(_ARRIVAL_POLL_S)
+            # Lockstep: a rank that stopped on its error (one read while none has).
+            self.raise_if_departed("ran its waves and stops at the end")
             now = time.monotonic()
             if now < check:
                 continue
             check = now + _BEAT_S
-            if emptied is None and store.add(key, 0) >= self.total:  # the claim counter
+            if self.hangs and emptied is None and store.add(key, 0) >= self.total:  # the claim counter
                 emptied = now
             late = []
             for rank in range(world):
                 if rank == me or store.check([f"{key}/arrived/{rank}"]):
                     continue
                 if store.check([f"{key}/left/{rank}"]):
-                    raise PeerStopped(f"rank {rank} left the run before the end of its prompts (interrupted); "
+                    why = store.get(f"{key}/left/{rank}").decode()
+                    raise PeerStopped(f"rank {rank} left the run before the end of its prompts ({why}); "
                                       "this rank ran its own prompts. The outputs written stay.")
                 count = store.add(f"{key}/alive/{rank}", 0)
                 seen = beats.get(rank)
@@ -548,17 +637,3 @@ def _output_kind(omni: Omni) -> str:
 def _check_prompts(prompts: Sequence[str]) -> None:
     if not prompts:
         raise ValueError("no prompts to generate: give --prompt or a non-empty --prompts-file.")
-
-
-def _reduce_totals(count: int, elapsed_s: float, ctx: DistContext) -> tuple[int, float]:
-    """Sum of outputs and the slowest rank's time; also a barrier, so rank 0's final line
-    comes after every rank has written."""
-    if ctx.backend is None:
-        return count, elapsed_s
-    nccl = ctx.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    totals = torch.tensor([float(count), elapsed_s], dtype=torch.float64, device=device)
-    counts, times = totals[:1].clone(), totals[1:].clone()
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return int(counts.item()), float(times.item())

@@ -98,17 +98,22 @@ class GenerationResult:
         process killed outright may leave a hidden one, which the next save overwrites). A
         write that fails raises :class:`OutputWriteError` naming the file."""
         out_dir = Path(directory)
+        extra: dict[str, Any] = {}
         if self.kind == "image":
             suffix, write = ".png", lambda path: _write_png(path, self.frames)
         elif resolve_video_format(video_format) == "mp4":
             suffix, write = ".mp4", lambda path: _write_mp4(path, self.frames, self.fps)
         else:
             suffix, write = ".gif", lambda path: _write_gif(path, self.frames, self.fps)
+            delay = gif_delay_cs(self.fps)
+            if 100 / delay != self.fps:  # the sidecar says at what rate the file really plays
+                extra["playback_fps"] = round(100 / delay, 3)
+                _warn_gif_rate(self.fps, delay)
         # Suffixes are appended: a name with a dot (``fox.v1``) keeps its tail.
         media = out_dir / f"{self.name}{suffix}"
         # Strict JSON (no bare NaN or Infinity), made before anything is written: a value that
         # cannot be written leaves the folder as it was.
-        text = _sidecar_text({**self.metadata, "file": media.name})
+        text = _sidecar_text({**self.metadata, "file": media.name, **extra})
         sidecar = out_dir / f"{self.name}.json"
         # Opened "wb" on its own name, a file is empty at once: an interruption or a full disk
         # then left an earlier run's good output 0 bytes beside its sidecar. The suffix stays
@@ -205,11 +210,40 @@ def _write_png(path: Path, frame: np.ndarray) -> None:
     Image.fromarray(frame).save(path)
 
 
+#: The shortest GIF frame delay, in 1/100 s, that players honour: browsers play a delay of 0 or 1
+#: at 10 fps, so 50 fps is the fastest a GIF plays.
+_GIF_MIN_DELAY_CS = 2
+#: A GIF whose rate is further than this from the one asked for gets a warning (16 fps plays at
+#: 16.67, 4 % faster, the nearest a GIF has: not worth a line on every run).
+_GIF_RATE_TOLERANCE = 0.05
+_warned_gif_rates: set[int] = set()
+
+
+def gif_delay_cs(fps: int) -> int:
+    """The GIF frame delay, in 1/100 s (GIF's unit), that plays nearest ``fps``: at least
+    :data:`_GIF_MIN_DELAY_CS` (50 fps), which is as fast as players go."""
+    exact = 100 / fps
+    candidates = {max(_GIF_MIN_DELAY_CS, math.floor(exact)), max(_GIF_MIN_DELAY_CS, math.ceil(exact))}
+    return min(candidates, key=lambda cs: (abs(100 / cs - fps), cs))
+
+
+def _warn_gif_rate(fps: int, delay_cs: int) -> None:
+    """One warning per process and rate, when the GIF plays visibly off the rate asked for."""
+    played = 100 / delay_cs
+    if abs(played - fps) / fps <= _GIF_RATE_TOLERANCE or fps in _warned_gif_rates:
+        return
+    _warned_gif_rates.add(fps)
+    logger.warning("a GIF frame delay is a whole number of 1/100 s (2 or more; browsers play shorter ones at 10 "
+                   "fps): %d fps is written as %.4g fps, %d/100 s a frame, which the sidecar records as "
+                   "playback_fps. For %d fps write MP4 (pip install 'omni_dist_offload[video]'), or ask for "
+                   "50, 25, 20 or 10 fps, which a GIF plays exactly.", fps, played, delay_cs, fps)
+
+
 def _write_gif(path: Path, frames: np.ndarray, fps: int) -> None:
     images = [Image.fromarray(frame) for frame in frames]
-    # GIF delays are in milliseconds; loop=0 repeats forever.
-    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)),
-                   loop=0)
+    # Pillow takes milliseconds and stores whole 1/100 s (GIF's unit), cut down: give it a
+    # whole number of those. loop=0 repeats forever.
+    images[0].save(path, save_all=True, append_images=images[1:], duration=10 * gif_delay_cs(fps), loop=0)
 
 
 def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:

@@ -101,7 +101,9 @@ def cold_start_folder(model: str, load_kwargs: Mapping[str, Any] | None = None) 
         return None, f"load options {extra} need the ordinary loader"
     if load_kwargs and load_kwargs.get("use_safetensors") is False:
         return None, "use_safetensors=False was asked for"
-    path = Path(model).expanduser()
+    # os.path's expanduser leaves a ~user this host does not know as it is (then refused as a
+    # folder that does not exist); Path's raises a bare RuntimeError.
+    path = Path(os.path.expanduser(model))
     if not path.is_dir():
         path = _hub_folder(model, load_kwargs or {})
         if path is None:

@@ -182,7 +182,9 @@ def load_pipeline(model: str, dtype: torch.dtype, load_kwargs: Mapping[str, Any]
                 cast_like_pretrained(module, dtype)
         return pipe
     model = os.fspath(model)
-    path = Path(model).expanduser()
+    # os.path's expanduser leaves a ~user this host does not know as it is (then refused as a
+    # folder that does not exist); Path's raises a bare RuntimeError.
+    path = Path(os.path.expanduser(model))
     if path.is_dir() and not (path / "model_index.json").is_file():
         raise ModelLoadError(
             f"folder {str(path)!r} has no model_index.json, so it is not a diffusers pipeline "
