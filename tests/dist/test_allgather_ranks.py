@@ -8,6 +8,7 @@ import gc
 import os
 import time
 import types
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -112,7 +113,22 @@ def resident_set(rank: Rank) -> dict:
     warm = ToyDiT(8, dim=64)
     handle = apply_offload(warm, AG_DIT)
     warm(torch.randn(2, 64))
+    # Meanwhile: state_dict() between forwards holds placeholders (no rank holds a block whole),
+    # said once per component, naming it; keys and shapes are the model's, nothing raises, and
+    # remove() takes the notice off.
+    reference = ToyDiT(8, dim=64).state_dict()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        shapes = {k: tuple(v.shape) for k, v in warm.state_dict().items()}
+        warm.state_dict()
+    told = [str(w.message) for w in record if "holds placeholders" in str(w.message)]
     handle.remove()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        values = all(torch.equal(v, reference[k]) for k, v in warm.state_dict().items())
+    after = [str(w.message) for w in record if "holds placeholders" in str(w.message)]
+    state_dict = {"told": told, "shapes": shapes == {k: tuple(v.shape) for k, v in reference.items()},
+                  "values": values, "after": after}
     model = ToyDiT(8, dim=1024)  # 8 blocks of ~4 MiB
     block_bytes = sum(p.numel() * p.element_size() for b in model.blocks for p in list(b.parameters()) + list(b.buffers()))
     gc.collect()
@@ -121,7 +137,8 @@ def resident_set(rank: Rank) -> dict:
     gc.collect()
     after = proc_status("VmRSS")
     model(torch.randn(2, 1024))
-    out = {"before": before, "after": after, "block_bytes": block_bytes, "host_bytes": handle.summary()[0]["host_bytes"]}
+    out = {"before": before, "after": after, "block_bytes": block_bytes, "host_bytes": handle.summary()[0]["host_bytes"],
+           "state_dict": state_dict}
     handle.remove()
     return out
 
@@ -130,6 +147,11 @@ def test_resident_set_drops_by_the_share():
     for s in run_ranks(resident_set, 2):
         assert s["host_bytes"] <= s["block_bytes"] / 2 + 8 * 4 * 256
         assert s["before"] - s["after"] >= 0.3 * s["block_bytes"], s
+        # state_dict() of an allgather component: one warning on every rank (see resident_set).
+        sd = s["state_dict"]
+        (told,) = sd["told"]
+        assert told.startswith("transformer: state_dict() holds placeholders") and "sharded over the ranks" in told
+        assert "handle.remove() first (on every rank" in told and sd["shapes"] and sd["values"] and not sd["after"]
 
 
 # -- blocks that keep a part on the device ---------------------------------------------------
