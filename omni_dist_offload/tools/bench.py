@@ -259,7 +259,8 @@ class CaseResult:
     """Under torchrun (not ``--stagger``): every rank's own bitwise check, by rank
     (``bitwise_equal`` is true only where every rank's is)."""
     block_mib: float | None = None
-    """The case's block bytes as the model holds them: what a ``--budget`` percent is of."""
+    """The case's block bytes as the ring lays them out (alignment included): what a
+    ``--budget`` percent is of."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,13 +416,18 @@ class _Pass:
 
 
 # -- timing --------------------------------------------------------------------------------
-def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> tuple[list[float], Any]:
-    """Milliseconds per call (CUDA events on the GPU, wall clock after the call elsewhere) and
-    the last call's result. Warm-up calls run in the same loop as timed ones: each waits for its
-    own end on the compute stream, not for the whole device (copies already issued for the next
-    call go on, as they do between timed calls), so a forward the residency planner measures
-    during warm-up sees the gap between forwards that the timed ones see."""
-    out = None
+def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
+           reference: torch.Tensor | None = None) -> tuple[list[float], bool]:
+    """Milliseconds per call (CUDA events on the GPU, wall clock after the call elsewhere), and
+    whether every timed call's result equals ``reference`` bitwise (not only the last: a copy
+    race would show in some forwards only; True without a reference). Each comparison runs after
+    its call's end was waited for, outside the timed span, and holds no output past it (a kept
+    output would add to the peak device memory the bench reports). Warm-up calls run in the
+    same loop as timed ones: each waits for its own end on the compute stream, not for the whole
+    device (copies already issued for the next call go on, as they do between timed calls), so a
+    forward the residency planner measures during warm-up sees the gap between forwards that the
+    timed ones see."""
+    equal = True
     times = []
     for k in range(warmup + repeats):
         if device.type == "cuda":
@@ -437,7 +443,10 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: in
             ms = (time.perf_counter() - t0) * 1e3
         if k >= warmup:
             times.append(ms)
-    return times, out
+            if reference is not None:
+                equal = bool(torch.equal(out, reference)) and equal
+        del out
+    return times, equal
 
 
 def _time(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
@@ -635,8 +644,7 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
     try:
         _reset_peak(opts.device)
         warmup = opts.warmup + (MEASURED_FORWARD if label is not None else 0)
-        times, out = _timed(forward, opts.device, warmup, opts.repeats)
-        equal = bool(torch.equal(out, reference))
+        times, equal = _timed(forward, opts.device, warmup, opts.repeats, reference)
         if handle is not None:
             info = {**info, **_plan_info(handle)}
         if opts.world > 1:
@@ -647,7 +655,6 @@ def _run_pass(variant: str, model: nn.Module, forward: Callable[[], Any], refere
         if compiling is not None and after is not None:
             info["compile_s"] = after - compiling
         peak = _peak(opts.device) + info.get("outside_allocator_bytes", 0) / 2**20
-        del out
     finally:
         if capped:  # remove() brings the blocks back to the device: lift the cap first
             torch.cuda.set_per_process_memory_fraction(1.0, opts.device)
@@ -712,7 +719,7 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
             held[variant] = allocated() - before if variant != RESIDENT else allocated() - common
         times: dict[str, list[float]] = {v: [] for v in variants}
         activations: dict[str, float] = dict.fromkeys(variants, 0.0)
-        outs: dict[str, torch.Tensor] = {}
+        equal: dict[str, bool] = dict.fromkeys(variants, True)
         for r in range(opts.repeats):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order if r % 2 == 0 else order[::-1]:
@@ -723,8 +730,9 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
                 # forward waits for them; timed alone after an idle device, a copy-bound forward
                 # would leave them out (up to a block's copy) and beat the link.
                 runs[variant]()
-                (ms,), outs[variant] = _timed(runs[variant], dev, 0, 1)
+                (ms,), same = _timed(runs[variant], dev, 0, 1, reference_of(variant))
                 times[variant].append(ms)
+                equal[variant] = equal[variant] and same  # every round's forward, not only the last
                 activations[variant] = max(activations[variant], _peak(dev) * 2**20 - base)
                 # Every stream, not only the forward's: the copies a ring issues at the end of its
                 # forward (the next forward's first blocks) finish before another copy of the model
@@ -737,9 +745,8 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
                 info = {**info, **_plan_info(handles[variant])}
             outside = info.get("outside_allocator_bytes", 0)
             peak = (common + held[variant] + activations[variant] + outside) / 2**20 if dev.type == "cuda" else 0.0
-            passes[variant] = [_Pass(times=times[variant], equal=bool(torch.equal(outs[variant], reference_of(variant))),
+            passes[variant] = [_Pass(times=times[variant], equal=equal[variant],
                                      peak_mib=peak, **info)]
-        outs.clear()
         if opts.world > 1:
             dist.barrier()  # every rank has read what it holds before any undoes a variant
     finally:
@@ -895,7 +902,7 @@ def measure_case(preset_name: str, blocks: int, shape: tuple[int, ...], opts: Be
         if opts.trace_variant is not None:
             trace = _traced_forward(model, forward, opts)
     label = "x".join(map(str, shape))
-    results = _summarise(passes, preset_name, blocks, label, compute, block_bytes, opts)
+    results = _summarise(passes, preset_name, blocks, label, compute, block_bytes, opts, sum(block_nbytes))
     for r in results:  # the compiled reference compiled the blocks first: that is their compile time
         if r.variant.split("@")[0] in _COMPILED:
             r.compile_s = max(r.compile_s, first_compile)
@@ -922,7 +929,8 @@ def _traced_forward(model: nn.Module, forward: Callable[[], Any], opts: BenchOpt
 
 
 def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: str,
-               compute: list[float], block_bytes: list[int], opts: BenchOptions) -> list[CaseResult]:
+               compute: list[float], block_bytes: list[int], opts: BenchOptions,
+               budget_bytes: int) -> list[CaseResult]:
     pooled = {v: [t for p in ps for t in p.times] for v, ps in passes.items()}
     # Every rank's pooled timings, in rank order ([this rank's] with one rank): the raw figures
     # each figure below derives from, written to the JSON beside them. With --stagger each rank
@@ -968,7 +976,10 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             overhead=ratio(variant, RESIDENT), floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
             host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
             bitwise_equal=all(p.equal for p in ps) and all(m[variant][2] for m in memory or ()),
-            floor_overhead=floor / res_ms, to_floor=ms / floor,
+            # The floor as a ratio to resident in the overhead's own terms, so that the chart's
+            # bar over its tick is to_floor (under --interleave the overhead is a median of
+            # per-round ratios, not forward_ms / the resident forward_ms).
+            floor_overhead=ratio(variant, RESIDENT) * floor / ms, to_floor=ms / floor,
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
             timings_ms_per_rank=None if opts.stagger else [r[variant] for r in ranks],
             predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
@@ -981,7 +992,7 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             peak_device_mib_ranks=[m[variant][0] for m in memory] if memory else None,
             host_mib_ranks=[m[variant][1] for m in memory] if memory else None,
             bitwise_equal_ranks=[m[variant][2] for m in memory] if memory else None,
-            block_mib=sum(block_bytes) / 2**20))
+            block_mib=budget_bytes / 2**20))
     return out
 
 
@@ -1227,6 +1238,16 @@ def _check_args(args: argparse.Namespace) -> None:
         if suffix and suffix not in (formats := image_formats()):
             raise BenchUsageError(f"--{flag} {str(path)!r}: matplotlib cannot write a .{suffix} file; end the path "
                                   f"in one of {', '.join('.' + f for f in formats)}")
+    named: dict[str, str] = {}  # each output its own file: a second write would replace the first, silently
+    for flag in ("json", "png", "timeline"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        where = os.path.realpath(os.path.expanduser(str(path)))
+        if where in named:
+            raise BenchUsageError(f"--{named[where]} and --{flag} name the same file ({str(path)!r}): the second "
+                                  "would replace the first; give each its own path")
+        named[where] = flag
     if args.transfer_mib is not None and not torch.cuda.is_available():
         raise BenchUsageError("--transfer-mib times host-to-device copies and needs a CUDA device; "
                               "none is visible")
@@ -1453,7 +1474,10 @@ def _figures(interleave: bool, stagger: bool) -> dict[str, str]:
             "timings_ms_per_rank": per_rank, "forward_ms": forward,
             "overhead": f"{ratio}; baseline: the resident row of the same case",
             "vs_compiled": "the same as overhead, with the compiled row as the baseline",
-            "vs_fp8": "the same as overhead, with the fp8-resident row as the baseline"}
+            "vs_fp8": "the same as overhead, with the fp8-resident row as the baseline",
+            "to_floor": "forward_ms / floor_ms",
+            "floor_overhead": "overhead * floor_ms / forward_ms: the floor in the overhead's terms (overhead / "
+                              "floor_overhead = to_floor)"}
 
 
 def _has_matplotlib() -> bool:

@@ -154,6 +154,8 @@ def test_draw_timeline_from_a_report(tmp_path) -> None:
     (["--chunk-mib", "-5"], "argument --chunk-mib: '-5' is negative"),
     (["--chunk-mib", "16", "nan"], "argument --chunk-mib: 'nan' is not a finite number"),
     (["--transfer-mib", "0"], "argument --transfer-mib: '0' is not above 0"),
+    (["--png", "out.png", "--timeline", "./out.png"], "--png and --timeline name the same file ('out.png')"),
+    (["--json", "out.png", "--png", "out.png"], "--json and --png name the same file"),
     (["--transfer-mib", "inf"], "argument --transfer-mib: 'inf' is not a finite number"),
     (["--ulysses-degree", "2", "--cache", "first-block:0.2", "--steps", "2"], "--cache first-block with --ulysses-degree 2"),
 ])
@@ -207,6 +209,15 @@ def test_interleaved_variants_run_side_by_side_and_ratios_pair_rounds(tmp_path, 
         if name.startswith("fp8-streamed"):
             assert row["vs_fp8"] == pytest.approx(statistics.median(a / b for a, b in zip(row["timings_ms"], fp8)))
     assert rows["rank-local@0%"]["host_mib"] > 0 and rows["rank-local@100%"]["resident_blocks"] == 5
+    # The chart's bar (overhead) over its floor tick (floor_overhead) is the table's x floor
+    # (to_floor = forward_ms / floor_ms); the tick was floor_ms / the resident forward_ms, a ratio
+    # of medians beside a median of ratios, so a variant could sit below its own floor.
+    for row in rows.values():
+        assert row["to_floor"] == pytest.approx(row["forward_ms"] / row["floor_ms"])
+        assert row["overhead"] / row["floor_overhead"] == pytest.approx(row["to_floor"])
+    assert "floor_overhead" in doc["meta"]["figures"]
+    # A --budget percent is of the blocks' bytes as the ring lays them out (alignment included).
+    assert rows["rank-local@100%"]["device_budget"] == pytest.approx(rows["rank-local@100%"]["block_mib"] * 2**20)
 
 
 def test_compiled_variants_compare_with_the_compiled_resident_model(tmp_path) -> None:
@@ -604,3 +615,14 @@ def test_transfer_mib_with_png_is_refused_before_the_run(tmp_path, capsys, no_ru
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--png draws the overhead of model cases; leave out --transfer-mib" in err[0]
     assert "args" not in no_run and not png.parent.exists()
+
+
+def test_every_timed_forward_is_compared_not_only_the_last() -> None:
+    """A variant whose first timed forwards differed (a copy race right after warm-up) was
+    reported equal when its last one matched."""
+    reference = torch.ones(3)
+    outputs = iter([torch.ones(3), torch.zeros(3), torch.ones(3), torch.ones(3)])  # warm-up, 3 timed
+    times, equal = bench._timed(lambda: next(outputs), torch.device("cpu"), 1, 3, reference)
+    assert len(times) == 3 and equal is False
+    outputs = iter([torch.zeros(3), torch.ones(3), torch.ones(3), torch.ones(3)])  # a warm-up is not judged
+    assert bench._timed(lambda: next(outputs), torch.device("cpu"), 1, 3, reference)[1] is True
