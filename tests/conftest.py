@@ -9,8 +9,6 @@ import logging
 import pytest
 import torch
 
-import tiny_models as tiny
-
 # One intra-op thread per test process. The suite runs in two workers on two cores (pytest-xdist);
 # with torch's default of a thread per core each, the workers' OpenMP threads spin on cores the
 # other worker needs, and the suite took 4:17 instead of 3:01 (measured on the 2-core CI-like
@@ -41,6 +39,8 @@ def _restore_library_logger():
 @pytest.fixture(scope="session")
 def wan_folder(tmp_path_factory):
     """The tiny Wan pipeline saved as a folder: fp32, several safetensors shards and an index."""
+    import tiny_models as tiny  # here, not at the top: the xdist controller runs no test
+
     folder = tmp_path_factory.mktemp("tiny-wan")
     tiny.tiny_wan_pipeline().save_pretrained(folder, max_shard_size="40KB")  # several shards + index
     return folder

@@ -19,6 +19,11 @@ already imported torch, diffusers and the package: a rank starts in a fraction o
 instead of the several seconds those imports take. On CUDA they are spawned (CUDA cannot be
 used in a forked child). Each rank's environment is this process's at the call (plus the above
 and ``env``), as for a subprocess.
+
+``start_ranks`` starts the ranks and returns at once (a server the test then calls); its
+``RankJob.wait`` is the rest of ``run_ranks``. ``start_forked`` runs one command-like function
+in a process forked the same way (a one-rank server, the CLI's exit status), and ``preloaded``
+is the context for a process pool.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -41,7 +47,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["Rank", "proc_status", "run_ranks"]
+__all__ = ["RankJob", "Rank", "preloaded", "proc_status", "run_ranks", "start_forked", "start_ranks"]
 
 #: Imported once by the forkserver, before it forks any rank.
 PRELOAD = ["torch", "torch.distributed", "omni_dist_offload", "omni_dist_offload.loading.coldstart",
@@ -78,6 +84,16 @@ def run_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | 
     ``env`` adds variables to the ranks' environment, or removes them (value ``None``); e.g.
     ``{"OMNI_OFFLOAD_ALLOW_GLOO": None}``. ``broken_group``: the worker breaks the process group
     on purpose (a rank that diverges or dies), so the ranks end without its teardown."""
+    job = start_ranks(worker, world, local_world=local_world, args=args, env=env, device=device,
+                      broken_group=broken_group)
+    return job.wait(timeout)
+
+
+def start_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | None = None,
+                args: tuple = (), env: dict[str, str | None] | None = None, device: str = "cpu",
+                broken_group: bool = False) -> "RankJob":
+    """:func:`run_ranks` without the wait: the ranks run while the test talks to them (a server);
+    :meth:`RankJob.wait` collects their results, as ``run_ranks`` does."""
     assert "<locals>" not in worker.__qualname__, f"{worker.__qualname__}: the worker must be a module-level function"
     local_world = local_world or world
     assert world % local_world == 0, (world, local_world)
@@ -95,45 +111,157 @@ def run_ranks(worker: Callable[..., Any], world: int = 2, *, local_world: int | 
             base.pop(key, None)
         else:
             base[key] = value
-    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-        files = [(Path(tmp) / f"rank{r}.json", Path(tmp) / f"rank{r}.log") for r in range(world)]
-        procs = []
+    job = RankJob(worker.__name__, store, Path(tempfile.mkdtemp(prefix="ranks-")), world)
+    try:
+        for rank, (result, log) in enumerate(job.files):
+            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % local_world),
+                        "GROUP_RANK": str(rank // local_world)}
+            info = Rank(rank, world, rank % local_world, local_world, device, str(result))
+            target = (worker.__module__, worker.__qualname__)  # imported by the rank, into its log
+            proc = context.Process(target=_rank_main, args=(target, args, rank_env, info, str(log), broken_group),
+                                   name=f"{worker.__name__}-rank{rank}")
+            proc.start()
+            job.procs.append(proc)
+    except BaseException:
+        job.stop()
+        raise
+    return job
+
+
+class RankJob:
+    """Ranks started by :func:`start_ranks`: their processes and logs, until :meth:`wait`."""
+
+    def __init__(self, name: str, store: dist.TCPStore, tmp: Path, world: int) -> None:
+        self.name, self.store, self.tmp = name, store, tmp
+        self.files = [(tmp / f"rank{r}.json", tmp / f"rank{r}.log") for r in range(world)]
+        self.procs: list = []
+        self.outputs: list[str] | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
+    def output(self, rank: int) -> str:
+        """What the rank printed so far (all of it, once stopped)."""
+        if self.outputs is not None:
+            return self.outputs[rank]
+        log = self.files[rank][1]
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def stop(self) -> None:
+        """Kill the ranks still running and remove their files, keeping what they printed."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        if self.outputs is None:
+            self.outputs = [self.output(rank) for rank in range(len(self.files))]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def wait(self, timeout: float = 180.0) -> list[Any]:
+        """Each rank's result, or the test fails naming the ranks that did not give one."""
+        world = len(self.files)
         try:
-            for rank, (result, log) in enumerate(files):
-                rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % local_world),
-                            "GROUP_RANK": str(rank // local_world)}
-                info = Rank(rank, world, rank % local_world, local_world, device, str(result))
-                target = (worker.__module__, worker.__qualname__)  # imported by the rank, into its log
-                proc = context.Process(target=_rank_main, args=(target, args, rank_env, info, str(log), broken_group),
-                                       name=f"{worker.__name__}-rank{rank}")
-                proc.start()
-                procs.append(proc)
-            running, first_failure = _wait(procs, [result for result, _ in files], timeout)
-        finally:
-            for proc in procs:
+            running, first_failure = _wait(self.procs, [result for result, _ in self.files], timeout)
+            for proc in self.procs:
                 if proc.is_alive():
                     proc.kill()
                 proc.join()
-        outcomes = [_read(result) for result, _ in files]
-        problems = []
-        for rank, ((_, log), proc, outcome) in enumerate(zip(files, procs, outcomes)):
-            if outcome is not None and "error" in outcome:
-                why = f"failed:\n{outcome['error']}"
-            elif rank in running and first_failure is not None:
-                why = f"was still running {GRACE_S:.0f} s after rank {first_failure} failed, and was stopped"
-            elif rank in running:
-                why = f"was still running after {timeout:.0f} s, and was stopped"
-            elif outcome is None:
-                why = f"ended without a result (exit code {proc.exitcode})"
-            else:
-                continue
-            tail = log.read_text(errors="replace")[-LOG_TAIL:] if log.exists() else ""
-            problem = (f"rank {rank} of {world} ({worker.__name__}) {why}\n--- its output, last "
-                       f"{LOG_TAIL} characters ---\n{tail}")
-            problems.insert(0 if rank == first_failure else len(problems), problem)  # the first failure first
+            outcomes = [_read(result) for result, _ in self.files]
+            problems = []
+            for rank, (proc, outcome) in enumerate(zip(self.procs, outcomes)):
+                if outcome is not None and "error" in outcome:
+                    why = f"failed:\n{outcome['error']}"
+                elif rank in running and first_failure is not None:
+                    why = f"was still running {GRACE_S:.0f} s after rank {first_failure} failed, and was stopped"
+                elif rank in running:
+                    why = f"was still running after {timeout:.0f} s, and was stopped"
+                elif outcome is None:
+                    why = f"ended without a result (exit code {proc.exitcode})"
+                else:
+                    continue
+                problem = (f"rank {rank} of {world} ({self.name}) {why}\n--- its output, last "
+                           f"{LOG_TAIL} characters ---\n{self.output(rank)[-LOG_TAIL:]}")
+                problems.insert(0 if rank == first_failure else len(problems), problem)  # the first failure first
+        finally:
+            self.stop()
         if problems:
             pytest.fail("\n\n".join(problems), pytrace=False)
         return [outcome["result"] for outcome in outcomes]
+
+
+def start_forked(target: Callable[..., int], args: tuple, *, env: dict[str, str], log: Path, cwd: Path,
+                 max_files: int | None = None) -> "Forked":
+    """``target(*args)`` in a process of its own, forked from the preloaded server as ranks are
+    (a command that would import torch and diffusers afresh starts in a fraction of a second),
+    with ``env`` as its whole environment, ``cwd``, stdout and stderr to ``log``, and at most
+    ``max_files`` open files. What ``target`` returns is the exit status, as a command's."""
+    assert "<locals>" not in target.__qualname__, f"{target.__qualname__}: the target must be a module-level function"
+    proc = _context(torch.device("cpu")).Process(
+        target=_forked_main, args=((target.__module__, target.__qualname__), args, env, str(log), str(cwd), max_files),
+        name=target.__name__)
+    proc.start()
+    return Forked(proc)
+
+
+class Forked:
+    """A process of :func:`start_forked`, with the ``subprocess.Popen`` calls a test makes."""
+
+    def __init__(self, proc) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise TimeoutError(f"process {self.pid} still running after {timeout} s")
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        if self._proc.exitcode is None:
+            self._proc.kill()
+        self._proc.join()
+
+
+def _forked_main(target: tuple[str, str], args: tuple, env: dict[str, str], log: str, cwd: str,
+                 max_files: int | None) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)  # read while the process runs (a server)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if max_files is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
+    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the server imported torch: set it here
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = 1
+    try:
+        function = importlib.import_module(target[0])
+        for name in target[1].split("."):
+            function = getattr(function, name)
+        code = function(*args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()  # as at a command's exit (a forked child skips them)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def shared_copy_mappings(ignore: Sequence[int] = ()) -> list[str]:
@@ -153,6 +281,12 @@ def proc_status(field: str) -> int:
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def preloaded() -> multiprocessing.context.BaseContext:
+    """The forkserver context ranks start from, for a process pool: its processes start with
+    torch, diffusers and the package imported."""
+    return _context(torch.device("cpu"))
 
 
 def _context(device: torch.device) -> multiprocessing.context.BaseContext:
@@ -202,6 +336,8 @@ def _rank_main(target: tuple[str, str], args: tuple, env: dict[str, str], info: 
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)  # read while the process runs (a server)
+    sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the server imported torch: set it here

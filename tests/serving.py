@@ -1,5 +1,5 @@
-"""``omni-offload serve`` for tests: a real server as a subprocess (one rank, or several under
-torchrun), HTTP calls on loopback (urllib), decoding, Prometheus samples, and the reference
+"""``omni-offload serve`` for tests: a real server (one rank as a command or forked, several
+as forked ranks), HTTP calls on loopback (urllib), decoding, Prometheus samples, and the reference
 images ``Omni.generate`` makes in the test's process."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from PIL import Image
 
 from omni_dist_offload import Omni
 from omni_dist_offload.tools.serve_stress import SERVING_LINE
+from ranks import start_forked, start_ranks
 
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos/generations"
@@ -70,34 +71,48 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 class Server:
-    """``omni-offload serve`` as a subprocess (or two ranks under torchrun). It binds a free port
-    itself (``--port 0``) and says which: a port picked here and passed on could be taken by
-    another process first, and its answers taken for this server's."""
+    """``omni-offload serve``: one rank as a command of its own, or forked from the tests'
+    preloaded server (``fork=True``: the same CLI, started without seconds of imports); several
+    ranks forked as torchrun would start them (tests/ranks.py). It binds a free port itself
+    (``--port 0``) and says which: a port picked here and passed on could be taken by another
+    process first, and its answers taken for this server's."""
 
     def __init__(self, tmp: Path, model: str, *flags: str, ranks: int = 1, max_files: int | None = None,
-                 prelude: str | None = None) -> None:
+                 prelude: str | None = None, fork: bool = False) -> None:
         """``max_files``: the server's open-file limit, soft and hard. ``prelude``: Python run in
         the server's process before the CLI (one rank), to patch what a test needs; that process
         starts on the C allocator (``PYTHONMALLOC=malloc``), so the CLI does not restart it (and
-        run the prelude, and its imports, twice)."""
+        run the prelude, and its imports, twice). A forked server runs on the allocator of the
+        process it is forked from (``PYTHONMALLOC=pymalloc``, said so to the CLI)."""
         self.port = 0
         self.out_dir = tmp / "out"
+        self.job = None
         serve = ["serve", "--model", model, "--diffusion-offload-config", CONFIG, "--port", "0",
                  "--output-dir", str(self.out_dir), "--video-format", "gif", *flags]
-        cli = ["-m", "omni_dist_offload", *serve]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOG_RANK": "0,1"}
-        if prelude is not None:
-            assert ranks == 1, "a prelude runs in a one-rank server only"
-            cli = ["-c", f"{prelude}\nimport sys\nfrom omni_dist_offload.__main__ import run\nsys.exit(run())", *serve]
-            env["PYTHONMALLOC"] = "malloc"
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        assert prelude is None or ranks == 1, "a prelude runs in a one-rank server only"
         self.log = (tmp / "server.log").open("w+")
-        self.proc = subprocess.Popen([sys.executable, *(launcher if ranks > 1 else []), *cli], cwd=tmp,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     preexec_fn=None if max_files is None else lambda: _limit_files(max_files))
+        if ranks > 1:
+            self.job = start_ranks(serve_on_rank, ranks, args=(serve,),
+                                   env={"LOG_RANK": "0,1", "PYTHONMALLOC": "pymalloc"}, broken_group=True)
+            self.pids = self.job.pids
+        elif fork:
+            self.proc = start_forked(serve_command, (serve, prelude), env={**env, "PYTHONMALLOC": "pymalloc"},
+                                     log=Path(self.log.name), cwd=tmp, max_files=max_files)
+            self.pids = [self.proc.pid]
+        else:
+            cli = ["-m", "omni_dist_offload", *serve]
+            if prelude is not None:
+                cli = ["-c", f"{prelude}\nimport sys\nfrom omni_dist_offload.__main__ import run\nsys.exit(run())",
+                       *serve]
+                env["PYTHONMALLOC"] = "malloc"
+            self.proc = subprocess.Popen([sys.executable, *cli], cwd=tmp, env=env, stdout=self.log,
+                                         stderr=subprocess.STDOUT,
+                                         preexec_fn=None if max_files is None else lambda: _limit_files(max_files))
+            self.pids = [self.proc.pid]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
+            assert self.running(), self.output()
             if not self.port and (match := SERVING_LINE.search(self.output())):
                 self.port = int(match[1])
             try:
@@ -108,23 +123,56 @@ class Server:
             time.sleep(0.1)
         raise AssertionError(f"server did not come up:\n{self.output()}")
 
+    def running(self) -> bool:
+        """Every process of the server still running."""
+        if self.job is not None:
+            return all(proc.is_alive() for proc in self.job.procs)
+        return self.proc.poll() is None
+
     def output(self) -> str:
+        """What the server printed: each rank's output in turn."""
+        if self.job is not None:
+            return "".join(self.job.output(rank) for rank in range(len(self.job.procs)))
         if not self.log.closed:
             self.log.flush()
         return Path(self.log.name).read_text()
 
     def terminate(self, pid: int | None = None) -> int:
-        """SIGTERM (to ``pid``, default the process started) and the exit status."""
-        os.kill(pid or self.proc.pid, signal.SIGTERM)
+        """SIGTERM (to ``pid``, default rank 0) and the exit status: of every rank, the first
+        that is not 0."""
+        os.kill(pid or self.pids[0], signal.SIGTERM)
+        if self.job is not None:
+            codes = self.job.wait(60)
+            return next((code for code in codes if code != 0), 0)
         try:
             return self.proc.wait(timeout=60)
         finally:
             self.log.close()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        if self.job is not None:
+            self.job.stop()
+        elif self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def serve_command(serve: list[str], prelude: str | None) -> int:
+    """A forked one-rank server: the prelude, then the CLI as ``python -m omni_dist_offload``."""
+    if prelude is not None:
+        exec(compile(prelude, "<prelude>", "exec"), {"__name__": "__prelude__"})
+    from omni_dist_offload.__main__ import run
+
+    sys.argv = ["omni-offload", *serve]
+    return run()
+
+
+def serve_on_rank(rank, serve: list[str]) -> int:
+    """One rank of a forked server (its process group already up: the CLI joins it)."""
+    from omni_dist_offload.__main__ import run
+
+    sys.argv = ["omni-offload", *serve]
+    return run()
 
 
 def _limit_files(count: int) -> None:

@@ -85,10 +85,10 @@ def parity(rank: Rank, gather: str | None = None, full: bool = True) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [8, 4, 2])
+@pytest.mark.parametrize("world", [4, 3, 2])
 def test_parity_shards_and_uneven_blocks(world):
-    # Eight ranks on two cores: the sharding of the Wan DiT and encoder is enough there.
-    results = run_ranks(parity, world, args=(None, world < 8))
+    # Three ranks: shards of a world size that divides no block evenly.
+    results = run_ranks(parity, world, args=(None, True))
     for r in results:
         assert r["parity"]["equal"] and r["parity"]["equal_after_remove"]
         for row in r["parity"]["summary"]:
@@ -96,8 +96,6 @@ def test_parity_shards_and_uneven_blocks(world):
             # Each rank holds its share of the block bytes, plus alignment padding only.
             blocks = row["num_blocks"]
             assert row["block_bytes"] / world <= row["host_bytes"] <= row["block_bytes"] / world + blocks * 2 * 256 * 8
-        if world == 8:
-            continue
         assert r["flux_equal"] and r["uneven_equal"]
         un = r["uneven"]
         assert len(set(un["block_nbytes"])) > 1  # blocks of different sizes in one ring

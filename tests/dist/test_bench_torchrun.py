@@ -51,11 +51,23 @@ def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> 
                for r in data["results"])
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
-def test_interleaved_variants_under_torchrun_pair_rounds_on_every_rank(tmp_path) -> None:
+def _bench_on_rank(rank, argv: list[str]) -> int:
+    from omni_dist_offload.tools import bench
+
+    return bench.main(argv)
+
+
+def test_interleaved_variants_on_two_ranks_pair_rounds_on_every_rank(tmp_path) -> None:
     # Every variant held at once on both ranks, ratios paired by round (--stagger with
-    # --interleave: the test above).
-    _, data = _bench(tmp_path, "--px", "32", "--interleave", "--repeats", "3")
+    # --interleave, under the launch script: the test above). The ranks are forked as torchrun
+    # starts them (tests/ranks.py).
+    from ranks import run_ranks
+
+    out_json = tmp_path / "bench.json"
+    argv = ["--preset", "tiny-flux", "--variants", "rank-local", "shared", "allgather", "--warmup", "1",
+            "--px", "32", "--interleave", "--repeats", "3", "--json", str(out_json)]
+    assert run_ranks(_bench_on_rank, 2, args=(argv,), timeout=120) == [0, 0]
+    data = json.loads(out_json.read_text())
     assert data["meta"]["interleave"] is True and data["meta"]["world_size"] == 2
     rows = {r["variant"]: r for r in data["results"]}
     assert list(rows) == ["resident", "rank-local", "shared", "allgather"]

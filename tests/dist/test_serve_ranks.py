@@ -1,4 +1,5 @@
-"""``omni-offload serve`` on two ranks under torchrun (gloo): with one shared host copy of the
+"""``omni-offload serve`` on two ranks started as torchrun starts them (gloo; forked, as in
+tests/ranks.py): with one shared host copy of the
 weights each rank takes the next request when free (any size, no padding); with allgather weights the ranks run
 padded waves in lockstep; SIGTERM stops every rank either way. One rank: unit/test_serve.py."""
 
@@ -6,7 +7,6 @@ from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,9 +48,9 @@ def test_free_ranks_take_mixed_sizes_as_they_come_then_stop_on_sigterm(tmp_path)
         assert re.search(r"^\[rank1\] image req-\S+ done in", out, re.M)  # rank 1 generated
         assert re.search(r"^\[rank0\] image on rank 1 \(", out, re.M) and "image on rank 0 (" in out
 
-        # SIGTERM to rank 0: it tells rank 1 over its link, and every rank (and torchrun) exits
-        # 0. (Running slots finishing and queued ones getting 503: unit/test_serve.py.)
-        assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
+        # SIGTERM to rank 0: it tells rank 1 over its link, and every rank exits 0.
+        # (Running slots finishing and queued ones getting 503: unit/test_serve.py.)
+        assert server.terminate(server.pids[0]) == 0, server.output()
         assert re.search(r"^\[rank0\] stopped$", server.output(), re.M)
         assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
     finally:
@@ -82,8 +82,8 @@ def test_allgather_ranks_answer_in_padded_waves_then_stop_on_sigterm(tmp_path, m
         assert call(server.port, IMAGES, {"prompt": "a cat", "seed": 1})[0] == 200
         assert "wave of 1 image(s) + 1 padding" in server.output()
 
-        # SIGTERM to rank 0: it stops, sends the stop wave, and every rank (and torchrun) exits 0.
-        assert server.terminate(_rank0_pid(server.proc.pid)) == 0, server.output()
+        # SIGTERM to rank 0: it stops, sends the stop wave, and every rank exits 0.
+        assert server.terminate(server.pids[0]) == 0, server.output()
         assert re.search(r"^\[rank0\] stopped$", server.output(), re.M)
         assert re.search(r"^\[rank1\] stopped$", server.output(), re.M)
     finally:
@@ -95,12 +95,3 @@ def _unequal(body: dict, got: np.ndarray, want: np.ndarray, server: Server) -> s
     far = np.abs(got.astype(np.int16) - want.astype(np.int16))
     return (f"seed {body['data'][0]['seed']}: {np.count_nonzero(far)} of {far.size} values differ, by "
             f"{far.max()} at most; the server's log:\n{server.output()}")
-
-
-def _rank0_pid(launcher: int) -> int:
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    for pid in children:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if b"RANK=0" in env:
-            return int(pid)
-    raise AssertionError(f"no rank 0 among {children}")

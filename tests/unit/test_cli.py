@@ -235,16 +235,29 @@ def test_the_last_seed_may_be_the_largest_torch_takes(monkeypatch) -> None:
         plan(2**64 - 1)
 
 
+def _entry_point(argv: list[str]) -> int:
+    """``python -m omni_dist_offload ARGV`` in a forked process."""
+    from omni_dist_offload.__main__ import run
+
+    sys.argv = ["omni-offload", *argv]
+    return run()
+
+
 def test_process_exit_status_and_stderr(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "omni_dist_offload", "generate",
-                           "--diffusion-offload-config", "[1, 2]"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    # Forked from the tests' preloaded server (tests/ranks.py): the process is the entry point's
+    # own, without seconds of imports.
+    from ranks import start_forked
+
+    work, log = tmp_path / "work", tmp_path / "output.log"
+    work.mkdir()
+    proc = start_forked(_entry_point, (["generate", "--diffusion-offload-config", "[1, 2]"],),
+                        env=dict(os.environ), log=log, cwd=work)
+    assert proc.wait(timeout=120) == 2
+    assert log.read_text().strip().splitlines() == [
         "omni-offload generate: error: --diffusion-offload-config: offload config must be a JSON "
         "object or dict, found list. (see omni-offload generate --help)"
     ]
-    assert list(tmp_path.iterdir()) == []
+    assert list(work.iterdir()) == []
 
 
 def test_tracing_prints_the_offload_summary_line(tmp_path, monkeypatch, capsys) -> None:

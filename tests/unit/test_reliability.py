@@ -8,7 +8,6 @@ dist/test_faults_ranks.py."""
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import re
 import types
 from pathlib import Path
@@ -23,6 +22,7 @@ from omni_dist_offload.loading import pipelines as api
 from omni_dist_offload import apply as apply_mod
 from omni_dist_offload.tools import soak
 from omni_dist_offload.tools.soak import SoakOptions, run_soak
+from ranks import preloaded
 from toys import ToyDiT, assert_same, snapshot
 
 DIT = {"mode": "layer", "components": ["dit"]}
@@ -101,12 +101,13 @@ def _soak_one_thread(opts: SoakOptions):
 def test_soak_rank_local_alternating_shapes():
     # In a process of its own: host RSS is the whole process's, and a test worker's RSS also
     # moves with what earlier tests left running or cached (9 MiB steps seen under the full suite).
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        result = pool.submit(_soak_one_thread, SoakOptions(model="tiny-wan", forwards=60, warmup=10,
+    # Forked from the preloaded server (tests/ranks.py), which has run nothing.
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=preloaded()) as pool:
+        result = pool.submit(_soak_one_thread, SoakOptions(model="tiny-wan", forwards=40, warmup=8,
                                                            rss_tolerance_mib=8)).result(timeout=300)
     assert result.passed, result.failures
     assert result.weight_transfer == "rank-local" and result.fallback_reason is None
-    assert result.equal == result.forwards_done == 60 and result.equal_after_remove
+    assert result.equal == result.forwards_done == 40 and result.equal_after_remove
     assert result.rss_kept_mib <= 8 and result.rss_growth_mib >= result.rss_kept_mib
     assert result.live_tensors[1] <= result.live_tensors[0]
 

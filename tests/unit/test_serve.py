@@ -336,7 +336,7 @@ def test_load_50_requests_from_8_clients(flux, capsys) -> None:
 
 
 def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
-    server = Server(tmp_path, "tiny-wan", "--max-frames", "9")
+    server = Server(tmp_path, "tiny-wan", "--max-frames", "9", fork=True)
     try:
         status, body = call(server.port, VIDEOS, {"prompt": "a red fox", "seed": 2, "num_frames": 9,
                                                   "fps": 8, "size": "32x16"})
@@ -402,7 +402,8 @@ service.run_slot = _blocked
 
 def test_sigterm_is_acted_on_at_once_while_the_main_thread_is_inside_one_long_op(tmp_path) -> None:
     release = tmp_path / "release"
-    server = Server(tmp_path, "tiny-flux", prelude=f"RELEASE = {str(release)!r}\n{_BLOCKING_OP}")
+    server = Server(tmp_path, "tiny-flux", prelude=f"RELEASE = {str(release)!r}\n{_BLOCKING_OP}",
+                    fork=True)
     try:
         with ThreadPoolExecutor(2) as pool:
             try:
@@ -993,7 +994,8 @@ def test_connections_past_the_cap_get_503_and_slow_headers_are_cut_off() -> None
 
 def test_running_out_of_descriptors_is_logged_once_a_second_and_the_server_recovers(tmp_path) -> None:
     # 300 descriptors, and a cap above what they allow: connections run them out.
-    server = Server(tmp_path, "tiny-flux", "--max-connections", "5000", "--read-timeout", "2", max_files=300)
+    server = Server(tmp_path, "tiny-flux", "--max-connections", "5000", "--read-timeout", "2", max_files=300,
+                    fork=True)
     held = []
     try:
         assert "--max-connections 5000 is more than the" in server.output()
