@@ -27,7 +27,6 @@ not hold are computed by the model's constructor as usual.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -49,7 +48,7 @@ from torch import nn
 from ..apply import apply_offload, quantization_method, quantized_refusal, resolve_device
 from ..config import OffloadConfig
 from ..plan import OffloadPlan, resolve_component
-from ..runtime.dist import agree_on_step
+from ..runtime.dist import agree_on_step, tell_peers
 from .checkpoint import (
     WEIGHT_NAMES,
     CheckpointError,
@@ -286,9 +285,7 @@ def load_offloaded(
     except BaseException as exc:  # an interrupt too: the other ranks are told without waiting
         if cold is not None:
             cold.close()
-        if agree is not None:
-            with contextlib.suppress(Exception):  # the agreement failing too must not hide why loading failed
-                agree(exc)
+        tell_peers(agree, exc)
         raise
     try:
         if agree is not None:

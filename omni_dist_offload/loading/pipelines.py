@@ -29,6 +29,7 @@ from ..config import OffloadConfig
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINES, cast_like_pretrained
 from ..plan import module_bytes
 from ..residency import format_bytes
+from ..runtime.dist import tell_peers
 from .checkpoint import CheckpointError, CheckpointSource, ModelLoadError, check_pipeline_folder
 from .coldstart import ColdStart, cold_start_folder, prepare_cold_start
 from .folders import CONFIG_VALUE_ERRORS, DTYPES, dtype_kwarg, pipeline_class, resolve_dtype, wrong_config_values
@@ -122,9 +123,7 @@ def load_and_place(
     except BaseException as exc:  # an interrupt too: agree tells the others without waiting
         if cold is not None:
             cold.close()
-        if agree is not None:
-            with contextlib.suppress(Exception):  # the agreement failing too must not hide why loading failed
-                agree(exc)
+        tell_peers(agree, exc)
         raise
     try:
         if agree is not None:

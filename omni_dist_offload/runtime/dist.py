@@ -105,6 +105,15 @@ _TOLD = "_omni_offload_told"
 _AGREE_POLL_S = 0.2
 
 
+def tell_peers(agree: Callable[[BaseException | None], None] | None, error: BaseException) -> None:
+    """Tell the other ranks, through ``agree`` (a step of :func:`agree_on_step`; None: alone), why
+    this rank failed, before it raises ``error``. The telling failing too must not hide the
+    reason: it is dropped, and ``error`` raised as it is."""
+    if agree is not None:
+        with contextlib.suppress(Exception):
+            agree(error)
+
+
 def agree_on_step(step: str, error: BaseException | None, timeout_s: float | None = None) -> None:
     """Every rank of the default group says whether it got through ``step`` (``error`` None) or
     why not. A rank that got through waits for every answer (at most ``timeout_s``; None: the
