@@ -317,11 +317,11 @@ def _placeholder_reason(ring: BlockRing) -> tuple[str, bool]:
 
 def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
     """The adapter a ``load_lora_adapter`` call hotswaps (None for any other call), refused
-    here where it streams on a ring that parks placeholders. Whether the new tensors fit the
+    here where it streams on a ring that parks placeholders or shares its host copy. Whether the new tensors fit the
     laid-out ones is checked where peft receives them (:func:`_grown_hotswap`)."""
     adapter = _hotswapped(method, args, kwargs)
     if adapter is not None:
-        _refuse_placeholder_hotswap(rings, adapter)
+        _refuse_unwritable_hotswap(rings, adapter)
     return adapter
 
 
@@ -365,24 +365,31 @@ def _grown_hotswap(model: nn.Module, rings: Sequence[BlockRing], adapter: str,
         "again.")
 
 
-def _refuse_placeholder_hotswap(rings: Sequence[BlockRing], adapter: str) -> None:
+def _refuse_unwritable_hotswap(rings: Sequence[BlockRing], adapter: str) -> None:
     """A hotswap copies the new adapter into the old one's tensors in place. An adapter loaded
-    before ``apply_offload`` streams with its block; where the ring parks placeholders between
+    before ``apply_offload`` streams with its block. Where the ring parks placeholders between
     forwards (allgather, 8-bit ``"block"`` storage) torch refuses that copy part way, and
-    diffusers' cleanup then deletes the adapter. Refused here, before anything changes."""
+    diffusers' cleanup then deletes the adapter; where the ranks of a host share the block's host
+    copy (``shared``), the copy would land in every rank's weights, behind their slots, though
+    only this rank swapped. Refused here, before anything changes."""
     for ring in rings:
-        if not ring.parks_placeholders:
+        shared = ring.transfer.name == "shared"
+        if not (ring.parks_placeholders or shared):
             continue
         found = _adapter_entries(ring, adapter)
         if not found:
             continue  # loaded after apply_offload: adopted on the device, where the copy lands
-        why, eight_bit = _placeholder_reason(ring)
+        if ring.parks_placeholders:
+            why, eight_bit = _placeholder_reason(ring)
+            why = f"{why}, and between forwards its tensors hold placeholders that cannot be written"
+        else:
+            why, eight_bit = ("in the host copy that every rank on this host shares (shared), so the swap would "
+                              "change the other ranks' weights too"), False
         raise RuntimeError(
             f"{ring.component.name}: hotswapping adapter '{adapter}' would write into {found[0]} ({len(found)} "
-            f"tensors in all): it was loaded before apply_offload, so it streams with its block, {why}, and "
-            "between forwards its tensors hold placeholders that cannot be written. Nothing was changed. Call "
-            "handle.remove() first, hotswap, then apply_offload again; or load the adapter after apply_offload "
-            "(it then stays on the device, and hotswaps in place)"
+            f"tensors in all): it was loaded before apply_offload, so it streams with its block, {why}. Nothing "
+            "was changed. Call handle.remove() first, hotswap, then apply_offload again; or load the adapter "
+            "after apply_offload (it then stays on the device, and hotswaps in place)"
             + ("; or use upcast 'layer'." if eight_bit else "."))
 
 
@@ -447,7 +454,7 @@ def _peft_call(kind: str, original: Callable[..., Any], *args: Any, **kwargs: An
         if arguments.get("state_dict") is None:  # the model's own tensors are read
             _refuse_placeholder_export(rings, adapter, "get_peft_model_state_dict")
         return original(*args, **kwargs)
-    _refuse_placeholder_hotswap(rings, adapter)
+    _refuse_unwritable_hotswap(rings, adapter)
     refusal = _grown_hotswap(arguments["model"], rings, adapter, arguments.get("state_dict"))
     if refusal is not None:
         pending = _pending_for(rings, adapter)

@@ -62,3 +62,44 @@ def test_fuse_and_unfuse_on_allgather_shards(budget):
     for r in run_ranks(fused_on_shards, 2, args=(budget,), timeout=240):
         assert r["transfer"] == "allgather"
         assert r["equal"] == [True] * 4 and r["state_equal"], r
+
+
+def hotswap_on_one_rank(rank) -> dict:
+    """An adapter loaded before apply_offload on a shared ring; rank 1 alone hotswaps another in."""
+    import torch.distributed as dist
+
+    from unit.test_lora import lora_state_dict
+
+    a, b = lora_state_dict(1), lora_state_dict(2)
+    model = tiny.tiny_wan_transformer(num_layers=3, dtype=torch.float32)
+    model.load_lora_adapter({k: v.clone() for k, v in a.items()}, adapter_name="h", prefix="transformer")
+    batch = tiny.wan_transformer_inputs(model)
+    with torch.no_grad():
+        want = model(**batch)[0]
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "collective_timeout_s": 60,
+                                   "layer_options": {"dit": {"weight_transfer": "shared"}}})
+    error = None
+    if rank.rank == 1:
+        try:
+            model.load_lora_adapter({k: v.clone() for k, v in b.items()}, adapter_name="h", hotswap=True,
+                                    prefix="transformer")
+        except RuntimeError as exc:
+            error = str(exc)
+    dist.barrier()
+    with torch.no_grad():
+        equal = [torch.equal(model(**batch)[0], want) for _ in range(2)]
+    out = {"transfer": handle.summary()[0]["weight_transfer"], "error": error, "equal": equal}
+    dist.barrier()
+    handle.remove()
+    return out
+
+
+def test_a_hotswap_on_one_rank_of_a_shared_ring_is_refused_and_changes_no_rank():
+    """The hotswap wrote into the host copy every rank of the host shares: rank 0, which never
+    swapped, ran a mix of both adapters."""
+    r0, r1 = run_ranks(hotswap_on_one_rank, 2, timeout=120)
+    assert r0["transfer"] == r1["transfer"] == "shared"
+    assert r0["error"] is None
+    assert r1["error"] is not None and "hotswapping adapter 'h'" in r1["error"], r1
+    assert "every rank on this host shares (shared)" in r1["error"] and "Nothing was changed" in r1["error"]
+    assert r0["equal"] == r1["equal"] == [True, True]
