@@ -1015,7 +1015,9 @@ class BlockRing:
         ``remove()`` see it. For edits between forwards, such as fusing a LoRA adapter into a
         block's weights: computed on the device as on the resident model, so the bits match.
         Synchronises; collective under allgather (every rank edits the same blocks in the same
-        order). If ``edit`` raises, a streamed block keeps its host copy as it was."""
+        order). If ``edit`` raises, what it did before is kept all the same, as on the resident
+        model; under allgather, where an edit that raised on any rank is compared with none, no
+        rank keeps any of it (the block's shards stay as they were)."""
         if self._current != _EMPTY:
             if (self._current_thread is not threading.current_thread()
                     or _in_call(self.layouts[self._current].module)):
@@ -1064,30 +1066,20 @@ class BlockRing:
                         if compute is not None:
                             entry.tensor.data = entry.tensor.data.to(compute)
                     result = edit()
-                    for entry, view in zip(layout.entries, views):
-                        _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
+                    self._keep_edit(layout, views)
                 except Exception as exc:  # noqa: BLE001 - lockstep: told to the other ranks, then raised
                     if not checked:
+                        # As on the resident model, what the edit did before it raised stays: peft
+                        # merges adapters one layer and one adapter at a time, recording each, so
+                        # a fuse that raises on a broken adapter leaves the others merged, and a
+                        # later unfuse subtracts them. Kept and written back, then raised.
+                        self._keep_edit(layout, views)
+                        self._write_edit_back(i, slot)
                         raise
                     error = exc
                 if checked:
                     self._check_same_edit(i, views, error)
-                if slot is not None:
-                    self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
-                    if layout.image is not None:
-                        # Stored in 8 bits ("block"): the slot holds the edit unrounded, the image
-                        # its 8-bit rounding. The next forward fetches the block again, so every
-                        # forward runs on what is stored (fetched on demand: no ordering problem).
-                        self._slot_block[slot] = _EMPTY
-                        self._disrupted = True
-                    if i in self._kept and i not in self._kept_off_host:
-                        # A host copy that is still whole holds the kept part's edit too (one
-                        # that gave the kept part up has only the device's).
-                        self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
-                elif self.transfer.has_host_copy(i):
-                    # Resident under a plan that is not final yet: a later plan may stream it
-                    # again, from its host copy, which must hold the edit too.
-                    self._write_back_resident(i)
+                self._write_edit_back(i, slot)
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
             except BaseException:
@@ -1100,6 +1092,32 @@ class BlockRing:
                 else:
                     bind(layout.entries, [*self._kept_views(i), *self._parked_moving[i]])
         return result
+
+    def _keep_edit(self, layout: BlockLayout, views: Sequence[torch.Tensor]) -> None:
+        """What an edit left in the block's tensors, into ``views`` (the bytes the ring holds)."""
+        for entry, view in zip(layout.entries, views):
+            _keep_in(entry.name, entry.tensor, view, stored=id(entry.tensor) in self.upcasts)
+
+    def _write_edit_back(self, i: int, slot: int | None) -> None:
+        """An edited block's bytes into its host copy: from ``slot``, or from its device buffer
+        (``slot`` None: resident)."""
+        layout = self.layouts[i]
+        if slot is not None:
+            self._moved(i, self.transfer.write_back(i, self._fill_views[slot][i], start=self._base[i]))
+            if layout.image is not None:
+                # Stored in 8 bits ("block"): the slot holds the edit unrounded, the image its
+                # 8-bit rounding. The next forward fetches the block again, so every forward
+                # runs on what is stored (fetched on demand: no ordering problem).
+                self._slot_block[slot] = _EMPTY
+                self._disrupted = True
+            if i in self._kept and i not in self._kept_off_host:
+                # A host copy that is still whole holds the kept part's edit too (one that gave
+                # the kept part up has only the device's).
+                self._moved(i, self.transfer.write_back(i, self._kept_bufs[i], start=0))
+        elif self.transfer.has_host_copy(i):
+            # Resident under a plan that is not final yet: a later plan may stream it again,
+            # from its host copy, which must hold the edit too.
+            self._write_back_resident(i)
 
     def _check_same_edit(self, i: int, parts: Sequence[torch.Tensor], error: Exception | None = None) -> None:
         """Under allgather every rank must leave the same bytes in a block it edits: each writes

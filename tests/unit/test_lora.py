@@ -207,6 +207,43 @@ def test_fusing_named_adapters_after_offloading(loras):
     assert torch.equal(run(True), run(False))
 
 
+@pytest.mark.parametrize("layer_options", [{}, {"resident_blocks": [1]}], ids=["streamed", "resident-block"])
+def test_a_fuse_that_raises_part_way_keeps_what_it_merged_as_the_resident_model_does(layer_options):
+    """peft merges adapter a into a layer, records it, then raises on adapter b (NaN, with
+    safe_fusing). The ring dropped the whole edit, a's merge too, while peft still counted it: the
+    next forwards ran without it, and unfuse_lora subtracted a delta that was never added."""
+    def build():
+        model = tiny.tiny_wan_transformer(num_layers=3)
+        for name, seed in (("a", 5), ("b", 6)):
+            torch.manual_seed(seed)
+            model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False),
+                              adapter_name=name)
+        with torch.no_grad():
+            model.blocks[1].attn1.to_k.lora_B["b"].weight[0, 0] = float("nan")
+        return model
+
+    def run(offload: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        model = build()
+        batch = tiny.wan_transformer_inputs(model)
+        handle = apply_offload(model, {"mode": "layer", "components": ["dit"],
+                                       "layer_options": {"dit": layer_options}}) if offload else None
+        with pytest.raises(ValueError, match="NaN"):
+            model.fuse_lora(lora_scale=1.0, safe_fusing=True, adapter_names=["a", "b"])
+        outs = []
+        with torch.no_grad():
+            outs.append(model(**batch)[0])
+            model.unfuse_lora()
+            model.set_adapters(["a"])
+            outs.append(model(**batch)[0])
+        if handle is not None:
+            handle.remove()
+        return outs, {k: v.clone() for k, v in model.state_dict().items() if "base_layer" in k}
+
+    (want, want_weights), (got, got_weights) = run(False), run(True)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert [k for k in want_weights if not torch.equal(want_weights[k], got_weights[k])] == []
+
+
 def test_a_hotswap_into_8_bit_blocks_of_adapters_loaded_before_offloading_is_refused_changing_nothing(loras):
     """Under 8-bit ``"block"`` storage the blocks' tensors (their adapters too) hold placeholders
     between forwards, which peft's in-place copy cannot write: the hotswap is refused before
