@@ -16,6 +16,8 @@ import contextlib
 import json
 import math
 import os
+import types
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,9 +233,15 @@ class CacheSpec:
             raise AdapterError(f"unknown step cache {name!r}: choose one of {sorted(CACHES)} "
                                "(e.g. first-block:0.1)")
         cache = CACHES[name]
-        for key in (cache.primary, *cache.alike):
-            if options.get(key) is not None and not _in_range(options[key], cache):
-                raise AdapterError(f"--cache {given}: {key} is {_expected(cache)}, found {options[key]!r}")
+        fields = _fields(cache)
+        for key, value in options.items():
+            if value is None and _nullable(fields.get(key)):  # diffusers' default for the option
+                continue
+            if key in (cache.primary, *cache.alike):
+                if not _in_range(value, cache):
+                    raise AdapterError(f"--cache {given}: {key} is {_expected(cache)}, found {value!r}")
+            else:
+                options[key] = _option(key, value, fields.get(key), given)
         spec = cls(name, options)
         spec.build(timestep=lambda: None)  # checks the options against the config class
         return spec
@@ -258,13 +266,71 @@ class CacheSpec:
                                f"{cache.config_class}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, **self.options}
+        """As recorded in the metadata (JSON: a dtype by its name); :meth:`parse` reads it back."""
+        options = {k: _DTYPE_NAMES.get(v, v) if isinstance(v, torch.dtype) else v for k, v in self.options.items()}
+        return {"type": self.type, **options}
+
+
+#: The dtypes a dtype option (TaylorSeer's ``taylor_factors_dtype``) takes, by name: floating point,
+#: as the caches keep tensors of the model's outputs.
+_DTYPES = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "float64")}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _fields(cache: _Cache) -> dict[str, Any]:
+    """The config class's options and their types (none where this diffusers lacks the class, which
+    :meth:`CacheSpec.build` refuses, or annotates it in a way this Python cannot read)."""
+    config_class = getattr(diffusers.hooks, cache.config_class, None)
+    try:
+        return typing.get_type_hints(config_class) if config_class is not None else {}
+    except (NameError, TypeError):
+        return {}
+
+
+def _nullable(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _option(key: str, value: Any, hint: Any, given: Any) -> Any:
+    """``value`` checked against its field's type in the config class, in what diffusers takes: a
+    dtype's name becomes the dtype, a JSON list a tuple. diffusers does not check them: a wrong type
+    fails mid-generation (``Invalid device string: 'float32'``, ``'int' object is not subscriptable``).
+    An option of another type (a callable; one the class lacks) is left to the class."""
+    if _nullable(hint):  # X | None: checked as X (a union of more is left to the class)
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    converted = value
+    if hint is bool:
+        ok, expected = isinstance(value, bool), "true or false"
+    elif hint in (int, float):
+        ok, expected = _number(value, integer=hint is int), "an integer" if hint is int else "a finite number"
+    elif hint is torch.dtype:
+        converted = _DTYPES.get(value.removeprefix("torch."), value) if isinstance(value, str) else value
+        ok = isinstance(converted, torch.dtype) and converted in _DTYPE_NAMES
+        expected = f"a floating-point dtype: one of {list(_DTYPES)} (or 'torch.float32' alike)"
+    elif origin in (list, tuple) and args and all(a in (str, Ellipsis) for a in args):  # regexes of module names
+        ok, expected = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), "a list of strings"
+        converted = origin(value) if ok else value
+    elif origin is tuple and len(args) == 2 and all(a in (int, float) for a in args):  # a range of timesteps
+        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(_number(v) for v in value)
+        expected, converted = "a pair of numbers, e.g. [100, 800]", tuple(value) if ok else value
+    else:
+        return value
+    if not ok:
+        raise AdapterError(f"--cache {given}: {key} is {expected}, found {value!r}")
+    return converted
+
+
+def _number(value: Any, integer: bool = False) -> bool:
+    """An int (or, unless ``integer``, a float), finite; not a bool."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return False
+    return math.isfinite(value)
 
 
 def _in_range(value: Any, cache: _Cache) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int if cache.kind is int else (int, float)):
-        return False
-    return math.isfinite(value) and value >= cache.minimum
+    return _number(value, integer=cache.kind is int) and value >= cache.minimum
 
 
 def _expected(cache: _Cache) -> str:

@@ -171,3 +171,78 @@ def test_a_lora_spec_holding_a_path_loads(lora_files):
     with Omni("tiny-wan", STREAMED, device="cpu", progress=False, lora=spec) as omni:
         assert omni.loras == [LoraSpec(lora_files[1], 0.8)]
         assert [n for n, _ in omni.pipeline.transformer.named_parameters() if "lora_" in n]
+
+
+# Options diffusers' config classes take as given, then fail on mid-generation (a raw TypeError or
+# RuntimeError after the model loaded): checked against the config class's field types instead.
+@pytest.mark.parametrize(("value", "message"), [
+    ({"type": "first-block", "threshold": None}, r"threshold is a number, finite and 0 or more, found None"),
+    ('{"type": "taylorseer", "cache_interval": null}', r"cache_interval is an integer, 1 or more, found None"),
+    ({"type": "taylorseer", "use_lite_mode": "yes"}, r"use_lite_mode is true or false, found 'yes'"),
+    ({"type": "taylorseer", "max_order": 1.5}, r"max_order is an integer, found 1.5"),
+    ({"type": "taylorseer", "disable_cache_after_step": "8"}, r"disable_cache_after_step is an integer, found '8'"),
+    ({"type": "taylorseer", "skip_predict_identifiers": "blocks.*"},
+     r"skip_predict_identifiers is a list of strings, found 'blocks.\*'"),
+    ({"type": "taylorseer", "taylor_factors_dtype": "float31"},
+     (r"taylor_factors_dtype is a floating-point dtype: one of \['bfloat16', 'float16', 'float32', 'float64'\] "
+      r"\(or 'torch.float32' alike\), found 'float31'")),
+    ({"type": "taylorseer", "taylor_factors_dtype": torch.int8}, r"taylor_factors_dtype is a floating-point dtype"),
+    ({"type": "pyramid-attention", "spatial_attention_timestep_skip_range": 5},
+     r"spatial_attention_timestep_skip_range is a pair of numbers, e.g. \[100, 800\], found 5"),
+    ('{"type": "pyramid-attention", "cross_attention_timestep_skip_range": [1, 2, 3]}',
+     r"cross_attention_timestep_skip_range is a pair of numbers, e.g. \[100, 800\], found \[1, 2, 3\]"),
+    ({"type": "pyramid-attention", "temporal_attention_timestep_skip_range": ["100", 800]},
+     r"temporal_attention_timestep_skip_range is a pair of numbers"),
+    ({"type": "pyramid-attention", "spatial_attention_block_identifiers": "blocks"},
+     r"spatial_attention_block_identifiers is a list of strings, found 'blocks'"),
+])
+def test_cache_options_of_the_wrong_type_are_refused_before_anything_loads(value, message):
+    with pytest.raises(AdapterError, match=message) as refused:
+        CacheSpec.parse(value)
+    assert "\n" not in str(refused.value)
+
+
+def test_cache_options_in_json_forms_become_what_diffusers_takes():
+    """A dtype's name becomes the dtype and a JSON list a tuple; None stays where diffusers'
+    field takes it; the spec is recorded as JSON and parses back to itself."""
+    spec = CacheSpec.parse('{"type": "taylorseer", "cache_interval": 2, "use_lite_mode": true, '
+                           '"taylor_factors_dtype": "float32", "disable_cache_after_step": null}')
+    assert spec.options["taylor_factors_dtype"] is torch.float32
+    assert spec.build().taylor_factors_dtype is torch.float32
+    for name, dtype in [("torch.float16", torch.float16), ("bfloat16", torch.bfloat16), (torch.float64, torch.float64),
+                        (None, None)]:
+        assert CacheSpec.parse({"type": "taylorseer", "taylor_factors_dtype": name}).options["taylor_factors_dtype"] \
+            is dtype
+    pab = CacheSpec.parse({"type": "pyramid-attention", "spatial_attention_block_skip_range": 2,
+                           "temporal_attention_block_skip_range": None,
+                           "spatial_attention_timestep_skip_range": [100, 800.5],
+                           "cross_attention_block_identifiers": ["blocks"]})
+    assert pab.options["spatial_attention_timestep_skip_range"] == (100, 800.5)
+    assert pab.options["cross_attention_block_identifiers"] == ("blocks",)
+    for s in (spec, pab):
+        recorded = json.loads(json.dumps(s.to_dict()))
+        assert CacheSpec.parse(recorded) == s
+    assert spec.to_dict()["taylor_factors_dtype"] == "float32"
+
+
+def test_cache_options_given_as_json_run():
+    """The converted options reach diffusers' hooks: generation runs (it failed with 'Invalid device
+    string' and "'int' object is not subscriptable")."""
+    for cache in ({"type": "taylorseer", "cache_interval": 2, "use_lite_mode": True, "taylor_factors_dtype": "float32"},
+                  {"type": "pyramid-attention", "spatial_attention_block_skip_range": 2,
+                   "spatial_attention_timestep_skip_range": [0, 1000]}):
+        with Omni("tiny-wan", {"mode": "layer", "components": ["dit"]}, device="cpu", progress=False,
+                  cache=cache) as omni:
+            meta = omni.generate("a red fox", seed=3, num_inference_steps=6).metadata
+        assert CacheSpec.parse(meta["cache"]) == CacheSpec.parse(cache)
+
+
+def test_cli_refuses_a_null_cache_option_in_one_line_before_loading(monkeypatch, tmp_path, capsys):
+    from omni_dist_offload.app import api
+    monkeypatch.setattr(api, "load_and_place", lambda *a, **k: pytest.fail("loaded the model"))
+    rc = main(["generate", "--model", "tiny-flux", "--cache", '{"type": "first-block", "threshold": null}',
+               "--output-dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert "threshold is a number, finite and 0 or more, found None" in err
+    assert not (tmp_path / "x").exists()
