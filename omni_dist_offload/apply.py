@@ -1104,7 +1104,7 @@ def _allgather_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], cf
                      source: BlockSource | None) -> ComponentFacts:
     """What must match across ranks for an allgather component."""
     opts = cfg.options_for(comp.category)
-    samples = sample_digest(layouts, head=source.head if source is not None else None)
+    samples = sample_digest(layouts, elements=source.elements if source is not None else None)
     return ComponentFacts("allgather", int(opts.chunk_mib * 2**20), opts.gather,
                           tuple(l.name for l in layouts), tuple(layout_digest(layouts)), tuple(samples))
 
@@ -1112,7 +1112,7 @@ def _allgather_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], cf
 def _shared_facts(comp: StreamedComponent, layouts: Sequence[BlockLayout], source: BlockSource | None) -> ComponentFacts:
     """What must match across ranks for a component whose host copy they share: each rank fills
     part of it, so the same layout and weights everywhere."""
-    samples = sample_digest(layouts, head=source.head if source is not None else None)
+    samples = sample_digest(layouts, elements=source.elements if source is not None else None)
     return ComponentFacts("shared", 0, "", tuple(l.name for l in layouts), tuple(layout_digest(layouts)),
                           tuple(samples))
 

@@ -110,9 +110,9 @@ class BlockSource(Protocol):
     (cold start: :class:`omni_dist_offload.loading.checkpoint.CheckpointSource` reads them from
     safetensors files). ``apply_offload(block_sources=...)`` takes one per component."""
 
-    def head(self, entry: TensorEntry, count: int) -> torch.Tensor | None:
-        """The first ``count`` elements of an entry in row-major order, or None to read them
-        from the tensor itself."""
+    def elements(self, entry: TensorEntry, start: int, count: int) -> torch.Tensor | None:
+        """Elements ``[start, start + count)`` of an entry in row-major order, or None to read
+        them from the tensor itself."""
 
     def fill(self, layout: BlockLayout, pieces: Sequence[tuple[int, int, int]], dst: torch.Tensor) -> None:
         """Write the block image's bytes ``[offset, offset + n)`` to ``dst[at : at + n]`` for

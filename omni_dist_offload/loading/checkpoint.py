@@ -388,13 +388,13 @@ class CheckpointSource:
     def owns(self, entry: TensorEntry) -> bool:
         return id(entry.tensor) in self.keys
 
-    def head(self, entry: TensorEntry, count: int) -> torch.Tensor | None:
-        """The first ``count`` elements of a placeholder entry (None for other entries)."""
+    def elements(self, entry: TensorEntry, start: int, count: int) -> torch.Tensor | None:
+        """Elements ``[start, start + count)`` of a placeholder entry (None for other entries)."""
         key = self.keys.get(id(entry.tensor))
         if key is None:
             return None
-        out = torch.empty(min(count, entry.tensor.numel()), dtype=entry.dtype, device="cpu")
-        self.checkpoint.read_into(key, out)
+        out = torch.empty(count, dtype=entry.dtype, device="cpu")
+        self.checkpoint.read_into(key, out, start)
         return out
 
     def fill(self, layout: BlockLayout, pieces: Sequence[tuple[int, int, int]], dst: torch.Tensor) -> None:

@@ -102,7 +102,7 @@ class ComponentFacts:
     block_digests: tuple[str, ...]
     """Per block: the layout (names, dtypes, shapes, offsets)."""
     value_digests: tuple[str, ...] = ()
-    """Per block: a sample of the weights' first bytes."""
+    """Per block: a sample of the weights' bytes (each tensor's start, middle and end)."""
 
 
 @dataclass(frozen=True)

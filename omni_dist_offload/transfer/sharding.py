@@ -94,21 +94,24 @@ def layout_digest(layouts: Sequence[BlockLayout]) -> list[str]:
 
 
 def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64,
-                  head: Callable[[TensorEntry, int], torch.Tensor] | None = None) -> list[str]:
-    """One short digest per block of the first bytes of every tensor: cheap evidence that all
-    ranks hold the same weights (ranks that built random weights without a common seed would
-    otherwise assemble blocks from different models, silently). ``head(entry, k)`` returns an
-    entry's first ``k`` elements in row-major order (default: read from the tensor itself; a
-    checkpoint-backed entry reads them from its file)."""
+                  elements: Callable[[TensorEntry, int, int], torch.Tensor | None] | None = None) -> list[str]:
+    """One short digest per block of a few bytes of every tensor, at its start, middle and end:
+    cheap evidence that all ranks hold the same weights (ranks that built random weights without
+    a common seed, or loaded other checkpoints, would otherwise assemble blocks from different
+    models, silently). ``elements(entry, start, count)`` returns an entry's elements in row-major
+    order (default, or None: read from the tensor itself; a checkpoint-backed entry reads them
+    from its file)."""
     out = []
     for layout in layouts:
         pieces = []
         for e in layout.entries:
-            k = max(1, sample_bytes // max(1, e.tensor.element_size()))
-            first = head(e, k) if head is not None else None
-            if first is None:
-                first = e.tensor.detach().reshape(-1)[:k]
-            pieces.append(first.contiguous().view(torch.uint8).reshape(-1))
+            numel = e.tensor.numel()
+            k = min(numel, max(1, sample_bytes // max(1, e.tensor.element_size())))
+            for start in sorted({0, (numel - k) // 2, numel - k}):
+                window = elements(e, start, k) if elements is not None else None
+                if window is None:
+                    window = e.tensor.detach().reshape(-1)[start: start + k]
+                pieces.append(window.contiguous().view(torch.uint8).reshape(-1))
         sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8, device="cpu")
         out.append(hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16])
     return out

@@ -248,7 +248,11 @@ def fallback_then_mismatch(rank: Rank) -> dict:
     os.environ["OMNI_OFFLOAD_ALLOW_GLOO"] = "1"
     models = {"mismatch": tiny.tiny_wan_transformer(num_layers=3 if rank.rank == 0 else 4),
               "dtype_mismatch": tiny.tiny_wan_transformer(num_layers=3, dtype=torch.bfloat16 if rank.rank == 1 else torch.float32),
-              "value_mismatch": tiny.tiny_wan_transformer(num_layers=3, seed=rank.rank)}
+              "value_mismatch": tiny.tiny_wan_transformer(num_layers=3, seed=rank.rank),
+              "tail_mismatch": tiny.tiny_wan_transformer(num_layers=3)}
+    if rank.rank == 1:  # the same weights but the last row of one tensor: past its first bytes
+        with torch.no_grad():
+            models["tail_mismatch"].blocks[1].ffn.net[2].weight[-1].mul_(2)
     for key, model in models.items():
         try:
             apply_offload(model, AG_DIT)
@@ -270,6 +274,7 @@ def test_fallback_when_gloo_not_allowed_and_layout_mismatch():
         assert "rank 0 has 3 blocks in transformer, rank 1 has 4" in r["mismatch"], r["mismatch"]
         assert "blocks.0" in r["dtype_mismatch"], r["dtype_mismatch"]
         assert "weights of block blocks.0 differ" in r["value_mismatch"], r["value_mismatch"]
+        assert "weights of block blocks.1 differ" in r["tail_mismatch"], r["tail_mismatch"]
 
 
 # -- host groups -----------------------------------------------------------------------------
