@@ -21,12 +21,18 @@ the module), and every split is checked before diffusers makes it: a length the 
 does not divide raises :class:`UnevenSplitError` on every rank of the group alike (diffusers'
 own check is an ``assert``, gone under ``python -O``, after which the ranks' shards differ and
 the next collective aborts).
+
+Before anything is built or loaded: :func:`check_dit_config` checks a DiT's class and config (its
+``config.json``) as :func:`enable_context_parallel` checks the built DiT, and
+:func:`planned_splits` finds the lengths a forward would split (run on the meta device, it
+allocates and computes nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 from typing import Any, Callable, Mapping
@@ -46,16 +52,20 @@ try:  # diffusers' context parallelism (0.36 and later; the project is tested wi
         _CONTEXT_PARALLEL_INPUT_HOOK_TEMPLATE,
         _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE,
         ContextParallelSplitHook,
+        ModuleForwardMetadata,
+        _get_submodule_by_name,
         apply_context_parallel,
         remove_context_parallel,
     )
+    from diffusers.models._modeling_parallel import ContextParallelInput
     from diffusers.models._modeling_parallel import ContextParallelConfig
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 except ImportError:  # pragma: no cover - an older diffusers: enable_context_parallel says so
     ContextParallelConfig = None
 
-__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "UnevenSplitError", "check_attention_backend",
-           "check_cache", "check_ranks", "disable_context_parallel", "enable_context_parallel"]
+__all__ = ["ContextParallel", "ContextParallelError", "ParallelGroups", "PlannedSplit", "UnevenSplitError",
+           "check_attention_backend", "check_cache", "check_dit_config", "check_ranks", "disable_context_parallel",
+           "enable_context_parallel", "pipeline_dits", "planned_splits"]
 
 #: Attention backends that split with context parallelism but return no log-sum-exp, which ring
 #: attention needs to merge its partial attentions (their ``return_lse=True`` raises).
@@ -170,7 +180,7 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
     was and the mesh's process groups are destroyed before the error propagates."""
     check_ranks(spec)
     world = dist.get_world_size()
-    dits = _dits(pipeline)
+    dits = pipeline_dits(pipeline)
     if not dits:
         raise ContextParallelError(
             f"{type(pipeline).__name__} has no transformer to split: context parallelism applies to DiTs")
@@ -207,19 +217,10 @@ def enable_context_parallel(pipeline: Any, spec: ContextParallel, device: torch.
 
 def _check_dit(name: str, model: nn.Module, spec: ContextParallel) -> None:
     """What must hold of one DiT before any is split (each refusal changes nothing)."""
-    if not getattr(type(model), "_cp_plan", None):
-        raise ContextParallelError(
-            f"{name} ({type(model).__name__}) has no context-parallel plan in diffusers (its class sets no "
-            "_cp_plan): it cannot split a sample across ranks. Run it data parallel (without "
-            "--ulysses-degree/--ring-degree), or use a model whose class has one (Wan, Flux, QwenImage, LTX, ...)")
+    _check_plan(name, type(model))
     if getattr(model, "_parallel_config", None) is not None:
         raise ContextParallelError(f"{name} ({type(model).__name__}) is already parallel: enable it once")
-    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
-    if isinstance(heads, int) and heads % spec.ulysses_degree:
-        raise ContextParallelError(
-            f"{name} ({type(model).__name__}) has {heads} attention heads, which ulysses_degree "
-            f"{spec.ulysses_degree} (--ulysses-degree on the command line) does not divide: use a degree that "
-            f"divides {heads}, or ring_degree (--ring-degree)")
+    _check_heads(name, type(model), getattr(getattr(model, "config", None), "num_attention_heads", None), spec)
     active = _AttentionBackendRegistry.get_active_backend()[0]
     for module in model.modules():
         # diffusers' own rule (ModelMixin.enable_parallelism): a processor's own backend, else the
@@ -234,6 +235,107 @@ def _check_dit(name: str, model: nn.Module, spec: ContextParallel) -> None:
             whose = "its own backend" if own is not None else "the active attention backend"
             raise ContextParallelError(f"{name} ({type(model).__name__})'s attention processor "
                                        f"{type(processor).__name__} attends with {whose} {backend.value!r}: {refusal}")
+
+
+def check_dit_config(name: str, cls: type, config: Mapping[str, Any], spec: ContextParallel) -> None:
+    """What a DiT's class and config must allow for it to split as ``spec`` asks, checked before
+    the DiT is built or loaded (``config``: its ``config.json``, or a built model's ``config``): a
+    context-parallel plan in diffusers, and attention heads that ``ulysses_degree`` divides.
+    Raises the :class:`ContextParallelError` :func:`enable_context_parallel` raises for the built
+    DiT, which checks them again."""
+    _check_plan(name, cls)
+    _check_heads(name, cls, config.get("num_attention_heads"), spec)
+
+
+def _check_plan(name: str, cls: type) -> None:
+    if not getattr(cls, "_cp_plan", None):
+        raise ContextParallelError(
+            f"{name} ({cls.__name__}) has no context-parallel plan in diffusers (its class sets no "
+            "_cp_plan): it cannot split a sample across ranks. Run it data parallel (without "
+            "--ulysses-degree/--ring-degree), or use a model whose class has one (Wan, Flux, QwenImage, LTX, ...)")
+
+
+def _check_heads(name: str, cls: type, heads: Any, spec: ContextParallel) -> None:
+    """Ulysses gives each rank of a group whole attention heads: ``ulysses_degree`` must divide them."""
+    if isinstance(heads, int) and not isinstance(heads, bool) and heads % spec.ulysses_degree:
+        raise ContextParallelError(
+            f"{name} ({cls.__name__}) has {heads} attention heads, which ulysses_degree "
+            f"{spec.ulysses_degree} (--ulysses-degree on the command line) does not divide: use a degree that "
+            f"divides {heads}, or ring_degree (--ring-degree)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannedSplit:
+    """One length a DiT's context-parallel plan splits in a forward (:func:`planned_splits`)."""
+
+    path: str
+    """The plan's path of the module whose input or output is split (``""``: the DiT itself)."""
+    input: str | int
+    """The input's name, or the index of the output, split there."""
+    tokens: int
+    """Its length along the split dimension, which the group's size must divide."""
+
+    @property
+    def text(self) -> bool:
+        """The prompt's text sequence rather than the image's or video's tokens."""
+        return self.input in _TEXT_INPUTS
+
+
+def planned_splits(model: nn.Module, inputs: Mapping[str, Any]) -> list[PlannedSplit]:
+    """The lengths the context-parallel plan of ``model``'s class splits in the forward
+    ``model(**inputs)``, in the order the forward reaches them: that forward is run with hooks at
+    the plan's paths that record each tensor diffusers would split (by its own rule: one of
+    another rank than the plan expects passes unsplit) and change nothing. On a model built on the
+    meta device (``with torch.device("meta")``), with inputs there, it allocates and computes
+    nothing: the sizes a split would refuse (:class:`UnevenSplitError`), known before the model
+    is built. Empty for a class without a plan, or a diffusers without context parallelism."""
+    if ContextParallelConfig is None:
+        return []
+    found: list[PlannedSplit] = []
+
+    def record(path: str, key: str | int, value: Any, planned: Any) -> None:
+        pairs = (zip(value, planned) if isinstance(value, (list, tuple)) and isinstance(planned, (list, tuple))
+                 else [(value, planned)])
+        for x, cp_input in pairs:
+            if (isinstance(x, torch.Tensor) and isinstance(cp_input, ContextParallelInput)
+                    and (cp_input.expected_dims is None or x.dim() == cp_input.expected_dims)):
+                found.append(PlannedSplit(path, key, int(x.size(cp_input.split_dim))))
+
+    def before(path: str, planned: Mapping[str, Any], module: nn.Module, args: tuple, kwargs: dict) -> None:
+        metadata = ModuleForwardMetadata(_cls=type(module))
+        for key, cp_input in planned.items():
+            try:  # diffusers' own lookup of a forward's argument by name
+                value, _, _ = metadata._get_parameter_from_args_kwargs(key, list(args), kwargs)
+            except ValueError:  # not passed: nothing to split
+                continue
+            record(path, key, value, cp_input)
+
+    def after(path: str, planned: Mapping[int, Any], module: nn.Module, args: tuple, output: Any) -> None:
+        outputs = [output] if isinstance(output, torch.Tensor) else list(output)
+        for index, cp_input in planned.items():
+            if index < len(outputs):
+                record(path, index, outputs[index], cp_input)
+
+    handles = []
+    try:
+        for path, planned in (getattr(type(model), "_cp_plan", None) or {}).items():
+            if not isinstance(planned, Mapping):  # a gather
+                continue
+            outputs = {k: v for k, v in planned.items() if isinstance(v, ContextParallelInput) and v.split_output}
+            ins = {k: v for k, v in planned.items() if k not in outputs}
+            found_modules = _get_submodule_by_name(model, path)
+            for module in found_modules if isinstance(found_modules, list) else [found_modules]:
+                if ins:
+                    handles.append(module.register_forward_pre_hook(functools.partial(before, path, ins),
+                                                                    with_kwargs=True))
+                if outputs:
+                    handles.append(module.register_forward_hook(functools.partial(after, path, outputs)))
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
 
 
 def check_attention_backend(spec: ContextParallel) -> None:
@@ -339,7 +441,7 @@ def disable_context_parallel(pipeline: Any, groups: ParallelGroups) -> None:
     configuration (diffusers has no undo of its own) and destroy the process groups the mesh
     created (``groups.group`` among them, unless it is the default group: undo what uses it
     first). Collective, as the split was: every rank calls it. Idempotent."""
-    for name, model in _dits(pipeline).items():
+    for name, model in pipeline_dits(pipeline).items():
         if name in groups.dits and getattr(model, "_parallel_config", None) is not None:
             _unsplit(model)
     _destroy(groups.owned)
@@ -520,7 +622,7 @@ def _destroy(created: list) -> None:
             dist.destroy_process_group(group)
 
 
-def _dits(pipeline: Any) -> dict[str, nn.Module]:
+def pipeline_dits(pipeline: Any) -> dict[str, nn.Module]:
     """The pipeline's DiTs by attribute name, as offloading names them (``transformer``,
     ``transformer_2``, and what the pipeline's ``OffloadPlan.dit_components`` adds); a bare
     transformer is ``transformer``."""

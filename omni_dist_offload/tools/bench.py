@@ -31,7 +31,12 @@ each forward's sequence across groups of ``N`` ranks with diffusers' own context
 (:mod:`omni_dist_offload.loading.parallel`), for the resident model and every streamed variant
 alike: ratios are to the context-parallel resident model, with each rank's peak device memory
 and host memory beside it. The peer and ``--stagger`` do not run so (every rank of a group
-must run the same input).
+must run the same input). Attention heads ``--ulysses-degree`` does not divide, and a case
+whose token count (or the preset's text length, where the DiT splits the text) ``ulysses x
+ring`` does not divide, are usage errors before any model is built (read from the preset's DiT
+on the meta device); a split refused later, at a case's first forward, ends the run with exit
+status 2 on every rank, one line, and the cases measured before it in ``--json``
+(``meta["stopped"]``).
 
 **Denoising loops.** ``--steps N`` times N steps of a plain Euler loop (the latents move by
 the model's output, the timestep falls) instead of one forward; ``--cache SPEC`` (as
@@ -134,13 +139,15 @@ from ..loading.compiling import compile_dits, compile_seconds, uncompile
 from ..loading.parallel import (
     ContextParallel,
     ContextParallelError,
+    PlannedSplit,
     check_attention_backend,
     check_cache,
     check_ranks,
     disable_context_parallel,
     enable_context_parallel,
+    planned_splits,
 )
-from ..models import PRESETS, build_model, case_inputs
+from ..models import PRESETS, Preset, build_model, case_inputs
 from ..plan import discover, module_bytes
 from ..residency import format_bytes, image_slot_bytes, min_budget, parse_bytes
 from ..runtime.dist import destroy_dist, maybe_init_dist
@@ -1222,7 +1229,7 @@ def _start(args: argparse.Namespace, prog: str, argv: Sequence[str] | None) -> i
                         output_file(f"--{flag}", getattr(args, flag))
             except UsageError as exc:
                 return report_usage_error(prog, exc)
-        return _run(args, ctx.device, ctx.world_size, ctx.rank, argv)
+        return _run(args, ctx.device, ctx.world_size, ctx.rank, argv, prog)
     finally:
         destroy_dist(ctx)
 
@@ -1343,6 +1350,8 @@ def _check_args(args: argparse.Namespace) -> None:
                               "of 16 (VAE 8x, then 2x2 patches)")
     if not preset.video and any(px % 16 for px in args.px):
         raise BenchUsageError(f"--px {args.px}: every size must be a multiple of 16")
+    if args.context_parallel is not None:  # what the split would refuse at a case's first forward
+        _check_splits(args, preset)
     # Last, once every flag passed: a run must not end and then fail to write what it measured.
     # Nothing is created yet (a run refused after this, outside torchrun, leaves no folder):
     # main() makes the folders as the run starts.
@@ -1350,6 +1359,97 @@ def _check_args(args: argparse.Namespace) -> None:
         for flag in _OUTPUTS:
             if getattr(args, flag) is not None:
                 output_file(f"--{flag}", getattr(args, flag), create=False)
+
+
+def _check_splits(args: argparse.Namespace, preset: Preset) -> None:
+    """Refuse, before any model is built, a split the first forward of a case would refuse
+    (every rank with a traceback, the cases measured before lost): attention heads that
+    ``--ulysses-degree`` does not divide, and a case whose token count (or the preset's text
+    length, where the DiT splits the text too) the context-parallel size does not divide. Both
+    are read from the preset's DiT as the run builds it, on the meta device (no memory, no
+    compute): its config's heads, and the lengths its forward at each case's inputs reaches
+    where diffusers' plan splits (:func:`~omni_dist_offload.loading.parallel.planned_splits`).
+    A DiT that cannot run so is left to the run, whose refusal ends it with exit status 2 too."""
+    spec = args.context_parallel
+    try:
+        model = _meta_dit(preset)
+    except Exception:  # noqa: BLE001 - not buildable on the meta device: the split checks it at the run
+        return
+    what = f"{args.preset}'s DiT ({preset.cls_name})"
+    heads = getattr(model.config, "num_attention_heads", None)
+    if isinstance(heads, int) and not isinstance(heads, bool) and heads % spec.ulysses_degree:
+        fits = [str(d) for d in range(1, heads + 1) if heads % d == 0]
+        raise BenchUsageError(
+            f"--ulysses-degree {spec.ulysses_degree}: {what} has {heads} attention heads, which "
+            f"{spec.ulysses_degree} does not divide (Ulysses gives each rank whole heads): pick a --ulysses-degree "
+            f"that divides {heads} ({_or(fits)}), and split further with --ring-degree if needed")
+    shapes = [(f, args.height, args.width) for f in args.frames] if preset.video else [(px,) for px in args.px]
+    for shape in shapes:
+        uneven = _uneven_split(preset, shape, spec.size, model)
+        if uneven is None:
+            continue
+        size = spec.size
+        case = f"--frames {shape[0]} --height {shape[1]} --width {shape[2]}" if preset.video else f"--px {shape[0]}"
+        if len(shapes) > 1:
+            case += (f" (one case of --frames {' '.join(map(str, args.frames))})" if preset.video else
+                     f" (one case of --px {' '.join(map(str, args.px))})")
+        given = f"{case} with --ulysses-degree {spec.ulysses_degree} --ring-degree {spec.ring_degree}"
+        degrees = f"--ulysses-degree/--ring-degree whose product divides {uneven.tokens}"
+        if uneven.text:
+            raise BenchUsageError(
+                f"{given}: {what} also splits the prompt's text embedding across {size} ranks, and the preset's "
+                f"has {uneven.tokens} tokens, which {size} does not divide (diffusers splits in equal parts only) "
+                f"and no size flag changes: pick {degrees}")
+        flags = "--frames/--height/--width" if preset.video else "--px"
+        other = _even_shape(preset, shape, size, model)
+        example = f" (e.g. {other})" if other else ""
+        raise BenchUsageError(
+            f"{given}: {what} splits its sequence across {size} ranks, and at this size it has {uneven.tokens} "
+            f"tokens, which {size} does not divide (diffusers splits in equal parts only): pick {flags} whose "
+            f"token count {size} divides{example}, or {degrees}")
+
+
+def _meta_dit(preset: Preset, blocks: int = 1) -> nn.Module:
+    """The preset's DiT as :func:`build_model` builds it, on the meta device: its config and
+    shapes, no weights (the lengths a forward splits do not depend on the block count)."""
+    with torch.device("meta"):
+        return getattr(diffusers, preset.cls_name)(**preset.block_config(blocks))
+
+
+def _uneven_split(preset: Preset, shape: tuple[int, ...], size: int,
+                  model: nn.Module | None = None) -> PlannedSplit | None:
+    """The split of a case at ``shape`` that a context-parallel group of ``size`` ranks would
+    refuse (:class:`~omni_dist_offload.loading.parallel.UnevenSplitError`), as the run would meet
+    it: the text first where the DiT splits the text too (checked before its forward), then the
+    first in the forward's order; None when every length divides, or the DiT cannot run on the
+    meta device (the run checks it then). ``model``: the preset's DiT from :func:`_meta_dit`."""
+    try:
+        model = _meta_dit(preset) if model is None else model
+        inputs = case_inputs(preset, model, shape, torch.device("meta"), torch.float32)
+        splits = planned_splits(model, inputs)
+    except Exception:  # noqa: BLE001 - an op the meta device lacks, say: the split checks the real forward
+        return None
+    uneven = [s for s in splits if s.tokens % size]
+    return next((s for s in uneven if s.text), uneven[0] if uneven else None)
+
+
+def _even_shape(preset: Preset, shape: tuple[int, ...], size: int, model: nn.Module) -> str | None:
+    """A size flag changed to the nearest value (in the steps the shape checks allow) at which
+    ``size`` ranks split every length of the case: for the refusal to give an example."""
+    axes = [("--height", 1), ("--width", 2)] if preset.video else [("--px", 0)]
+    for flag, axis in axes:
+        for step in range(1, min(2 * size, 8) + 1):
+            for value in (shape[axis] + 16 * step, shape[axis] - 16 * step):
+                if value <= 0:
+                    continue
+                candidate = tuple(value if i == axis else d for i, d in enumerate(shape))
+                if _uneven_split(preset, candidate, size, model) is None:
+                    return f"{flag} {value}"
+    return None
+
+
+def _or(items: Sequence[str]) -> str:
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else items[0]
 
 
 def _check_shape_flags(args: argparse.Namespace, video: bool) -> None:
@@ -1369,7 +1469,7 @@ def _check_shape_flags(args: argparse.Namespace, video: bool) -> None:
 
 
 def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
-         argv: Sequence[str] | None) -> int:
+         argv: Sequence[str] | None, prog: str = "omni-offload bench") -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = h2d_bandwidth(device)
     meta = _meta(args, device, world, bandwidth, argv)
@@ -1395,11 +1495,16 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
             shape = shapes[(k + rank) % len(shapes)] if opts.stagger else shapes[k]
             traced = args.timeline is not None and trace is None
             opts.trace_variant = (args.timeline_variant or ("allgather" if world > 1 else "rank-local")) if traced else None
-            run = measure_case(args.preset, blocks, shape, opts)
+            label = f"{args.preset} {blocks}b {'x'.join(map(str, shape))}"
+            try:
+                run = measure_case(args.preset, blocks, shape, opts)
+            except ContextParallelError as exc:
+                # A split refused at the run (what _check_splits could not foresee): raised on every
+                # rank of the group alike, before the split's collectives, so every rank ends here.
+                return _stopped(exc, label, cases, trace, meta, args, bandwidth, world, rank, prog)
             cases += run.results
             if traced:
-                trace = {"case": f"{args.preset} {blocks}b {'x'.join(map(str, shape))}",
-                         "variant": opts.trace_variant, "rings": run.trace}
+                trace = {"case": label, "variant": opts.trace_variant, "rings": run.trace}
     if opts.stagger:  # every rank's rows, by case and rank
         for r in cases:
             r.rank = rank
@@ -1416,6 +1521,28 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
             draw(cases, args.png, title=f"{meta['device']}, world size {world}")
     ours = [r for r in cases if r.variant not in ("peer", RESIDENT)]
     return 0 if all(r.bitwise_equal for r in ours) else 1
+
+
+def _stopped(exc: ContextParallelError, label: str, cases: list[CaseResult], trace: dict | None, meta: dict,
+             args: argparse.Namespace, bandwidth: float | None, world: int, rank: int, prog: str) -> int:
+    """A case refused by the split: exit status 2 on every rank, one line from rank 0, and the
+    cases measured before it kept (their table, and ``--json`` with ``meta["stopped"]``, the case
+    and the error; no chart). Not under ``--stagger``, which context parallelism excludes: the
+    rows are this rank's group's, as in a whole run."""
+    if rank != 0:
+        return 2
+    kept = ""
+    if cases:
+        meta = {**meta, "stopped": {"case": label, "error": str(exc)}}
+        _emit(format_table(cases), meta, [dataclasses.asdict(r) for r in cases], trace, args, bandwidth, world)
+        if args.json:
+            measured = len({(r.blocks, r.shape) for r in cases})
+            kept = (f"; the {measured} case{'s' if measured > 1 else ''} measured before it "
+                    f"{'are' if measured > 1 else 'is'} in {args.json}")
+    elif args.json:
+        kept = f"; nothing was measured before it, so {args.json} is not written"
+    error_line(f"{prog}: error: {label}: {exc}{kept}")
+    return 2
 
 
 def _emit(text: str, meta: dict, results: list[Any], trace: dict | None, args: argparse.Namespace,

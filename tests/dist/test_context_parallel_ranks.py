@@ -443,3 +443,168 @@ def test_sizes_the_degree_does_not_divide_are_an_option_error():
         assert r["text fixed"]
         text, tokens, message = r["qwen text"]
         assert text and tokens == 7 and "'encoder_hidden_states'" in message, message
+
+
+# -- the benchmark's and the CLI's refusals, before any model ---------------------------------
+#: The review's reproducers: frames 1 at 48 px is 9 tokens (frames 5: 18), which two ranks do
+#: not split; tiny-wan has 2 attention heads, which Ulysses over three ranks does not divide.
+BENCH_UNEVEN = ["--preset", "tiny-wan", "--frames", "5", "1", "--height", "48", "--width", "48",
+                "--ulysses-degree", "2", "--variants", "rank-local", "--warmup", "0", "--repeats", "1"]
+BENCH_HEADS = ["--preset", "tiny-wan", "--frames", "5", "--height", "48", "--width", "48",
+               "--ulysses-degree", "3", "--variants", "rank-local", "--warmup", "0", "--repeats", "1"]
+
+
+def bench_refused(rank: Rank, argv: list, late_shape: list | None) -> dict:
+    """``bench.main(argv)`` on this rank: its exit status, what it printed, and how many models it
+    built. ``late_shape``: the second case runs its forward at this shape instead (a split the
+    flags did not foresee, refused by the split itself at the first forward)."""
+    import contextlib
+    import io
+
+    from omni_dist_offload.tools import bench
+
+    built, cases = [], []
+    build, inputs = bench.build_model, bench.case_inputs
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return build(*args, **kwargs)
+
+    def shaped(preset, model, shape, device, *args, **kwargs):
+        if device.type != "meta":  # a case's run (the check before the run looks on the meta device)
+            cases.append(shape)
+            if late_shape is not None and len(cases) == 2:
+                shape = tuple(late_shape)
+        return inputs(preset, model, shape, device, *args, **kwargs)
+
+    bench.build_model, bench.case_inputs = counted, shaped
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = bench.main(argv)
+    return {"rc": rc, "out": out.getvalue(), "err": err.getvalue(), "built": len(built)}
+
+
+@pytest.mark.parametrize("world, argv, words", [
+    (2, BENCH_UNEVEN, ("--frames 1 --height 48 --width 48", "9 tokens", "2 does not divide", "--ulysses-degree",
+                       "--ring-degree", "e.g. --height 64")),
+    (3, BENCH_HEADS, ("--ulysses-degree 3", "2 attention heads", "--ring-degree", "1 or 2")),
+], ids=["uneven tokens", "heads"])
+def test_bench_refuses_what_the_split_cannot_run_before_any_model(world, argv, words, tmp_path) -> None:
+    """``bench --ulysses-degree N`` with a shape whose token count N does not divide, or a
+    preset whose heads N does not divide: exit 2 on every rank, one line from rank 0 naming the
+    flags, before any model is built (each rank used to print a traceback and exit 1 at the
+    first forward, losing the cases measured before)."""
+    out = tmp_path / "out" / "x.json"
+    for rank, r in enumerate(run_ranks(bench_refused, world, args=([*argv, "--json", str(out)], None))):
+        assert r["rc"] == 2 and r["built"] == 0 and r["out"] == "", r
+        if rank:
+            assert r["err"] == "", r
+            continue
+        lines = r["err"].strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("omni-offload bench: error: "), r["err"]
+        assert "Traceback" not in r["err"]
+        for word in words:
+            assert word in lines[0], lines[0]
+    assert not out.parent.exists()  # refused before the run: nothing written
+
+
+def test_a_split_refused_mid_run_keeps_the_cases_measured(tmp_path) -> None:
+    """A context-parallel refusal the flags could not foresee (here the second case's forward at
+    another size than asked): exit 2 on every rank, one line, no traceback, and the case measured
+    before it written to --json, marked as stopped."""
+    import json
+
+    out = tmp_path / "x.json"
+    argv = [*BENCH_UNEVEN[:4], "13", *BENCH_UNEVEN[5:], "--json", str(out)]  # --frames 5 13: both split
+    results = run_ranks(bench_refused, 2, args=(argv, [1, 48, 48]))
+    errors = []
+    for rank, r in enumerate(results):
+        assert r["rc"] == 2 and r["built"] == 2, r
+        assert "Traceback" not in r["err"], r["err"]  # its other lines: the library's warnings as the cases ran
+        errors.append([line for line in r["err"].splitlines() if "error" in line])
+    assert len(errors[0]) == 1 and errors[1] == [], errors
+    line = errors[0][0]
+    for words in ("omni-offload bench: error: tiny-wan 4b 13x48x48: ", "9 tokens", f"case measured before it is in {out}"):
+        assert words in line, line
+    assert "resident" in results[0]["out"]  # the first case's table
+    data = json.loads(out.read_text())
+    assert {r["shape"] for r in data["results"]} == {"5x48x48"}
+    assert [r["variant"] for r in data["results"]] == ["resident", "rank-local"]
+    stopped = data["meta"]["stopped"]
+    assert stopped["case"] == "tiny-wan 4b 13x48x48" and "9 tokens" in stopped["error"]
+
+
+@torch.no_grad()
+def splits_predicted(rank: Rank, cases: list) -> list:
+    """For each (preset, text tokens, shape): what the benchmark's check before the run says of
+    the case's split over the job's ranks, and what the split itself raises at the first forward
+    of the real model."""
+    import dataclasses
+
+    from omni_dist_offload.models import PRESETS, build_model, case_inputs
+    from omni_dist_offload.tools import bench
+
+    spec = ContextParallel(ulysses_degree=rank.world)
+    out = []
+    for name, text_tokens, shape in cases:
+        preset = dataclasses.replace(PRESETS[name], text_tokens=text_tokens)
+        predicted = bench._uneven_split(preset, tuple(shape), spec.size)
+        model = build_model(preset, 1, rank.device, torch.float32)
+        split = enable_context_parallel(model, spec, rank.device)
+        try:
+            model(**case_inputs(preset, model, tuple(shape), rank.device, torch.float32))
+            real = None
+        except UnevenSplitError as exc:
+            real = [exc.tokens, exc.text]
+        disable_context_parallel(model, split)
+        out.append([None if predicted is None else [predicted.tokens, predicted.text], real])
+    return out
+
+
+def test_the_benchmarks_check_predicts_the_splits_refusal() -> None:
+    """The token counts the benchmark checks before building anything (the DiT's forward on the
+    meta device, hooked where diffusers' plan splits) are those the real split refuses, for video
+    and image presets, the image's tokens and the text's."""
+    cases = [("tiny-wan", 16, [5, 48, 48]), ("tiny-wan", 16, [1, 48, 48]), ("tiny-wan", 16, [9, 32, 48]),
+             ("tiny-wan", 16, [13, 48, 80]), ("tiny-wan", 16, [1, 32, 32]), ("tiny-flux", 16, [48]),
+             ("tiny-flux", 16, [64]), ("tiny-flux", 7, [64]), ("tiny-flux", 7, [48]), ("tiny-wan", 7, [1, 48, 48])]
+    results = run_ranks(splits_predicted, 2, args=(cases,))
+    assert results[0] == results[1]
+    for case, (predicted, real) in zip(cases, results[0]):
+        assert predicted == real, (case, predicted, real)
+    # Both kinds happened: even cases pass, the image's and the text's tokens are refused.
+    reals = [real for _, real in results[0]]
+    assert None in reals and [9, False] in reals and [7, True] in reals
+
+
+def cli_heads_refused(rank: Rank, out_dir: str) -> dict:
+    """``omni-offload generate --ulysses-degree 3`` on tiny-wan (2 heads): its exit status, its
+    output, and whether the pipeline was loaded."""
+    import contextlib
+    import io
+
+    from omni_dist_offload.app import cli
+
+    loaded = []
+    load = api.load_and_place
+
+    def counted(*args, **kwargs):
+        loaded.append(1)
+        return load(*args, **kwargs)
+
+    api.load_and_place = counted
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(["generate", "--model", "tiny-wan", "--ulysses-degree", "3", "--diffusion-offload-config",
+                       '{"mode":"layer","components":["dit"]}', "--prompt", "a fox", "--num-inference-steps", "1",
+                       "--output-dir", out_dir])
+    return {"rc": rc, "err": err.getvalue(), "loaded": len(loaded)}
+
+
+def test_generate_refuses_heads_the_degree_does_not_divide_before_loading(tmp_path) -> None:
+    """The DiT's heads are read from its config before anything loads: the refusal (exit 2, the
+    same message as the split's own check) comes before the pipeline is loaded and offloaded."""
+    for r in run_ranks(cli_heads_refused, 3, args=(str(tmp_path / "out"),)):
+        assert r["rc"] == 2 and r["loaded"] == 0, r
+        assert "offloading" not in r["err"] and "Traceback" not in r["err"], r["err"]
+        assert "has 2 attention heads, which ulysses_degree 3" in r["err"], r["err"]

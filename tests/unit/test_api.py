@@ -272,6 +272,99 @@ def test_context_parallel_is_checked_before_anything_loads():
         Omni("tiny-wan", context_parallel={"ulysses_degree": 2})  # one process: refused before loading
 
 
+class _Loaded(Exception):
+    """Raised by a stand-in for ``load_and_place``: the checks before loading passed."""
+
+
+@pytest.fixture
+def split_without_ranks(monkeypatch):
+    """``Omni`` with ``context_parallel`` in one process, up to the load: the job's ranks pass
+    their check, and loading raises :class:`_Loaded` (nothing is loaded)."""
+    import omni_dist_offload.app.api as api
+
+    monkeypatch.setattr(api, "check_ranks", lambda spec: None)
+
+    def load(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(api, "load_and_place", load)
+
+
+def _pipeline_folder(root: Path, heads: dict[str, int], classes: dict[str, str] | None = None) -> Path:
+    """A Wan pipeline folder's model_index.json and its DiTs' config.json files, no weights."""
+    root.mkdir(parents=True, exist_ok=True)
+    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1", "vae": ["diffusers", "AutoencoderKLWan"],
+             "text_encoder": ["transformers", "UMT5EncoderModel"]}
+    for name, count in heads.items():
+        index[name] = ["diffusers", (classes or {}).get(name, "WanTransformer3DModel")]
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps({"_class_name": index[name][1],
+                                                             "num_attention_heads": count, "num_layers": 40}))
+    (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_heads_the_ulysses_degree_does_not_divide_are_refused_before_loading(split_without_ranks):
+    """A built-in's DiT (tiny-wan: 2 heads), read from its config without loading it: refused
+    with the split's own message before anything loads (it was refused only once the pipeline
+    was loaded, offloaded and page-locked); a degree that divides the heads goes on to load."""
+    from omni_dist_offload.loading.parallel import ContextParallelError
+
+    for model in ("tiny-wan", "tiny-flux"):
+        with pytest.raises(ContextParallelError) as raised:
+            Omni(model, {"mode": "layer", "components": ["dit"]}, context_parallel={"ulysses_degree": 3})
+        assert str(raised.value).startswith("transformer (") and \
+            "has 2 attention heads, which ulysses_degree 3 (--ulysses-degree on the command line) does not divide" \
+            in str(raised.value)
+        with pytest.raises(_Loaded):
+            Omni(model, {"mode": "layer", "components": ["dit"]}, context_parallel={"ulysses_degree": 2})
+
+
+def test_a_folders_dits_are_read_from_their_config_before_loading(split_without_ranks, tmp_path):
+    """A folder's DiTs, each read from ``<component>/config.json``: the second of two with heads 2
+    does not divide, refused by name; one passed in ``load_kwargs`` as a module is that module's;
+    a DiT class without a context-parallel plan is named before loading too."""
+    import tiny_models as tiny
+    from omni_dist_offload.loading.parallel import ContextParallelError
+
+    folder = _pipeline_folder(tmp_path / "wan", {"transformer": 40, "transformer_2": 5})
+    with pytest.raises(ContextParallelError, match=r"^transformer_2 \(WanTransformer3DModel\) has 5 attention heads, "
+                                                   "which ulysses_degree 2"):
+        Omni(str(folder), context_parallel={"ulysses_degree": 2})
+    with pytest.raises(_Loaded):  # the module passed in is what loads: its 2 heads split over 2
+        Omni(str(folder), context_parallel={"ulysses_degree": 2},
+             load_kwargs={"transformer_2": tiny.tiny_wan_transformer(num_layers=1)})
+    with pytest.raises(_Loaded):  # 5 divides both
+        Omni(str(folder), context_parallel={"ulysses_degree": 5})
+    plain = _pipeline_folder(tmp_path / "sd3", {"transformer": 24}, {"transformer": "SD3Transformer2DModel"})
+    with pytest.raises(ContextParallelError, match="SD3Transformer2DModel.*has no context-parallel plan"):
+        Omni(str(plain), context_parallel={"ulysses_degree": 2})
+    # What cannot be read is left to the split's check after loading: no config.json, no such class.
+    (folder / "transformer_2" / "config.json").unlink()
+    with pytest.raises(_Loaded):
+        Omni(str(folder), context_parallel={"ulysses_degree": 2})
+
+
+def test_a_cached_hub_snapshots_dits_are_read_without_asking_the_hub(split_without_ranks, tmp_path, monkeypatch):
+    """A hub id whose snapshot is in the local cache: its DiTs' configs are read there; one not in
+    the cache is left to the loader (nothing is downloaded to check it)."""
+    import huggingface_hub
+    from omni_dist_offload.loading.parallel import ContextParallelError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("hf_hub_download", "snapshot_download"):
+        monkeypatch.setattr(huggingface_hub, name, lambda *a, **k: pytest.fail("asked the Hub"))
+    repo = tmp_path / "cache" / "models--org--odd-wan"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    _pipeline_folder(repo / "snapshots" / "0123abcd", {"transformer": 3})
+    cache = {"cache_dir": str(tmp_path / "cache")}
+    with pytest.raises(ContextParallelError, match="has 3 attention heads, which ulysses_degree 2"):
+        Omni("org/odd-wan", context_parallel={"ulysses_degree": 2}, load_kwargs=cache)
+    with pytest.raises(_Loaded):
+        Omni("org/not-cached", context_parallel={"ulysses_degree": 2}, load_kwargs=cache)
+
+
 @pytest.mark.parametrize("cache", ["first-block:0.2", {"type": "first-block", "threshold": 0.1}])
 @pytest.mark.parametrize("split", [{"ulysses_degree": 2}, {"ring_degree": 2}])
 def test_first_block_cache_with_context_parallel_is_refused_before_anything_loads(monkeypatch, cache, split):

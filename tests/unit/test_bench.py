@@ -278,6 +278,56 @@ def test_context_parallel_flags_are_checked_before_any_model(flags, message, cap
     assert message in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--preset", "tiny-wan", "--frames", "5", "--height", "48", "--width", "48", "--ulysses-degree", "3"],
+     ("--ulysses-degree 3: tiny-wan's DiT (WanTransformer3DModel) has 2 attention heads, which 3 does not divide",
+      "pick a --ulysses-degree that divides 2 (1 or 2)", "--ring-degree")),
+    (["--preset", "wan-14b", "--ulysses-degree", "3"], ("40 attention heads", "(1, 2, 4, 5, 8, 10, 20 or 40)")),
+    (["--preset", "tiny-wan", "--frames", "5", "1", "--height", "48", "--width", "48", "--ulysses-degree", "2"],
+     ("--frames 1 --height 48 --width 48 (one case of --frames 5 1) with --ulysses-degree 2 --ring-degree 1:",
+      "has 9 tokens, which 2 does not divide", "pick --frames/--height/--width whose token count 2 divides "
+      "(e.g. --height 64), or --ulysses-degree/--ring-degree whose product divides 9")),
+    (["--preset", "tiny-wan", "--frames", "9", "--height", "48", "--width", "80", "--ulysses-degree", "2"],
+     ("--frames 9 --height 48 --width 80 with", "has 45 tokens", "e.g. --height 64")),  # 3 x 3 x 5 patches
+    (["--preset", "tiny-flux", "--px", "48", "--ulysses-degree", "2"],
+     ("--px 48 with --ulysses-degree 2 --ring-degree 1:", "9 tokens", "pick --px whose token count 2 divides "
+      "(e.g. --px 64)")),
+    (["--preset", "wan-14b", "--frames", "81", "--height", "720", "--width", "1264", "--ulysses-degree", "4"],
+     ("74655 tokens, which 4 does not divide", "e.g. --height 704")),  # 21 x 45 x 79 latent patches
+    (["--preset", "odd-text", "--px", "64", "--ulysses-degree", "2"],
+     ("also splits the prompt's text embedding across 2 ranks, and the preset's has 7 tokens",
+      "no size flag changes: pick --ulysses-degree/--ring-degree whose product divides 7")),
+], ids=["heads", "heads 14b", "uneven video", "uneven frames", "uneven image", "uneven 14b", "uneven text"])
+def test_splits_the_degrees_cannot_make_are_refused_before_any_model(flags, words, monkeypatch, capsys) -> None:
+    """``--ulysses-degree``/``--ring-degree`` with heads the Ulysses degree does not divide, or a
+    case whose tokens (or text) the context-parallel size does not divide: one line, exit 2, read
+    from the preset's DiT on the meta device, before any model is built or the job's ranks are
+    checked (the split refused them only at the first forward, a traceback on every rank)."""
+    import dataclasses
+
+    monkeypatch.setitem(PRESETS, "odd-text", dataclasses.replace(PRESETS["tiny-flux"], text_tokens=7))
+    monkeypatch.setattr(bench, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    assert bench.main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-offload bench: error: "), err
+    for word in words:
+        assert word in err[0], err[0]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--preset", "tiny-wan", "--frames", "5", "9", "--height", "32", "--width", "32", "--ulysses-degree", "2"],
+    ["--preset", "tiny-wan", "--frames", "1", "--height", "48", "--width", "64", "--ulysses-degree", "2"],
+    ["--preset", "tiny-flux", "--px", "32", "64", "--ulysses-degree", "2"],
+    ["--preset", "wan-14b", "--ulysses-degree", "4"],  # the defaults: 81 and 17 frames at 480 x 832
+    ["--preset", "flux-12b", "--ulysses-degree", "8"],
+])
+def test_splits_the_degrees_make_pass_the_check(flags) -> None:
+    args = bench.build_parser().parse_args(flags)
+    bench._check_args(args)  # no refusal (one process: the run would then ask for torchrun's ranks)
+    assert args.context_parallel is not None
+
+
 def test_contention_refuses_a_run_it_cannot_time(capsys) -> None:
     from omni_dist_offload.tools import contention
 
