@@ -157,11 +157,16 @@ class SetupTimings:
 def with_budget(config: OffloadConfig | Mapping[str, Any] | str | None,
                 device_budget: int | str | None) -> OffloadConfig | None:
     """``config`` parsed, with ``device_budget`` set when one is given (a budget and no config:
-    the DiT streams within it)."""
+    the DiT streams within it; a size replaces the config's ``"auto"`` and its
+    ``activation_reserve``)."""
     if device_budget is None:
         return None if config is None else OffloadConfig.parse(config)
     base = OffloadConfig.parse(config if config is not None else {"mode": "layer", "components": ["dit"]})
-    return OffloadConfig.parse({**base.to_dict(), "device_budget": device_budget})
+    given = {**base.to_dict(), "device_budget": device_budget}
+    if not (isinstance(device_budget, str) and device_budget.strip().lower() == "auto"):
+        # The config's activation_reserve belongs to the "auto" this budget replaces.
+        given["activation_reserve"] = None
+    return OffloadConfig.parse(given)
 
 
 def with_storage(config: OffloadConfig | None, storage_dtype: str | None) -> OffloadConfig | None:

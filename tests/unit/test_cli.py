@@ -114,6 +114,12 @@ def test_inspect_shows_the_plan_a_device_budget_makes(capsys) -> None:
     assert len(budgets) == 3 and sum(budgets) <= 700 * 1024
     assert main(["inspect", "--model", "tiny-flux", "--device-budget", "1KiB"]) == 2
     assert "below the smallest budget that works here" in capsys.readouterr().err
+    # The flag replaces a config's "auto" budget, and the activation_reserve that went with it.
+    auto = '{"mode":"layer","components":["dit"],"device_budget":"auto","activation_reserve":"1GiB"}'
+    assert main(["inspect", "--model", "tiny-flux", "--device-budget", "700KiB", "--json",
+                 "--diffusion-offload-config", auto]) == 0, capsys.readouterr().err
+    rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)}
+    assert 0 < rows["transformer"]["device_budget"] <= 700 * 1024
 
 
 def test_inspect_json(capsys) -> None:

@@ -1706,6 +1706,12 @@ def test_a_max_queue_below_max_n_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--max-queue 2 is below --max-n 4: .* give --max-queue 4 or more"):
         serve_options(parser.parse_args(["--max-queue", "2", "--output-dir", str(tmp_path)]))
     assert serve_options(parser.parse_args(["--max-queue", "4", "--output-dir", str(tmp_path)])).max_queue == 4
+    # inf overflowed the wave wait and every video's expiry (a traceback per job, its video kept
+    # in memory); nan passed every check.
+    for flag in ("--wave-wait", "--max-aspect", "--read-timeout", "--video-ttl"):
+        for value in ("inf", "nan"):
+            with pytest.raises(ValueError, match=rf"^{flag} {value}: give a finite number\.$"):
+                serve_options(parser.parse_args([flag, value, "--output-dir", str(tmp_path)]))
     # ServeOptions made in code is not checked so: such a request gets 400, not 429.
     limits = ModelLimits(model="m", kind="image", size_multiple=16, frame_step=1)
     with pytest.raises(RequestError, match=r"n=3 is more than this service ever queues \(--max-queue 2\)") as err:

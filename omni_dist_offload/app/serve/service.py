@@ -55,6 +55,7 @@ import importlib.util
 import inspect
 import io
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -224,6 +225,12 @@ def serve_options(ns: argparse.Namespace) -> ServeOptions:
         raise ValueError(f"serving needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                          "not installed: pip install -e \".[serve]\" (or pip install "
                          "'omni_dist_offload[serve]').")
+    for flag, value in (("--wave-wait", ns.wave_wait), ("--max-aspect", ns.max_aspect),
+                        ("--read-timeout", ns.read_timeout), ("--video-ttl", ns.video_ttl)):
+        # inf would overflow the waits and the expiry times (a video's expires_at is a whole
+        # number of seconds), nan pass every comparison below.
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} {value}: give a finite number.")
     if ns.wave_wait < 0:
         raise ValueError(f"--wave-wait {ns.wave_wait}: give 0 or more seconds.")
     if not ns.max_aspect >= 1:
