@@ -349,6 +349,10 @@ def test_video_then_sigterm_finishes_the_running_wave(tmp_path) -> None:
             status, answer = call(server.port, VIDEOS, {"prompt": "x", **bad})
             assert (status, answer["error"]["param"]) == (400, param), answer
         assert call(server.port, IMAGES, {"prompt": "x"})[0] == 400
+        # A video request on the image endpoint is told where to POST, not to drop num_frames.
+        status, answer = call(server.port, IMAGES, {"prompt": "x", "num_frames": 9, "fps": 8})
+        assert (status, answer["error"]["code"]) == (400, "wrong_endpoint"), answer
+        assert answer["error"]["message"] == f"tiny-wan makes videos: POST {VIDEOS}.", answer
         status, body = call(server.port, VIDEOS, {"prompt": "a cat", "response_format": "path"})
         assert status == 200 and Path(body["data"][0]["path"]).is_file()
 

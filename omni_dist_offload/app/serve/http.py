@@ -496,7 +496,13 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
         metrics.prompt_checks = prompts.waiting
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # The other kind's endpoint: where to POST comes first (a video request's fields are
+        # unknown to the image endpoint, and dropping them would not help).
+        other = next((kind for kind, path in _PATHS.items() if path == request.url.path), service.limits.kind)
+        if other != service.limits.kind:
+            return error_response(400, f"{service.limits.model} makes {service.limits.kind}s: POST "
+                                  f"{_PATHS[service.limits.kind]}.", None, code="wrong_endpoint")
         return _validationerror_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
