@@ -497,10 +497,11 @@ def build_app(service: Service, store: VideoStore | None = None) -> Any:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # The other kind's endpoint: where to POST comes first (a video request's fields are
-        # unknown to the image endpoint, and dropping them would not help).
+        # A field unknown to the other kind's endpoint (a video request's num_frames sent to the
+        # image endpoint of a video model): where to POST, not to drop it, which would not help.
         other = next((kind for kind, path in _PATHS.items() if path == request.url.path), service.limits.kind)
-        if other != service.limits.kind:
+        unknown = any(error.get("type") == "extra_forbidden" for error in exc.errors())
+        if other != service.limits.kind and unknown:
             return error_response(400, f"{service.limits.model} makes {service.limits.kind}s: POST "
                                   f"{_PATHS[service.limits.kind]}.", None, code="wrong_endpoint")
         return _validationerror_response(exc)
