@@ -25,7 +25,7 @@ from omni_dist_offload.app import dp
 from omni_dist_offload.app.api import SamplingOptions
 from omni_dist_offload.app.cli import main
 from omni_dist_offload.runtime.dist import DistContext
-from ranks import Rank, run_ranks
+from ranks import Rank, run_ranks, start_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red fox", "a cat on a boat", "a dog in the rain", "a bird over the sea"]
@@ -402,14 +402,20 @@ def test_an_agreed_step_names_the_rank_that_failed_it_or_never_came() -> None:
 def test_a_failure_on_one_rank_in_lockstep_is_what_the_job_reports(tmp_path) -> None:
     """Rank 1 cannot write its output (a folder in the way) while rank 0 goes on to the next
     wave's gathers: rank 1 says why and exits, without the collective teardown that would not
-    match rank 0's (gloo would abort first, and the reason would be lost)."""
+    match rank 0's (gloo would abort first, and the reason would be lost), and rank 0 names
+    rank 1's reason, in one line each."""
     out_dir = tmp_path / "two"
     (out_dir / "00001.gif").mkdir(parents=True)
-    proc = _torchrun(out_dir, *_prompt_flags(PROMPTS[:3]), "--no-progress", "--diffusion-offload-config", ALLGATHER,
-                     env={"OMNI_OFFLOAD_ALLOW_GLOO": "1"})
-    assert proc.returncode != 0
-    assert "cannot write" in proc.stderr and "00001.gif' (Is a directory)" in proc.stderr, proc.stderr[-4000:]
-    assert "collective mismatch" not in proc.stderr
+    job = start_ranks(cli_on_rank, 2, args=(str(out_dir), [*_prompt_flags(PROMPTS[:3]),
+                                                           "--diffusion-offload-config", ALLGATHER]),
+                      broken_group=True)
+    (rc0, _), (rc1, _) = job.wait(120)
+    err0, err1 = job.output(0), job.output(1)
+    assert rc1 != 0 and "cannot write" in err1 and "00001.gif' (Is a directory)" in err1, err1
+    assert rc0 != 0, err0
+    errors = [line for line in err0.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "rank 1 stopped on an error (OutputWriteError: cannot write" in errors[0], err0
+    assert "collective mismatch" not in err0 + err1 and "Traceback" not in err0 + err1
 
 
 def differing_runs(rank: Rank, out_dir: str) -> dict:
