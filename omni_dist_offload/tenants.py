@@ -317,8 +317,8 @@ def _placeholder_reason(ring: BlockRing) -> tuple[str, bool]:
 
 def _check_hotswap(rings: Sequence[BlockRing], method: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
     """The adapter a ``load_lora_adapter`` call hotswaps (None for any other call), refused
-    here where it streams on a ring that parks placeholders or shares its host copy. Whether the new tensors fit the
-    laid-out ones is checked where peft receives them (:func:`_grown_hotswap`)."""
+    here where it streams on a ring that parks placeholders or shares its host copy. Whether the
+    new tensors fit the laid-out ones is checked where peft receives them (:func:`_grown_hotswap`)."""
     adapter = _hotswapped(method, args, kwargs)
     if adapter is not None:
         _refuse_unwritable_hotswap(rings, adapter)

@@ -226,31 +226,43 @@ class Forked:
         self._proc.join()
 
 
-def _forked_main(target: tuple[str, str], args: tuple, env: dict[str, str], log: str, cwd: str,
-                 max_files: int | None) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def _start_as_told(log: str, mode: int, env: dict[str, str]) -> None:
+    """A forked process's start: stdout and stderr to ``log`` (``mode``: ``os.O_APPEND`` or
+    ``os.O_TRUNC``), line-buffered so that it can be read while the process runs (a server), and
+    ``env`` as its whole environment."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | mode, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)  # read while the process runs (a server)
+    sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the server imported torch: set it here
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def _function(target: tuple[str, str]) -> Callable[..., Any]:
+    """A module-level function by (module, qualified name), imported here (into the log)."""
+    function = importlib.import_module(target[0])
+    for name in target[1].split("."):
+        function = getattr(function, name)
+    return function
+
+
+def _forked_main(target: tuple[str, str], args: tuple, env: dict[str, str], log: str, cwd: str,
+                 max_files: int | None) -> None:
+    _start_as_told(log, os.O_APPEND, env)
     os.chdir(cwd)
     if max_files is not None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
-    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the server imported torch: set it here
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     code = 1
     try:
-        function = importlib.import_module(target[0])
-        for name in target[1].split("."):
-            function = getattr(function, name)
-        code = function(*args)
+        code = _function(target)(*args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -330,23 +342,10 @@ def _read(path: Path) -> dict | None:
 def _rank_main(target: tuple[str, str], args: tuple, env: dict[str, str], info: Rank, log: str,
                broken_group: bool) -> None:
     """One rank: output to its log, torchrun's environment, the process group, the worker."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)  # read while the process runs (a server)
-    sys.stderr.reconfigure(line_buffering=True)
-    os.environ.clear()
-    os.environ.update(env)
-    if env.get("OMP_NUM_THREADS"):  # read by OpenMP when the server imported torch: set it here
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    _start_as_told(log, os.O_TRUNC, env)
     code = 0
     try:
-        worker = importlib.import_module(target[0])
-        for name in target[1].split("."):
-            worker = getattr(worker, name)
+        worker = _function(target)
         if info.device.type == "cuda":
             # More ranks per host than GPUs: ranks share them, over gloo (NCCL refuses two
             # ranks on one GPU). Transfers that do not need NCCL (rank-local, shared) run so on

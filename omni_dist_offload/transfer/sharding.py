@@ -107,10 +107,12 @@ def sample_digest(layouts: Sequence[BlockLayout], sample_bytes: int = 64,
         for e in layout.entries:
             numel = e.tensor.numel()
             k = min(numel, max(1, sample_bytes // max(1, e.tensor.element_size())))
+            flat = None  # the tensor's own elements, flattened once (a copy where it has gaps)
             for start in sorted({0, (numel - k) // 2, numel - k}):
                 window = elements(e, start, k) if elements is not None else None
                 if window is None:
-                    window = e.tensor.detach().reshape(-1)[start: start + k]
+                    flat = e.tensor.detach().reshape(-1) if flat is None else flat
+                    window = flat[start: start + k]
                 pieces.append(window.contiguous().view(torch.uint8).reshape(-1))
         sample = torch.cat([p.to("cpu") for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8, device="cpu")
         out.append(hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16])
