@@ -1460,8 +1460,10 @@ class BlockRing:
         self._slot_block = [_EMPTY] * self.num_slots
         for i in promote:
             layout = self.layouts[i]
-            whole = self._whole_on_device(i, scratch)[: layout.nbytes]
-            buf = buffers[i].copy_(whole) if buffers is not None else whole.clone()
+            if buffers is None:  # straight into its own buffer: the change holds no block twice
+                buf = self._filled_on_device(i, layout.nbytes)
+            else:
+                buf = buffers[i].copy_(self._whole_on_device(i, scratch)[: layout.nbytes])
             bind(layout.entries, [e.view_in(buf) for e in layout.entries])
             self._device_blocks[i] = buf
             self._note_device_versions(i)
@@ -1469,13 +1471,16 @@ class BlockRing:
         for i, nbytes in sorted(kept.items()):
             layout = self.layouts[i]
             k = next(j for j, e in enumerate(layout.entries) if j and e.offset == nbytes)
-            whole = self._whole_on_device(i, scratch)
-            buf = buffers[i].copy_(whole[:nbytes]) if buffers is not None else whole[:nbytes].clone()
+            if buffers is None:  # the kept part only: its host copy holds the rest
+                buf = self._filled_on_device(i, nbytes)
+            else:
+                whole = self._whole_on_device(i, scratch)
+                buf = buffers[i].copy_(whole[:nbytes])
             kept_views = [e.view_in(buf) for e in layout.entries[:k]]
             if self.transfer.gather is not None:  # the shards are cut again from what streams
                 self.transfer.keep_part(i, nbytes, whole[nbytes : layout.nbytes])
                 self._kept_off_host.add(i)
-            elif settle and (host := self.transfer.keep_part(i, nbytes, whole[nbytes : layout.nbytes])) is not None:
+            elif settle and (host := self.transfer.keep_part(i, nbytes)) is not None:
                 # The host copy now starts at the cut: park the streamed tensors in it (now, so
                 # that nothing holds the old copy's memory).
                 self._parked[i] = (*kept_views, *(e.view_in(host, nbytes) for e in layout.entries[k:]))
@@ -1588,6 +1593,18 @@ class BlockRing:
             if self._parked_ptrs[i] is not None and any(
                     t.data_ptr() != ptr for t, ptr in zip(self._moving_tensors[i], self._parked_ptrs[i])):
                 self._take_new_storage(i)
+
+    def _filled_on_device(self, i: int, nbytes: int) -> torch.Tensor:
+        """A new device buffer holding block ``i``'s first ``nbytes`` from its host copy,
+        synchronised: a rank-local ring's promoted block or kept part, copied straight to where it
+        stays (no block passes through a staging buffer, so a plan change never holds more than
+        its new plan). Plan changes only."""
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # fill() records its ready event; this one-off is synchronised at once (plan time, never per block).
+        self.transfer.fill(i, buf, None, torch.cuda.Event() if self._cuda else None)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return buf
 
     def _whole_on_device(self, i: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """Block ``i`` filled whole into slot 0 (or, where slot 0 is smaller than the block:

@@ -50,12 +50,13 @@ class RankLocalTransfer:
         if buf is not None:
             buf.release()
 
-    def keep_part(self, block: int, start: int, rest: torch.Tensor) -> torch.Tensor | None:
+    def keep_part(self, block: int, start: int, rest: torch.Tensor | None = None) -> torch.Tensor | None:
         """Block ``block``'s first ``start`` bytes stay on the device for good (a final residency
         plan's partly kept block): its host copy gives them up and holds the rest only, so host
         memory drops by them, as it does for a resident block. Returns the new host copy (the
         block's bytes from ``start`` on) for the ring to park the streamed tensors in. ``rest``
-        (those bytes on the device) is not read: the host copy holds them. Between forwards; the
+        (those bytes on the device, as the gathering transfer takes them) is not needed: the
+        host copy holds them. Between forwards; the
         caller has synchronised. A failure leaves the block as it was."""
         if self._start[block]:
             raise ValueError(f"block {block} already keeps its first {self._start[block]} bytes on the device")

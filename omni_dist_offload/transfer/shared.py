@@ -64,7 +64,7 @@ class SharedTransfer(RankLocalTransfer):
         else:
             self.blocks.leave(block)
 
-    def keep_part(self, block: int, start: int, rest: torch.Tensor) -> None:
+    def keep_part(self, block: int, start: int, rest: torch.Tensor | None = None) -> None:
         """The shared copy stays whole: the host's other ranks may stream all of the block.
         Returns None (nothing moved), so the ring keeps the kept part's host bytes in use."""
         return None

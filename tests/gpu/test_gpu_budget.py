@@ -56,6 +56,72 @@ def test_peak_memory_is_nonblock_plus_budget_plus_activations(share):
     del out, ref
 
 
+@pytest.mark.parametrize(("share", "upcast"), [(0.45, None), (0.7, None), (0.45, "block")])
+def test_the_plan_change_keeps_to_the_budget(share, upcast):
+    """The plan made after the measured forward comes in within the budget too: what it makes
+    resident or keeps in part is copied straight to where it stays, after the old slots went,
+    so the change adds no more than the budget leaves beside the old plan (no block passes
+    through a staging buffer next to its own)."""
+    model, batch, ref, start, block_bytes, nonblock, activations = _measured_model()
+    config = {"mode": "layer", "components": ["dit"], "device_budget": int(share * sum(block_bytes))}
+    if upcast is not None:
+        del ref
+        config["layer_options"] = {"dit": {"storage_dtype": "float8_e4m3fn", "upcast": upcast}}
+    handle = apply_offload(model, config)
+    ring, changes = handle.rings[0], []
+    real = ring.apply_plan
+
+    def measured(*args, **kwargs):
+        (row,) = handle.summary()  # the plan in force until now, within the budget
+        torch.cuda.synchronize()
+        entry = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        real(*args, **kwargs)
+        torch.cuda.synchronize()
+        changes.append((torch.cuda.max_memory_allocated() - entry,
+                        config["device_budget"] - row["resident_bytes"] - row["device_slot_bytes"]))
+
+    ring.apply_plan = measured
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up, the measured forward (then the change), the plan in force
+            out = model(**batch)[0]
+            if upcast is None:
+                assert torch.equal(out, ref)
+    (row,) = handle.summary()
+    assert changes and (row["resident_blocks"] or row["kept_blocks"])
+    for added, room in changes:
+        assert added <= max(room, 0) + 64 * 1024, (added, room)
+    handle.remove()
+
+
+@torch.inference_mode()
+def test_blocks_kept_in_part_come_in_without_a_staging_buffer():
+    """A plan that keeps most of every block on the device and streams the rest through small
+    slots: each kept part is copied straight to its buffer. It used to come through a staging
+    buffer of the whole block beside it, so the change held a block more than its plan (the
+    new slots, of the small rests, had no room for it)."""
+    model, batch, ref, start, block_bytes, nonblock, activations = _measured_model()
+    handle = apply_offload(model, {"mode": "layer", "components": ["dit"]})
+    ring = handle.rings[0]
+    assert torch.equal(model(**batch)[0], ref)
+    (before,) = handle.summary()
+    kept = {i: max(cuts) for i, cuts in enumerate(ring.cuts())}
+    torch.cuda.synchronize()
+    entry = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ring.apply_plan((), 2, settle=False, kept=kept)
+    added = torch.cuda.max_memory_allocated() - entry
+    (after,) = handle.summary()
+    assert after["kept_blocks"] == sorted(kept)
+    room = (after["resident_bytes"] + after["device_slot_bytes"]) - (before["resident_bytes"] + before["device_slot_bytes"])
+    largest = max(block_bytes)
+    assert after["device_slot_bytes"] < largest  # the slots hold the rests only
+    assert added <= room + 64 * 1024, (added, room, largest)
+    for _ in range(2):
+        assert torch.equal(model(**batch)[0], ref)
+    handle.remove()
+
+
 @pytest.mark.parametrize("upcast", ["block", "layer"])
 @pytest.mark.parametrize("share", [0.45, 0.7])
 def test_8_bit_images_under_a_budget_keep_to_it(share, upcast):

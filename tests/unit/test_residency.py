@@ -620,7 +620,7 @@ def test_a_final_plan_cut_short_part_way_through_its_kept_blocks_is_applied_agai
     ref = base(**inputs)[0]
     state = {k: v.clone() for k, v in model.state_dict().items()}
     handle = apply_offload(model, {"mode": "layer", "components": ["dit"], "device_budget": int(0.6 * total)})
-    real, calls = ring_module.BlockRing._whole_on_device, []
+    real, calls = ring_module.BlockRing._filled_on_device, []
 
     def whole(self, i, *args):
         calls.append(i)
@@ -628,7 +628,7 @@ def test_a_final_plan_cut_short_part_way_through_its_kept_blocks_is_applied_agai
             raise torch.OutOfMemoryError("out of memory (test)")
         return real(self, i, *args)
 
-    monkeypatch.setattr(ring_module.BlockRing, "_whole_on_device", whole)
+    monkeypatch.setattr(ring_module.BlockRing, "_filled_on_device", whole)
     assert torch.equal(model(**inputs)[0], ref)  # the first forward: not measured
     with pytest.raises(torch.OutOfMemoryError):
         model(**inputs)  # measured: the plan fails at its second kept block
