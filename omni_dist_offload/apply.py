@@ -47,7 +47,7 @@ from .plan import (
     is_bare_module,
     pipeline_modules,
 )
-from .residency import image_slot_bytes
+from .residency import image_slot_bytes, pick_resident
 from .ring import BlockRing, check_not_cuda_graphs, refuse_copy
 from .tenants import BlockWatch
 from .trace import trace_enabled
@@ -963,9 +963,10 @@ def _fresh_modules(target: Any) -> dict[str, nn.Module]:
     return modules
 
 
-def _resident_indices(comp: StreamedComponent, asked: int | tuple[int, ...] | None) -> tuple[int, ...]:
-    """Which blocks stay on the device. A count is spread evenly through the ring, so the copies
-    of the streamed blocks between two resident ones hide under their compute."""
+def _resident_indices(comp: StreamedComponent, asked: int | tuple[int, ...] | None, nbytes: Sequence[int],
+                      slot_bytes: Sequence[int], run_slot_bytes: int) -> tuple[int, ...]:
+    """Which blocks stay on the device. For a count, the planner picks which
+    (``residency.pick_resident``, from the blocks' sizes: the same on every rank)."""
     n = len(comp.blocks)
     where = f"{comp.name} ({type(comp.module).__name__}): layer_options.{comp.category}.resident_blocks"
     if asked is None or asked == 0:
@@ -976,7 +977,7 @@ def _resident_indices(comp: StreamedComponent, asked: int | tuple[int, ...] | No
                 f"{where} is {asked}, but the component has {n} blocks: keep at most {n - 1} "
                 f"resident, or leave {comp.category!r} out of 'components' to keep it all on the device."
             )
-        return tuple(int((j + 0.5) * n / asked) for j in range(asked))
+        return pick_resident(nbytes, slot_bytes, asked, run_slot_bytes)
     if out := [i for i in asked if i >= n]:
         raise OffloadConfigError(
             f"{where} lists {out}, but the component has {n} blocks (indices 0 to {n - 1}): "
@@ -1312,11 +1313,13 @@ def _with_residency(specs: Sequence[_RingSpec], cfg: OffloadConfig, dev: torch.d
     for s in specs:
         asked = cfg.options_for(s.component.category).resident_blocks
         # A ring of 8-bit images keeps a resident block as its image (see BlockRing.held).
-        sizes.append(RingSizes(s.component.name, s.component.category,
-                               tuple(s.image_bytes() if s.stored else (l.nbytes for l in s.layouts)),
-                               tuple(s.slot_bytes()),
-                               _resident_indices(s.component, asked) if asked is not None else None,
-                               run_slot_bytes=max(l.nbytes for l in s.layouts) if s.stored else 0))
+        nbytes = tuple(s.image_bytes() if s.stored else (l.nbytes for l in s.layouts))
+        slot_bytes = tuple(s.slot_bytes())
+        run_slot_bytes = max(l.nbytes for l in s.layouts) if s.stored else 0
+        fixed = (_resident_indices(s.component, asked, nbytes, slot_bytes, run_slot_bytes)
+                 if asked is not None else None)
+        sizes.append(RingSizes(s.component.name, s.component.category, nbytes, slot_bytes, fixed,
+                               run_slot_bytes=run_slot_bytes))
     group = next((s.group for s in specs if s.group is not None), None)
     blocks = [e.tensor for s in specs for l in s.layouts for e in l.entries]
     try:

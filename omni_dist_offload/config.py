@@ -81,9 +81,10 @@ class LayerOptions:
 
     resident_blocks: int | tuple[int, ...] | None = None
     """Blocks that stay on the device instead of streaming (they keep no host copy, and
-    allgather keeps no shard of them). An int: how many, spread evenly through the ring so the
-    streamed blocks' copies hide under their compute; a list: exactly these block indices (ring
-    order, from 0). ``None``: every block streams."""
+    allgather keeps no shard of them). An int: how many; the planner picks which, from the
+    blocks' sizes (``residency.pick_resident``: where sizes differ, the large blocks; where they
+    do not, an even spread, so the streamed blocks' copies hide under their compute); a list:
+    exactly these block indices (ring order, from 0). ``None``: every block streams."""
 
     storage_dtype: str | None = None
     """How the block weights are stored in host memory and move to the device. ``None``: as the

@@ -25,6 +25,27 @@ def _generate(pipe):
                 **tiny.TINY_WAN_DEFAULTS).frames
 
 
+@torch.no_grad()
+def test_a_count_keeps_the_blocks_that_shorten_the_copies_most():
+    """``resident_blocks`` as a count: the planner picks which. The tiny Flux's two dual-stream
+    blocks are twice its single-stream ones: keeping both leaves the single-stream blocks to
+    stream, through slots of their size. (An even spread kept one block of each kind, and the
+    other dual-stream block streamed through slots of its size.)"""
+    model = tiny.tiny_flux_transformer()
+    inputs = tiny.flux_transformer_inputs(model)
+    ref = model(**inputs)[0]
+    double = min(module_bytes(b) for b in model.transformer_blocks)
+    single = max(module_bytes(b) for b in model.single_transformer_blocks)
+    assert double > 2 * single
+    handle = apply_offload(model, _cfg(2))
+    (row,) = handle.summary_rows()
+    assert row.resident_blocks == [0, 1] and row.device_slot_bytes < 2 * double
+    for _ in range(2):
+        assert torch.equal(model(**inputs)[0], ref)
+    handle.remove()
+    assert torch.equal(model(**inputs)[0], ref)
+
+
 @pytest.mark.parametrize("resident, expected", [([1, 3], [1, 3]), ([4, 0], [0, 4]), (2, [1, 3]), (1, [2]),
                                                 (4, [0, 1, 3, 4]), (0, [])])
 def test_resident_blocks_stay_put_and_outputs_stay_bitwise_equal(resident, expected):
