@@ -22,7 +22,6 @@ import contextlib
 import functools
 import importlib.metadata
 import inspect
-import json
 import logging
 import math
 import numbers
@@ -34,14 +33,11 @@ import time
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-import diffusers
 import numpy as np
 import torch
 from accelerate import init_empty_weights
-from huggingface_hub import try_to_load_from_cache
 from torch import nn
 
 # checked_device: apply_offload's own device check, so that Omni refuses a device alike with a
@@ -62,6 +58,7 @@ from ..loading.parallel import (
     enable_context_parallel,
     pipeline_dits,
 )
+from ..loading.folders import folder_dit_configs, local_folder
 from ..loading.pipelines import (
     DTYPES,
     ModelLoadError,
@@ -72,7 +69,6 @@ from ..loading.pipelines import (
     resolve_dtype,
 )
 from ..models import BUILTIN_MODELS, BUILTIN_PIPELINE_DEFAULTS, BUILTIN_PIPELINES
-from ..plan import OffloadPlan
 from ..runtime.dist import agree_on_step
 from ..runtime.logs import is_logged_rank
 from .outputs import GenerationResult, to_uint8
@@ -682,66 +678,18 @@ def _dit_configs(model: str, load_kwargs: Mapping[str, Any]) -> dict[str, tuple[
     """The DiTs ``model`` loads as, by pipeline attribute, each with its class and config, read
     without loading a weight or asking the Hub: a built-in's from its pipeline built with empty
     weights (configs only); a folder's, or a hub id's snapshot already in the local cache, from
-    its ``model_index.json`` and each DiT's ``<component>/config.json``; a component passed in
-    ``load_kwargs`` as a module, that module's. What cannot be read so (a class diffusers does not
-    have, a file that is not there, anything unexpected) is left out: the loaded DiTs are checked
-    again when they split."""
+    its files (``loading.folders.folder_dit_configs``). What cannot be read so is left out: the
+    loaded DiTs are checked again when they split."""
     try:
         if model in BUILTIN_MODELS:
             with init_empty_weights(include_buffers=False):
                 pipe = BUILTIN_PIPELINES[model]()
             return {name: (type(dit), dict(dit.config)) for name, dit in pipeline_dits(pipe).items()}
-        folder = _local_folder(model, load_kwargs)
-        index = _json_object(folder / "model_index.json") if folder is not None else None
-        if index is None:
-            return {}
-        plan = getattr(getattr(diffusers, str(index.get("_class_name")), None), "_offload_plan", None)
-        plan = plan if isinstance(plan, OffloadPlan) else OffloadPlan()
-        found: dict[str, tuple[type, Mapping[str, Any]]] = {}
-        for name, entry in index.items():
-            if name.startswith("_") or plan.category_of(name) != "dit":
-                continue
-            if name in load_kwargs:  # a module passed in is what loads (None: no such component)
-                given = load_kwargs[name]
-                if isinstance(given, nn.Module) and isinstance(getattr(given, "config", None), Mapping):
-                    found[name] = (type(given), dict(given.config))
-                continue
-            cls = (getattr(diffusers, entry[1], None) if isinstance(entry, (list, tuple)) and len(entry) == 2
-                   and entry[0] == "diffusers" and isinstance(entry[1], str) else None)
-            config = _json_object(folder / name / "config.json")
-            if isinstance(cls, type) and config is not None:
-                found[name] = (cls, config)
-        return found
+        folder = local_folder(model, load_kwargs)
+        return folder_dit_configs(folder, load_kwargs) if folder is not None else {}
     except Exception as exc:  # noqa: BLE001 - a check ahead of the loader's own: it must not stop a load
         logger.debug("could not read the DiTs' configs of %s before loading: %s: %s", model, type(exc).__name__, exc)
         return {}
-
-
-def _local_folder(model: str, load_kwargs: Mapping[str, Any]) -> Path | None:
-    """The pipeline folder ``model`` names on this host: a local folder, or a hub id's snapshot
-    already in the local cache (at the revision asked for, in the cache folder asked for); never
-    downloaded. None otherwise."""
-    path = Path(os.path.expanduser(model))
-    if path.is_dir():
-        return path
-    if model.startswith((".", "/", "~")):  # a folder that is not there: the loader says so
-        return None
-    try:
-        index = try_to_load_from_cache(model, "model_index.json", cache_dir=load_kwargs.get("cache_dir"),
-                                       revision=load_kwargs.get("revision"))
-    except Exception:  # noqa: BLE001 - not a valid hub id, say: nothing to read
-        return None
-    return Path(index).parent if isinstance(index, str) else None
-
-
-def _json_object(path: Path) -> dict[str, Any] | None:
-    """The JSON object in file ``path``, or None (no such file, not JSON, not an object)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _not_copied() -> TypeError:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import torch
 import transformers
+from huggingface_hub import try_to_load_from_cache
+from torch import nn
+
+from ..plan import OffloadPlan
 
 try:  # transformers 5 configs are huggingface_hub strict dataclasses, which check each field's type
     from huggingface_hub.errors import StrictDataclassError
@@ -19,8 +25,8 @@ except ImportError:  # an older huggingface_hub validates nothing, so raises not
     class StrictDataclassError(Exception):  # type: ignore[no-redef]
         """Stands in for huggingface_hub's class; never raised."""
 
-__all__ = ["CONFIG_VALUE_ERRORS", "DTYPES", "dtype_kwarg", "pipeline_class", "resolve_dtype",
-           "wrong_config_values"]
+__all__ = ["CONFIG_VALUE_ERRORS", "DTYPES", "dtype_kwarg", "folder_dit_configs", "local_folder", "pipeline_class",
+           "resolve_dtype", "wrong_config_values"]
 
 #: What the libraries raise building a model from a config.json value of the wrong type: a
 #: diffusers constructor fails inside torch (``'str' object cannot be interpreted as an integer``),
@@ -144,3 +150,57 @@ def _expected_type(default: Any, value: Any) -> str | None:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+
+
+def local_folder(model: str, load_kwargs: Mapping[str, Any]) -> Path | None:
+    """The pipeline folder ``model`` names on this host: a local folder, or a hub id's snapshot
+    already in the local cache (at the revision asked for, in the cache folder asked for); never
+    downloaded. None otherwise."""
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return path
+    if model.startswith((".", "/", "~")):  # a folder that is not there: the loader says so
+        return None
+    try:
+        index = try_to_load_from_cache(model, "model_index.json", cache_dir=load_kwargs.get("cache_dir"),
+                                       revision=load_kwargs.get("revision"))
+    except Exception:  # noqa: BLE001 - not a valid hub id, say: nothing to read
+        return None
+    return Path(index).parent if isinstance(index, str) else None
+
+
+def folder_dit_configs(folder: Path, load_kwargs: Mapping[str, Any]) -> dict[str, tuple[type, Mapping[str, Any]]]:
+    """The DiTs a pipeline folder loads as, by pipeline attribute, each with its class and config,
+    from its ``model_index.json`` and each DiT's ``<component>/config.json`` (no weight read); a
+    component passed in ``load_kwargs`` as a module, that module's. What cannot be read so (a
+    class diffusers does not have, a file that is not there) is left out."""
+    index = _json_object(folder / "model_index.json")
+    if index is None:
+        return {}
+    plan = getattr(getattr(diffusers, str(index.get("_class_name")), None), "_offload_plan", None)
+    plan = plan if isinstance(plan, OffloadPlan) else OffloadPlan()
+    found: dict[str, tuple[type, Mapping[str, Any]]] = {}
+    for name, entry in index.items():
+        if name.startswith("_") or plan.category_of(name) != "dit":
+            continue
+        if name in load_kwargs:  # a module passed in is what loads (None: no such component)
+            given = load_kwargs[name]
+            if isinstance(given, nn.Module) and isinstance(getattr(given, "config", None), Mapping):
+                found[name] = (type(given), dict(given.config))
+            continue
+        cls = (getattr(diffusers, entry[1], None) if isinstance(entry, (list, tuple)) and len(entry) == 2
+               and entry[0] == "diffusers" and isinstance(entry[1], str) else None)
+        config = _json_object(folder / name / "config.json")
+        if isinstance(cls, type) and config is not None:
+            found[name] = (cls, config)
+    return found
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in file ``path``, or None (no such file, not JSON, not an object)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
