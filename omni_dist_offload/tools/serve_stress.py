@@ -268,6 +268,10 @@ class StressResult:
     """Exit status of the server the tool started, after SIGTERM (None: not started here, or
     killed because it did not stop)."""
     server_log: str | None = None
+    server_allocator: str | None = None
+    """``PYTHONMALLOC`` of the server's process once it was ready (``malloc``: it restarted on
+    the C allocator, which its RSS after the abuse phase depends on; docs/serving.md); None where
+    it could not be read (not Linux, another user's process) or was unset."""
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -425,6 +429,19 @@ class _ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)  # every rank, not torchrun alone
             self.proc.wait()
             return None
+
+
+def _environment(pid: int | None, name: str) -> str | None:
+    """Variable ``name`` in the environment process ``pid`` started with (Linux); None where it
+    is unset or cannot be read."""
+    if pid is None:
+        return None
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    return next((e[len(prefix):].decode(errors="replace") for e in entries if e.startswith(prefix)), None)
 
 
 def _rank0_pid(launcher: int) -> int | None:
@@ -906,6 +923,7 @@ def run_stress(opts: StressOptions, say: Callable[[str], None] = lambda line: No
             target = server.wait_ready(_HEALTH_TIMEOUT_S, opts.api_key)
         else:
             target = _Target(_loopback_port(opts.url), opts.pid, opts.log, opts.api_key)
+        result.server_allocator = _environment(target.pid, "PYTHONMALLOC")
         _check_image_server(target, opts.url)
         # Raised only now: the server started above keeps the limit its caller gave it.
         with _more_descriptors() as limit:

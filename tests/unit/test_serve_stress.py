@@ -27,6 +27,8 @@ def test_serve_stress_both_phases_pass_and_add_up(tmp_path, capsys) -> None:
 
     figures = json.loads(out.read_text())
     assert figures["passed"] and figures["failures"] == [] and figures["server_exit"] == 0
+    # `python -m omni_dist_offload serve` restarted itself on the C allocator (__main__.py).
+    assert figures["server_allocator"] == "malloc"
     load = figures["load"]
     assert load["codes"] == {"200": 12} and load["wrong_seed"] == 0
     assert load["requests_200_delta"] == 12 and load["image_outputs_delta"] == 12
