@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..runtime.dist import DistContext, default_store
 from ..runtime.flags import UsageError
 from .api import Omni, SamplingOptions
-from .outputs import VideoFormat, numbered_outputs
+from .outputs import VideoFormat, numbered_files
 
 __all__ = ["PeerStopped", "PromptJob", "RunReport", "check_same_run", "claim_indices", "plan_jobs", "run_free",
            "run_jobs", "run_prompts", "share_usage_error", "static_indices"]
@@ -217,25 +217,28 @@ def run_prompts(
     (:func:`run_free`), else in padded waves (:func:`plan_jobs`, :func:`run_jobs`). Output k
     replaces the one of an earlier run in ``output_dir``, in whatever media format it was."""
     _check_prompts(prompts)
-    _warn_earlier_outputs(output_dir, len(prompts), ctx)
-    if ctx.world_size > 1 and not omni.lockstep:
-        return run_free(omni, prompts, base_seed, ctx, sampling=sampling, output_dir=output_dir,
-                        video_format=video_format, fps=fps)
+    earlier = _warn_earlier_outputs(output_dir, len(prompts), ctx)
     groups = omni.parallel
-    if groups is not None:  # one prompt per group of ranks: data parallel across, context within
+    if ctx.world_size > 1 and not omni.lockstep:
+        report = run_free(omni, prompts, base_seed, ctx, sampling=sampling, output_dir=output_dir,
+                          video_format=video_format, fps=fps)
+    elif groups is not None:  # one prompt per group of ranks: data parallel across, context within
         jobs = plan_jobs(prompts, base_seed, groups.dp_rank, groups.dp_size)
         logger.info("%d prompt(s) on %d group(s) of %d ranks, each splitting its sample (context parallel): "
                     "%d wave(s), this group runs prompts %s", len(prompts), groups.dp_size, groups.cp_size,
                     len(jobs), [j.index for j in jobs if not j.padding])
-        return run_jobs(omni, jobs, ctx, sampling=sampling, output_dir=output_dir, video_format=video_format,
-                        fps=fps, writes=groups.writes)
-    jobs = plan_jobs(prompts, base_seed, ctx.rank, ctx.world_size)
-    if ctx.world_size > 1:
-        logger.info("%d prompt(s) on %d ranks in lockstep (a ring gathers its weights across ranks): "
-                    "%d wave(s), this rank runs prompts %s", len(prompts), ctx.world_size, len(jobs),
-                    [j.index for j in jobs if not j.padding])
-    return run_jobs(omni, jobs, ctx, sampling=sampling, output_dir=output_dir, video_format=video_format,
-                    fps=fps)
+        report = run_jobs(omni, jobs, ctx, sampling=sampling, output_dir=output_dir, video_format=video_format,
+                          fps=fps, writes=groups.writes)
+    else:
+        jobs = plan_jobs(prompts, base_seed, ctx.rank, ctx.world_size)
+        if ctx.world_size > 1:
+            logger.info("%d prompt(s) on %d ranks in lockstep (a ring gathers its weights across ranks): "
+                        "%d wave(s), this rank runs prompts %s", len(prompts), ctx.world_size, len(jobs),
+                        [j.index for j in jobs if not j.padding])
+        report = run_jobs(omni, jobs, ctx, sampling=sampling, output_dir=output_dir, video_format=video_format,
+                          fps=fps)
+    _remove_unreplaced(earlier, output_dir)
+    return report
 
 
 def run_jobs(
@@ -594,16 +597,18 @@ def _generate(omni: Omni, job: PromptJob, ctx: DistContext, out: _Output, report
                 time.perf_counter() - start)
 
 
-def _warn_earlier_outputs(output_dir: Path, count: int, ctx: DistContext) -> None:
+def _warn_earlier_outputs(output_dir: Path, count: int, ctx: DistContext) -> dict[Path, tuple[int, int]]:
     """One warning line when ``output_dir`` already holds numbered outputs: those of this run's
     numbers are replaced as it writes them, the others stay beside them. Logged by each host's
     first rank (a host writes its own folder), before any rank writes (the loop starts after a
-    barrier)."""
+    barrier). Returns the files of the earlier outputs this run's numbers replace, each with its
+    inode and modification time, for :func:`_remove_unreplaced` (on the other ranks: none)."""
     if ctx.local_rank != 0:
-        return
-    found = numbered_outputs(output_dir)
+        return {}
+    files = numbered_files(output_dir)
+    found = sorted(set(files.values()))
     if not found:
-        return
+        return {}
     replaced = [k for k in found if k < count]
     kept = [k for k in found if k >= count]
     parts = []
@@ -612,6 +617,34 @@ def _warn_earlier_outputs(output_dir: Path, count: int, ctx: DistContext) -> Non
     if kept:
         parts.append(f"{_span(kept)} past this run's {count} prompt(s) will stay as they are")
     logger.warning("--output-dir %s already holds outputs of an earlier run: %s", output_dir, "; ".join(parts))
+    earlier = {}
+    for path, k in files.items():
+        if k < count:
+            with contextlib.suppress(OSError):  # gone already: nothing to replace
+                stat = path.stat()
+                earlier[path] = (stat.st_ino, stat.st_mtime_ns)
+    return earlier
+
+
+def _remove_unreplaced(earlier: Mapping[Path, tuple[int, int]], output_dir: Path) -> None:
+    """After a run that ended well (every rank has written: its end is a barrier): the earlier
+    outputs of this run's numbers that are still there as they were. On one host there are none,
+    as every output replaced its own. On several, each host writes its own folder, and which
+    prompts a host runs changes from run to run (the next free rank takes the next prompt), so
+    a host's folder would keep an earlier output k that another host wrote this time, beside the
+    outputs of this run: the same number twice, with other seeds, once the folders are merged. A
+    file written anew is another inode (each is renamed into place), so on a folder the hosts
+    share, the files the other hosts wrote this run stay."""
+    removed = []
+    for path, (inode, mtime) in earlier.items():
+        with contextlib.suppress(OSError):  # gone, or replaced by another host's rank meanwhile
+            stat = path.stat()
+            if (stat.st_ino, stat.st_mtime_ns) == (inode, mtime):
+                path.unlink()
+                removed.append(path.name)
+    if removed:
+        logger.info("removed %d file(s) of an earlier run from --output-dir %s, whose prompts other hosts wrote "
+                    "this time (in their own --output-dir): %s", len(removed), output_dir, ", ".join(sorted(removed)))
 
 
 def _span(indices: list[int]) -> str:

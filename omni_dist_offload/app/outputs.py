@@ -152,12 +152,17 @@ class GenerationResult:
 def numbered_outputs(directory: str | Path) -> list[int]:
     """The prompt numbers k of the outputs the runner wrote in ``directory`` (``<k:05d>`` with a
     media suffix or ``.json``), sorted; none when it does not exist."""
+    return sorted(set(numbered_files(directory).values()))
+
+
+def numbered_files(directory: str | Path) -> dict[Path, int]:
+    """The files of :func:`numbered_outputs`, each with its prompt number."""
     try:
         names = [entry.name for entry in Path(directory).iterdir()]
     except OSError:  # missing, or not a folder (the CLI refuses that before)
-        return []
-    found = {int(m[1]) for name in names if (m := _NUMBERED.fullmatch(name)) and m[1] == f"{int(m[1]):05d}"}
-    return sorted(found)
+        return {}
+    return {Path(directory, name): int(m[1]) for name in names
+            if (m := _NUMBERED.fullmatch(name)) and m[1] == f"{int(m[1]):05d}"}
 
 
 def mp4_available() -> bool:

@@ -172,6 +172,44 @@ def test_free_ranks_take_the_next_prompt_when_free_and_write_each_once(tmp_path)
     assert [m for m in range(5) if json.loads((tmp_path / "free" / f"{m:05d}.json").read_text())["rank"] == 0] == free0
 
 
+def two_hosts(rank: Rank, out_root: str) -> list[int]:
+    """Four prompts on two hosts of one rank each, each host writing its own folder, which holds
+    an earlier run's outputs 0 to 3 and 7: the prompts this rank ran."""
+    omni = Omni("tiny-flux", {"mode": "layer", "components": ["dit"]}, progress=False)
+    ctx = DistContext(rank=rank.rank, world_size=rank.world, local_rank=0, backend="gloo")
+    generate, ran = omni.generate, []
+
+    def tracked(prompt: str, *, name: str, **kwargs):
+        ran.append(int(name))
+        return generate(prompt, name=name, **kwargs)
+
+    omni.generate = tracked
+    dp.run_prompts(omni, [f"prompt {k}" for k in range(4)], 11, ctx, sampling=SamplingOptions(num_inference_steps=1),
+                   output_dir=Path(out_root, f"host{rank.rank}"))
+    omni.close()
+    return sorted(ran)
+
+
+def test_a_host_keeps_no_earlier_output_another_host_wrote_this_time(tmp_path) -> None:
+    # Each host's folder held outputs 0 to 3 of an earlier run; whichever host writes output k
+    # this time, the other's earlier k would stay beside it (the same number twice once the
+    # folders are merged, with other seeds). Output 7 is past this run's prompts: it stays.
+    for host in ("host0", "host1"):
+        (tmp_path / host).mkdir()
+        for k in (0, 1, 2, 3, 7):
+            (tmp_path / host / f"{k:05d}.gif").write_text("earlier")
+            (tmp_path / host / f"{k:05d}.json").write_text("{}")
+    ran = run_ranks(two_hosts, 2, local_world=1, args=(str(tmp_path),))
+    assert sorted(ran[0] + ran[1]) == [0, 1, 2, 3]
+    for rank, indices in enumerate(ran):
+        folder = tmp_path / f"host{rank}"
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            [f"{k:05d}.{ext}" for k in indices for ext in ("png", "json")] + ["00007.gif", "00007.json"])
+        for k in indices:
+            meta = json.loads((folder / f"{k:05d}.json").read_text())
+            assert (meta["index"], meta["seed"], meta["rank"]) == (k, 11 + k, rank)
+
+
 def long_tail(rank: Rank, out_dir: str) -> dict:
     """Free mode with the default group's collectives timing out after 2 s (stand-in for NCCL's
     10 minutes): rank 1's one prompt raises at once (as an out-of-memory would) and rank 0's
