@@ -266,7 +266,7 @@ def run_setup(plan: RunPlan) -> dict[str, Any]:
     model = plan.model
     # os.path's expanduser leaves a ~user it cannot expand as it is; Path's raises RuntimeError.
     folder = Path(os.path.expanduser(model))
-    if folder.is_dir():
+    if model not in BUILTIN_MODELS and folder.is_dir():  # a built-in's name loads the built-in, as the loader does
         model = f"a folder of {pipeline_class(folder).__name__}"
     loras = []
     for spec in plan.lora:

@@ -629,3 +629,14 @@ def test_a_tilde_naming_no_user_is_refused_in_one_line(home, capsys) -> None:
                                                    "'~no-such-user-here' (in '~no-such-user-here/renders') names "
                                                    "no home folder known here"), lines
     assert list(Path.cwd().iterdir()) == []
+
+
+def test_a_folder_named_like_a_built_in_does_not_change_what_the_ranks_compare(tmp_path, monkeypatch) -> None:
+    # The loader loads the built-in whatever folder of that name is in the working directory, so
+    # the ranks compare the built-in's name (a host with such a folder used to be refused).
+    from omni_dist_offload.app.cli import _validate, build_parser, run_setup
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-flux").mkdir()
+    plan = _validate(build_parser().parse_args(["generate", "--model", "tiny-flux", "--prompt", "a"]))
+    assert run_setup(plan)["--model"] == "tiny-flux"
