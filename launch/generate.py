@@ -2,7 +2,7 @@
 
 One process per GPU. Prompts (``--prompt``, repeatable, or ``--prompts-file``, one a line) are
 shared across the ranks; prompt k gets seed ``--seed`` + k and is written as
-``<output-dir>/<k>.{png,mp4,gif}`` with a ``<k>.json`` sidecar by the rank that made it. With
+``<output-dir>/<k:05d>.{png,mp4,gif}`` with a ``<k:05d>.json`` sidecar by the rank that made it. With
 rank-local or shared weights each rank takes the next prompt when free; under ``allgather`` all
 ranks run the same pipeline calls in waves of one prompt per rank (the last padded with repeats
 whose outputs are dropped); with ``--ulysses-degree``/``--ring-degree`` each group of that many
