@@ -123,18 +123,21 @@ def read_model_index(path: Path) -> dict[str, Any]:
 
 def check_pipeline_folder(folder: Path, *, safetensors: bool = True) -> None:
     """A :class:`CheckpointError` naming the first index file of a pipeline folder that cannot
-    be read: its ``model_index.json`` and (``safetensors``) each component's shard index.
-    diffusers' own loader meets a damaged one deep inside, with an AttributeError or a TypeError."""
+    be read: its ``model_index.json`` and (``safetensors``) each component's shard index, where
+    the component's loader reads one (the weights file it picks, as :func:`find_weight_files`:
+    transformers reads ``model.safetensors`` before an index beside it, which its own
+    ``save_pretrained`` leaves behind when a sharded save is saved again whole). diffusers' own
+    loader meets a damaged index deep inside, with an AttributeError or a TypeError."""
     index = read_model_index(folder / "model_index.json")
     if not safetensors:
         return
     for name in index:
         if name.startswith("_") or not (folder / name).is_dir():
             continue
-        for pair in WEIGHT_NAMES:
-            for weights in pair:
-                if weights.endswith(".index.json") and (folder / name / weights).is_file():
-                    _index_files(folder / name / weights)
+        read = next((weights for pair in WEIGHT_NAMES for weights in pair if (folder / name / weights).is_file()),
+                    None)
+        if read is not None and read.endswith(".index.json"):
+            _index_files(folder / name / read)
 
 
 def _index_files(index: Path) -> list[Path]:

@@ -103,6 +103,8 @@ def cold_start_folder(model: str, load_kwargs: Mapping[str, Any] | None = None) 
     # os.path's expanduser leaves a ~user this host does not know as it is (then refused as a
     # folder that does not exist); Path's raises a bare RuntimeError.
     path = Path(os.path.expanduser(model))
+    if not path.is_dir() and model.startswith((".", "/", "~")):  # a path, not a hub id: the loader says it is not there
+        return None, f"{model!r} is not a local folder"
     if not path.is_dir():
         path = _hub_folder(model, load_kwargs or {})
         if path is None:
@@ -409,6 +411,7 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
     mismatched: list[str] = []
     used: set[str] = set()
     fresh: dict[str, torch.Tensor] | None = None
+    refused: set[int] = set()  # tensors named in missing or mismatched already (a tied one is held twice)
     for mod in module.modules():
         for registry in (mod._parameters, mod._buffers):
             for attr, t in list(registry.items()):
@@ -416,6 +419,8 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                     continue
                 if id(t) in done:
                     registry[attr] = done[id(t)]
+                    continue
+                if id(t) in refused:
                     continue
                 quals = names[id(t)]
                 # A non-persistent buffer is never loaded, even where an older save holds it (CLIP's
@@ -437,10 +442,12 @@ def _materialise(name: str, category: str, module: nn.Module, plan: OffloadPlan,
                             done[id(t)] = registry[attr] = new
                             continue
                     missing.append(quals[0])
+                    refused.add(id(t))
                     continue
                 info = checkpoint.info(key)
                 if tuple(info.shape) != tuple(t.shape):
                     mismatched.append(f"{quals[0]} (model {tuple(t.shape)}, checkpoint {tuple(info.shape)})")
+                    refused.add(id(t))
                     continue
                 target = dtype_of(quals[0], t, info.dtype)
                 if id(t) in in_block:

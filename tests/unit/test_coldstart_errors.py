@@ -95,6 +95,20 @@ def test_a_hub_that_cannot_be_reached_falls_back_to_the_cache_and_says_so(hub_ca
     assert folder is None and "'org/elsewhere' is not a local folder" in reason
 
 
+def test_a_path_that_is_not_there_is_not_asked_of_the_hub(online, monkeypatch, caplog):
+    # A path (not a hub id) that does not exist: no warning that the Hub could not be asked
+    # before the loader's own "does not exist".
+    def download(name, **kwargs):
+        raise AssertionError(f"the Hub was asked for {name!r}")
+
+    monkeypatch.setattr(DiffusionPipeline, "download", download)
+    with caplog.at_level(logging.WARNING, logger="omni_dist_offload"):
+        for model in ("/nonexistent/wan-folder", "./typo", "~/nonexistent-wan"):
+            folder, reason = cold_start_folder(model)
+            assert folder is None and f"{model!r} is not a local folder" in reason
+    assert caplog.records == []
+
+
 # -- an I/O error while reading -------------------------------------------------------------
 def _failing_preadv(code: int, real=os.preadv):
     def preadv(fd, buffers, offset):
