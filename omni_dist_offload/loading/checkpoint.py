@@ -198,9 +198,12 @@ class SafetensorsCheckpoint:
         self.close()
 
     # -- reading -----------------------------------------------------------------------
-    def read_into(self, name: str, dst: torch.Tensor, start: int = 0) -> None:
+    def read_into(self, name: str, dst: torch.Tensor, start: int = 0, via: torch.dtype | None = None) -> None:
         """Fill ``dst`` (a contiguous CPU tensor of the run dtype) with the tensor's elements
-        ``[start, start + dst.numel())`` in row-major order, converting the dtype if needed."""
+        ``[start, start + dst.numel())`` in row-major order, converting the dtype if needed.
+        ``via``: convert to this dtype first where it is neither the file's nor ``dst``'s (8-bit
+        storage from a file in a third dtype rounds through the model's dtype, as loading the
+        model and then casting it does), a scratch-sized slice at a time."""
         info = self.info(name)
         count = dst.numel()
         if start < 0 or start + count > info.numel:
@@ -217,12 +220,16 @@ class SafetensorsCheckpoint:
         # tensor.to(dtype) does, which is what the libraries' own loaders call.
         per = max(1, _SCRATCH_BYTES // src_size)
         scratch = self._scratch()
+        staged = self._staging(via, per) if via is not None and via not in (info.dtype, dst.dtype) else None
         flat = dst.view(-1)
         for lo in range(0, count, per):
             n = min(per, count - lo)
             raw = scratch[: n * src_size]
             self._pread(info.path, raw, offset + lo * src_size)
-            flat[lo : lo + n].copy_(raw.view(info.dtype))
+            src = raw.view(info.dtype)
+            if staged is not None:
+                src = staged[:n].copy_(src)
+            flat[lo : lo + n].copy_(src)
 
     def load(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """One whole tensor on the host, in ``dtype``."""
@@ -272,6 +279,17 @@ class SafetensorsCheckpoint:
         buf = getattr(self._local, "scratch", None)
         if buf is None:
             buf = self._local.scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device="cpu")
+        return buf
+
+    def _staging(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """This thread's buffer of ``count`` elements of ``dtype`` for :meth:`read_into`'s ``via``,
+        allocated once per dtype (as :meth:`_scratch`)."""
+        buffers = getattr(self._local, "staging", None)
+        if buffers is None:
+            buffers = self._local.staging = {}
+        buf = buffers.get(dtype)
+        if buf is None or buf.numel() < count:
+            buf = buffers[dtype] = torch.empty(count, dtype=dtype, device="cpu")
         return buf
 
     def where(self) -> str:
@@ -430,7 +448,7 @@ class CheckpointSource:
                 if dtype != model and self.checkpoint.info(key).dtype not in (dtype, model):
                     # Stored in 8 bits from a file in a third dtype: through the model's dtype,
                     # as loading the model and then casting it rounds twice.
-                    read = functools.partial(_read_through, self.checkpoint, model)
+                    read = functools.partial(self.checkpoint.read_into, via=model)
                 for s in range(0, b - a, step):
                     part = out[s : s + step]
                     tasks.append((read, (key, part.view(dtype), first + s // size)))
@@ -460,11 +478,3 @@ def _copy_storage_bytes(entry: TensorEntry, start: int, out: torch.Tensor, dtype
     shifted = TensorEntry(entry.name, entry.tensor, 0, nbytes, dtype, entry.shape, entry.stride, entry.origin)
     shifted.view_in(image).copy_(entry.tensor.detach().to(dtype))
     out.copy_(image[start : start + out.numel()])
-
-
-def _read_through(checkpoint: SafetensorsCheckpoint, via: torch.dtype, name: str, dst: torch.Tensor,
-                  start: int = 0) -> None:
-    """``read_into`` converting to ``via`` first, then to ``dst``'s dtype."""
-    staged = torch.empty(dst.numel(), dtype=via, device="cpu")
-    checkpoint.read_into(name, staged, start)
-    dst.view(-1).copy_(staged)

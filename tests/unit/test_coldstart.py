@@ -16,6 +16,7 @@ from transformers import UMT5EncoderModel
 
 from omni_dist_offload import OffloadConfigError, Omni, apply_offload
 import tiny_models as tiny
+from omni_dist_offload.loading import checkpoint as checkpoint_module
 from omni_dist_offload.loading.checkpoint import CheckpointSource, CheckpointError, SafetensorsCheckpoint
 from omni_dist_offload.loading.coldstart import load_offloaded, prepare_cold_start
 from omni_dist_offload.loading.folders import pipeline_class
@@ -313,11 +314,14 @@ def test_resident_blocks_are_read_from_the_checkpoint(wan_folder, residency):
         _assert_same_module(getattr(pipe, name), getattr(ref, name))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_8_bit_storage_reads_the_checkpoint_into_8_bit_images(wan_folder, dtype):
+@pytest.mark.parametrize(("dtype", "scratch"), [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 96)])
+def test_8_bit_storage_reads_the_checkpoint_into_8_bit_images(wan_folder, dtype, scratch, monkeypatch):
     """fp32 files, run in fp32 or bf16, stored in 8 bits while reading (through the run dtype,
-    as loading then casting rounds): the DiT equals the ordinary load under diffusers' layerwise
-    casting, bit for bit, and its host copy is the 8-bit size."""
+    as loading then casting rounds, a scratch buffer's worth at a time: ``scratch`` bytes, which
+    splits every tensor): the DiT equals the ordinary load under diffusers' layerwise casting,
+    bit for bit, and its host copy is the 8-bit size."""
+    if scratch is not None:
+        monkeypatch.setattr(checkpoint_module, "_SCRATCH_BYTES", scratch)
     stored = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
     ref = WanTransformer3DModel.from_pretrained(wan_folder, subfolder="transformer", torch_dtype=dtype)
     ref.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=dtype)
