@@ -1,42 +1,41 @@
-"""The benchmark's torchrun wrapper (launch/bench.sh) on two CPU ranks (gloo): allgather and
-shared against rank-local, the ranks on different sizes at once (--stagger), one table from
-rank 0."""
+"""The benchmark on two CPU ranks (gloo), forked as torchrun starts them: allgather and shared
+against rank-local, the ranks on different sizes at once (--stagger), one table from rank 0."""
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+def _staggered_on_rank(rank, argv: list[str]) -> tuple[int, str]:
+    """bench.main on one rank, with what it printed."""
+    import contextlib
+    import io
+
+    from omni_dist_offload.tools import bench
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = bench.main(argv)
+    return rc, out.getvalue()
 
 
-def _bench(tmp_path: Path, *flags: str) -> tuple[str, dict]:
-    """launch/bench.sh on two gloo ranks, tiny Flux, rank-local, shared and allgather: rank 0's
-    table and the JSON."""
-    out_json = tmp_path / "bench.json"
-    env = {**os.environ, "NGPU": "2", "OMNI_OFFLOAD_ALLOW_GLOO": "1",
-           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "bench.sh"), "--preset", "tiny-flux", "--variants", "rank-local", "shared",
-         "allgather", "--warmup", "1", *flags, "--json", str(out_json)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(out_json.read_text())
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the launch script is bash")
-def test_launch_script_runs_allgather_under_torchrun_rank_0_prints(tmp_path) -> None:
+def test_staggered_sizes_run_allgather_and_shared_and_rank_0_prints(tmp_path) -> None:
     # --stagger with --interleave: every variant held at once on both ranks, each rank on its own
     # size, the allgather and shared collectives per forward in the same turning order on each.
-    # (The passes without --interleave run the same collectives one variant at a time.)
-    stdout, data = _bench(tmp_path, "--px", "32", "48", "--stagger", "--interleave", "--repeats", "1")
-    assert stdout.count(" allgather ") == 4  # one table, from rank 0: 2 sizes x 2 ranks
+    # (The passes without --interleave run the same collectives one variant at a time.) The
+    # ranks are forked as torchrun starts them (tests/ranks.py); launch/bench.sh's command line
+    # is checked in tests/unit/test_launch.py, the real torchrun by test_launch_torchrun.py.
+    from ranks import run_ranks
+
+    out_json = tmp_path / "bench.json"
+    argv = ["--preset", "tiny-flux", "--variants", "rank-local", "shared", "allgather", "--warmup", "1",
+            "--px", "32", "48", "--stagger", "--interleave", "--repeats", "1", "--json", str(out_json)]
+    (rc0, stdout), (rc1, quiet) = run_ranks(_staggered_on_rank, 2, args=(argv,), timeout=120)
+    assert (rc0, rc1) == (0, 0), stdout
+    assert stdout.count(" allgather ") == 4 and " allgather " not in quiet  # one table, from rank 0: 2 sizes x 2 ranks
+    data = json.loads(out_json.read_text())
     assert data["meta"]["world_size"] == 2
     # --stagger: each rank ran each size, at the same time as the other rank ran the other.
     assert sorted({(r["shape"], r["rank"]) for r in data["results"]}) == [("32", 0), ("32", 1), ("48", 0), ("48", 1)]
