@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+
 def _staggered_on_rank(rank, argv: list[str]) -> tuple[int, str]:
     """bench.main on one rank, with what it printed."""
     import contextlib
