@@ -171,6 +171,10 @@ class OffloadHandle:
         # storage_dtype stores in 8 bits).
         self._removed = False
         self._watch: BlockWatch | None = None
+        # remove() once its streamed blocks are restored: the rings still to bind, each with
+        # its restored tensors, until every one is (a failure there, the device out of memory
+        # for a resident block's new storage, is resumed by the next remove()).
+        self._binding: list[tuple[BlockRing, dict[int, list[torch.Tensor]]]] | None = None
 
     @property
     def active(self) -> bool:
@@ -263,9 +267,14 @@ class OffloadHandle:
         the same point. If a rank is missing or out of step, or fails to restore a block (its
         device out of memory), every rank raises and changes nothing: the model stays offloaded,
         the ranks in step (its streamed blocks are gathered into storage of their own, and the
-        ranks agree that every one of them has all of it, before anything is bound)."""
+        ranks agree that every one of them has all of it, before anything is bound). A failure
+        after that (binding a resident block's new storage, the layers outside the blocks put
+        back) leaves the rings it had finished restored and the others offloaded; calling
+        remove() again finishes it, with no collective (or discard() gives up the model)."""
         if self._removed:
             return
+        if self._binding is not None:  # an earlier remove() restored the streamed blocks
+            return self._finish_remove()
         self._synchronize()
         for stored in self._stored:
             if isinstance(stored, LayerUpcasts):
@@ -297,14 +306,31 @@ class OffloadHandle:
                 raise error
         except RuntimeError as exc:
             raise RuntimeError(f"remove() changed nothing; the model is still offloaded: {exc}") from exc
-        self._unguard_casts()  # what undoing the storage does may cast
-        self._close_watch()
-        for ring, tensors in zip(rings, streamed):
-            ring.remove_hooks()
-            ring.bind_restored(tensors, self.device)
-            ring.release()
-        for stored in self._stored:
-            stored.unstore()
+        self._binding = list(zip(rings, streamed))
+        self._finish_remove()
+
+    def _finish_remove(self) -> None:
+        """:meth:`remove` once every streamed block is restored, bound to nothing yet: ring by
+        ring, bind the blocks (a ring's resident blocks get storage of their own, one at a time)
+        and release the ring, then put back what 8-bit storage changed outside the blocks. Each
+        step is done at most once: after a failure the next call goes on from where this one
+        stopped. No collective."""
+        try:
+            while self._binding:
+                ring, tensors = self._binding[0]
+                ring.bind_restored(tensors, self.device)  # goes on past the blocks an earlier call bound
+                ring.release()
+                self._binding.pop(0)
+                self._ring_refs = [ref for ref in self._ring_refs if ref() is not ring]
+            self._unguard_casts()  # what undoing the storage does may cast
+            self._close_watch()
+            for stored in self._stored:
+                stored.unstore()  # goes on past the layers an earlier call put back
+        except BaseException as exc:
+            exc.add_note("remove() had restored part of the model when this happened: call remove() again "
+                         "to finish it (no collective), or discard() to give up the model.")
+            raise
+        self._binding = None
         self._ended()
 
     def _restored_streamed(self, rings: Sequence[BlockRing], lockstep: Sequence[BlockRing]
@@ -349,6 +375,7 @@ class OffloadHandle:
         group calls it); calling it again, or after :meth:`remove`, does nothing."""
         if self._removed:
             return
+        self._binding = None  # a remove() cut short: its restored tensors go with the model
         self._synchronize()  # the last copies and gathers may still write into the slots
         self._unguard_casts()
         self._close_watch()

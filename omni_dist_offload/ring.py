@@ -1695,11 +1695,14 @@ class BlockRing:
     def bind_restored(self, streamed: dict[int, list[torch.Tensor]], device: torch.device | None) -> None:
         """The second half of :meth:`restore`: bind what :meth:`restored_streamed` made, and
         give the blocks kept on the device storage of their own, one block at a time (no
-        collective; each device buffer goes as its block is done)."""
+        collective; each device buffer goes as its block is done, so that a call that failed part
+        way can be made again and goes on from the first block not done)."""
         for layout in self.layouts:
             i = layout.index
             if i in streamed:
                 bind(layout.entries, streamed[i])
+                continue
+            if i not in self._device_blocks:  # given storage of its own by an earlier call
                 continue
             given = self._given_storage(i)
             views = [e.view_in(self._device_blocks[i]) for e in layout.entries]

@@ -179,12 +179,13 @@ class StoredLayers:
         (every 8-bit-stored weight comes back with its 8-bit value, so the model computes what
         it computed while offloaded)."""
         self._unwatch()
-        for module, compute, _originals in self.layers:
+        while self.layers:  # one layer at a time: a call that failed part way goes on from there
+            module, compute, _originals = self.layers[0]
             unhook_layerwise_casting(module)
             for t in (*module.parameters(), *module.buffers()):
                 if t.is_floating_point():
                     _upcast(t, compute, self.inference.get(id(t), t.is_inference()))
-        self.layers = []
+            self.layers.pop(0)
 
     def discard(self) -> None:
         """``discard()``: hooks off, the layers left as they are (their component does not run
@@ -293,9 +294,10 @@ class LayerUpcasts:
         """``remove()``, after the ring has restored the blocks (8-bit, on the device): hooks off,
         every 8-bit tensor upcast to its compute dtype, as ``"block"`` leaves the model."""
         self._unhook()
-        for t, compute in self._tensors:
+        while self._tensors:  # one at a time: a call that failed part way goes on from there
+            t, compute = self._tensors[0]
             _upcast(t, compute, t.is_inference())  # as the ring restored it
-        self._tensors = []
+            self._tensors.pop(0)
 
     def discard(self) -> None:
         """``discard()``: hooks off (with the upcast buffers they hold), the tensors left as they

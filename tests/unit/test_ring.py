@@ -177,6 +177,49 @@ def test_remove_restores_everything_and_twice_is_harmless():
 
 
 @torch.no_grad()
+def test_a_remove_that_fails_while_binding_is_finished_by_the_next(monkeypatch):
+    """remove() past its point of no return (the streamed blocks restored): the device out of
+    memory for a resident block's new storage in the second ring. The next remove() finishes
+    from there (it used to raise IndexError, the first ring released but still listed, and
+    apply_offload then refused the model for good)."""
+    from omni_dist_offload import ring as ring_module
+
+    pipe = types.SimpleNamespace(transformer=ToyDiT(4), transformer_2=ToyDiT(4))
+    x = torch.randn(2, 8)
+    refs = [pipe.transformer(x), pipe.transformer_2(x)]
+    before = [snapshot(pipe.transformer), snapshot(pipe.transformer_2)]
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_blocks": [1]}}}
+    handle = apply_offload(pipe, config)
+    second = {id(p) for p in pipe.transformer_2.parameters()}
+    real, real_bind, binding, failed = ring_module.restored, ring_module.BlockRing.bind_restored, [], []
+
+    def bind_restored(self, streamed, device):
+        binding.append(self.component.name)
+        return real_bind(self, streamed, device)
+
+    def restored(entry, view, device):  # a resident block's new storage (streamed ones come before)
+        if binding and id(entry.tensor) in second and not failed:
+            failed.append(entry.name)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(entry, view, device)
+
+    monkeypatch.setattr(ring_module, "restored", restored)
+    monkeypatch.setattr(ring_module.BlockRing, "bind_restored", bind_restored)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        handle.remove()
+    assert "call remove() again to finish it" in "\n".join(info.value.__notes__)
+    assert handle.active and [r.component.name for r in handle.rings] == ["transformer_2"]
+    assert torch.equal(pipe.transformer(x), refs[0]) and torch.equal(pipe.transformer_2(x), refs[1])
+    handle.remove()
+    assert not handle.active and handle.summary() == []
+    for model, snap, ref in zip((pipe.transformer, pipe.transformer_2), before, refs):
+        assert_same(snap, model)
+        assert torch.equal(model(x), ref)
+        assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
+    apply_offload(pipe, config).remove()  # it can be applied again
+
+
+@torch.no_grad()
 def test_apply_twice_is_an_error():
     model = ToyDiT(2)
     x = torch.randn(2, 8)
