@@ -32,6 +32,14 @@ class Preset:
     text_tokens: int = 512
     """Text-encoder tokens fed to the DiT (512 in Wan and Flux; fewer keeps CPU presets fast)."""
 
+    def built_blocks(self, blocks: int) -> int:
+        """How many blocks :meth:`block_config` builds when asked for ``blocks``: a Flux model
+        has at least one block of each kind, so asked for 1 it builds 2."""
+        if self.blocks_key == "flux":
+            double = max(1, round(blocks / 3))
+            return double + max(1, blocks - double)
+        return blocks
+
     def block_config(self, blocks: int) -> dict[str, Any]:
         if self.blocks_key == "flux":  # dual-stream then single-stream blocks, 1:2 as in Flux
             double = max(1, round(blocks / 3))

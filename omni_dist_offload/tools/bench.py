@@ -187,6 +187,8 @@ FP8_STORAGE = "float8_e4m3fn"
 #: Variants that exist only under torchrun with several ranks.
 _MULTI_RANK = ("shared", "allgather", "allgather-nccl", "fp8-allgather", "fp8-allgather-layer")
 DEFAULT_VARIANTS = ("peer", "rank-local", "allgather")
+DEFAULT_CHUNK_MIB = (16, 32, 64, 128, 0)
+"""``--transfer-mib``'s allgather chunk sizes when ``--chunk-mib`` is not given (0: whole block)."""
 #: Variants that hold no device budget: with ``--budget`` they run once, as without it.
 _NO_BUDGET = ("peer", "compiled", "fp8-resident")
 #: The shape flags' defaults, filled in by :func:`_check_args`: the parser's are None so that a
@@ -268,6 +270,16 @@ class CaseResult:
     block_mib: float | None = None
     """The case's block bytes as the ring lays them out (alignment included): what a
     ``--budget`` percent is of."""
+    plans: list[dict[str, Any]] | None = None
+    """Budget variants: each pass's residency plan (resident_blocks, kept_blocks, slots,
+    predicted_ms, predicted_ratio), in pass order. The row's resident_blocks, kept_blocks and
+    slots are the first pass's; forward_ms pools every pass's timings, whichever plan ran."""
+    plans_differ: bool = False
+    """Budget variants: the passes ran different plans (a planner's measured forward differed),
+    so the pooled forward_ms mixes them."""
+    fell_back: bool = False
+    """The variant asked for a transfer that did not run (allgather fell back to rank-local):
+    the row's figures are ``weight_transfer``'s, not the variant's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,14 +432,17 @@ class _Pass:
     slots: int = 0
     streamed_bytes: int = 0
     compile_s: float = 0.0
+    fell_back: bool = False
+    """The ring ran another transfer than the variant asked for (``transfer`` is what ran)."""
 
 
 # -- timing --------------------------------------------------------------------------------
 def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
            reference: torch.Tensor | None = None) -> tuple[list[float], bool]:
-    """Milliseconds per call (CUDA events on the GPU, wall clock after the call elsewhere), and
-    whether every timed call's result equals ``reference`` bitwise (not only the last: a copy
-    race would show in some forwards only; True without a reference). Each comparison runs after
+    """Milliseconds per timed call (CUDA events on the GPU, wall clock after the call elsewhere),
+    and whether every call's result, warm-up calls included, equals ``reference`` bitwise (not
+    only the last: a copy race, a cold first forward or the forwards up to a residency re-plan
+    would show in some forwards only; True without a reference). Each comparison runs after
     its call's end was waited for, outside the timed span, and holds no output past it (a kept
     output would add to the peak device memory the bench reports). Warm-up calls run in the
     same loop as timed ones: each waits for its own end on the compute stream, not for the whole
@@ -450,8 +465,8 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: in
             ms = (time.perf_counter() - t0) * 1e3
         if k >= warmup:
             times.append(ms)
-            if reference is not None:
-                equal = bool(torch.equal(out, reference)) and equal
+        if reference is not None:
+            equal = bool(torch.equal(out, reference)) and equal
         del out
     return times, equal
 
@@ -702,9 +717,19 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
     common = allocated() - sum(t.nbytes for t in (*model.parameters(), *model.buffers()) if t.device == dev)
     held: dict[str, int] = {}
     runs: dict[str, Callable[[], torch.Tensor]] = {}  # each holds its copy of the model
-    undos: list[Callable[[], None]] = []
+    undos: dict[str, Callable[[], None]] = {}
     infos: dict[str, dict] = {}
     handles: dict[str, Any] = {}
+    # Every forward is compared with the reference, the untimed ones included: a variant wrong
+    # only on its cold first forwards, or up to its residency re-plan, is not equal.
+    equal: dict[str, bool] = dict.fromkeys(variants, True)
+
+    def run_checked(variant: str, fn: Callable[[], torch.Tensor]) -> None:
+        out = fn()
+        equal[variant] = bool(torch.equal(out, reference_of(variant))) and equal[variant]
+
+    undo_failures: dict[str, str] = {}
+    copy_ = fn = undo = handle = None
     try:
         for variant in variants:
             before = allocated()
@@ -713,20 +738,19 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
             device_budget, budget_note = budgets_of(variant).get(label, (None, "")) if label else (None, "")
             t0 = time.perf_counter()
             undo, info, handle = _apply_variant(variant, copy_, dev, device_budget, restore=False)
-            undos.append(undo)
+            undos[variant] = undo
             _sync(dev)
             info["setup_s"] = time.perf_counter() - t0 if variant != RESIDENT else 0.0
             if budget_note:
                 info["note"] = "; ".join(n for n in (info.get("note"), budget_note) if n)
             fn = forward_of(copy_)
             for _ in range(opts.warmup + (MEASURED_FORWARD if label is not None else 0)):
-                fn()
+                run_checked(variant, fn)
             _sync(dev)
             runs[variant], infos[variant], handles[variant] = fn, info, handle
             held[variant] = allocated() - before if variant != RESIDENT else allocated() - common
         times: dict[str, list[float]] = {v: [] for v in variants}
         activations: dict[str, float] = dict.fromkeys(variants, 0.0)
-        equal: dict[str, bool] = dict.fromkeys(variants, True)
         for r in range(opts.repeats):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order if r % 2 == 0 else order[::-1]:
@@ -736,7 +760,7 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
                 # next forward's first on the copy stream, past the end event. In passes the next
                 # forward waits for them; timed alone after an idle device, a copy-bound forward
                 # would leave them out (up to a block's copy) and beat the link.
-                runs[variant]()
+                run_checked(variant, runs[variant])
                 (ms,), same = _timed(runs[variant], dev, 0, 1, reference_of(variant))
                 times[variant].append(ms)
                 equal[variant] = equal[variant] and same  # every round's forward, not only the last
@@ -757,10 +781,29 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
         if opts.world > 1:
             dist.barrier()  # every rank has read what it holds before any undoes a variant
     finally:
-        for undo in reversed(undos):
-            undo()
-        runs.clear()
-        _empty(dev)
+        # Undo and let go of one copy at a time: an undo brings its copy's blocks back to the
+        # device whole, so undoing every copy while all are still referenced would hold one
+        # whole model per variant at the last undo (out of memory after every round was
+        # measured). Each copy's every reference (its forward, handle and undo) is dropped and
+        # the cache emptied before the next undo, so at most one restored copy (beside ``model``)
+        # exists at a time. An undo that fails is reported, not raised: the figures were measured.
+        copy_ = fn = undo = handle = None
+        for variant in reversed(list(undos)):
+            runs.pop(variant, None)
+            handles.pop(variant, None)
+            undo = undos.pop(variant)
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001 - reported with the row, the others still undone
+                undo_failures[variant] = f"{type(e).__name__}: {e}"
+            undo = None
+            gc.collect()
+            _empty(dev)
+    for variant, failure in undo_failures.items():
+        note = f"undo failed after measuring ({failure}): the figures stand, the copy may hold device memory"
+        error_line(f"bench: {variant}: {note}")
+        pass_ = passes[variant][0]
+        pass_.note = "; ".join(n for n in (pass_.note, note) if n)
     return passes
 
 
@@ -803,7 +846,8 @@ def _apply_variant(variant: str, model: nn.Module, device: torch.device,
     note = f"fell back to {row.weight_transfer}: {row.fallback_reason}" if row.fallback_reason else ""
     if row.gather:
         note = f"gather: {row.gather}" + (f"; {note}" if note else "")
-    return undo, {"transfer": row.weight_transfer, "note": note, **_plan_info(handle)}, handle
+    return undo, {"transfer": row.weight_transfer, "note": note, "fell_back": bool(row.fallback_reason),
+                  **_plan_info(handle)}, handle
 
 
 # -- one case ------------------------------------------------------------------------------
@@ -978,6 +1022,14 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
         if opts.steps > 1:  # a cache decides per step what to copy: the resident loop is the floor
             floor = base
         ms = medians[variant]
+        # The prediction and its ratio come from the same passes: those whose planner measured.
+        measured = [p for p in ps if p.predicted_ms]
+        predicted_ms = statistics.median(p.predicted_ms for p in measured) if measured else None
+        ratios = [p.predicted_ratio for p in (measured or ps) if p.predicted_ratio is not None]
+        predicted_ratio = statistics.median(ratios) if ratios else None
+        plans = [{"resident_blocks": p.resident_blocks, "kept_blocks": p.kept_blocks, "slots": p.slots,
+                  "predicted_ms": p.predicted_ms, "predicted_ratio": p.predicted_ratio}
+                 for p in ps] if ps[0].device_budget is not None else None
         out.append(CaseResult(
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
             overhead=ratio(variant, RESIDENT), floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
@@ -989,8 +1041,9 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             floor_overhead=ratio(variant, RESIDENT) * floor / ms, to_floor=ms / floor,
             weight_transfer=transfer, note=ps[0].note, timings_ms=pooled[variant],
             timings_ms_per_rank=None if opts.stagger else [r[variant] for r in ranks],
-            predicted_ratio=ps[0].predicted_ratio, device_budget=ps[0].device_budget,
-            predicted_ms=statistics.median(p.predicted_ms for p in ps) if ps[0].predicted_ms else None,
+            predicted_ratio=predicted_ratio, device_budget=ps[0].device_budget, predicted_ms=predicted_ms,
+            plans=plans, plans_differ=plans is not None and len({_plan_key(p) for p in plans}) > 1,
+            fell_back=any(p.fell_back for p in ps),
             resident_blocks=ps[0].resident_blocks, kept_blocks=ps[0].kept_blocks, slots=ps[0].slots,
             streamed_mib=ps[0].streamed_bytes / 2**20, compile_s=max(p.compile_s for p in ps),
             vs_compiled=ratio(variant, "compiled") if variant.startswith("compiled-streamed") and compiled_ms else None,
@@ -1001,6 +1054,11 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
             bitwise_equal_ranks=[m[variant][2] for m in memory] if memory else None,
             block_mib=budget_bytes / 2**20))
     return out
+
+
+def _plan_key(plan: Mapping[str, Any]) -> tuple[int, int, int]:
+    """What makes two residency plans different: where the blocks live and the ring's slots."""
+    return plan["resident_blocks"], plan["kept_blocks"], plan["slots"]
 
 
 def _every_rank(figures: dict[str, Any], world: int) -> list[dict[str, Any]] | None:
@@ -1092,10 +1150,15 @@ def _empty(device):
 
 
 # -- output ------------------------------------------------------------------------------------
+def _shown_name(r: CaseResult) -> str:
+    """The variant as the table names it: one that fell back says what ran instead."""
+    return f"{r.variant} (fell back to {r.weight_transfer})" if r.fell_back else r.variant
+
+
 def format_table(results: Sequence[CaseResult]) -> str:
     """A fixed-width table: one row per case and variant."""
     budgets = any(r.device_budget is not None for r in results)
-    width = max([12] + [len(r.variant) + 2 for r in results])
+    width = max([12] + [len(_shown_name(r)) + 2 for r in results])
     head = (f"{'case':<30}{'variant':<{width}}{'fwd ms':>10}{'x res':>8}{'floor ms':>10}{'x floor':>9}"
             f"{'peak MiB':>10}{'host MiB':>10}{'setup s':>9}{'equal':>7}")
     if budgets:
@@ -1103,7 +1166,7 @@ def format_table(results: Sequence[CaseResult]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         case = f"{r.preset} {r.blocks}b {r.shape}" + (f" r{r.rank}" if r.rank is not None else "")
-        line = (f"{case:<30}{r.variant:<{width}}{r.forward_ms:>10.2f}{r.overhead:>8.3f}{r.floor_ms:>10.2f}"
+        line = (f"{case:<30}{_shown_name(r):<{width}}{r.forward_ms:>10.2f}{r.overhead:>8.3f}{r.floor_ms:>10.2f}"
                 f"{r.to_floor:>9.3f}{r.peak_device_mib:>10.1f}{r.host_mib:>10.1f}{r.setup_s:>9.2f}"
                 f"{'yes' if r.bitwise_equal else 'NO':>7}")
         if budgets and r.device_budget is not None:
@@ -1113,6 +1176,10 @@ def format_table(results: Sequence[CaseResult]) -> str:
                      + (f"{pred_ms:>9.2f}{r.forward_ms / pred_ms:>8.3f}" if pred_ms else f"{'-':>9}{'-':>8}"))
         lines.append(line)
     notes = sorted({f"{r.variant}: {r.note}" for r in results if r.note})
+    notes += [f"{r.variant}: its passes ran different residency plans ("
+              + "; ".join(f"pass {i}: resident {p['resident_blocks']}, kept {p['kept_blocks']}, slots {p['slots']}"
+                          for i, p in enumerate(r.plans or (), 1))
+              + "): fwd ms pools them; the row's plan columns are pass 1's" for r in results if r.plans_differ]
     notes += [f"{r.variant}: {r.vs_compiled:.3f}x the compiled resident forward (compile {r.compile_s:.1f} s)"
               for r in results if r.vs_compiled is not None]
     notes += [f"{r.variant}: {r.vs_fp8:.3f}x the fp8-resident forward (diffusers layerwise casting), "
@@ -1141,8 +1208,9 @@ def build_parser(prog: str = "omni-offload bench") -> argparse.ArgumentParser:
                    help="image presets: square sizes (default: 1024)")
     p.add_argument("--transfer-mib", type=positive_float, default=None,
                    help="instead of model cases, time moving one block of this size (CUDA)")
-    p.add_argument("--chunk-mib", type=non_negative_float, nargs="+", default=[16, 32, 64, 128, 0],
-                   help="with --transfer-mib: allgather chunk sizes to try (0: whole block)")
+    p.add_argument("--chunk-mib", type=non_negative_float, nargs="+", default=None,
+                   help="with --transfer-mib: allgather chunk sizes to try (0: whole block; "
+                        f"default: {' '.join(map(str, DEFAULT_CHUNK_MIB))})")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
                    help="offloaded variants beside resident (shared, allgather, allgather-nccl and the fp8 "
                    "allgather ones need torchrun with 2 or more ranks: refused in one process; default: "
@@ -1269,6 +1337,10 @@ def _check_args(args: argparse.Namespace) -> None:
             named = ", ".join(unused[:-1]) + " and " + unused[-1] if len(unused) > 1 else unused[0]
             raise BenchUsageError(f"{named} shape{'' if len(unused) > 1 else 's'} model cases, which --transfer-mib "
                                   f"does not run; leave {'them' if len(unused) > 1 else 'it'} out")
+    if args.chunk_mib is not None and args.transfer_mib is None:  # model cases take no chunk size
+        raise BenchUsageError(f"--chunk-mib {' '.join(f'{c:g}' for c in args.chunk_mib)}: chunk sizes are for "
+                              "--transfer-mib's copy timing, which this run does not do; add --transfer-mib MIB "
+                              "or leave --chunk-mib out")
     if args.timeline_variant and not args.timeline:
         raise BenchUsageError("--timeline-variant needs --timeline PATH")
     # One process runs no multi-rank variant: asked for, it would be left out (or, traced, run
@@ -1345,6 +1417,17 @@ def _check_args(args: argparse.Namespace) -> None:
                                   f"{clash[0]} does not allow: leave out one of them")
     preset = PRESETS[args.preset]
     _check_shape_flags(args, preset.video)
+    # The VAE takes 4k+1 frames ((frames - 1) // 4 + 1 latent frames): any other count would run
+    # as the 4k+1 below it under a label that says otherwise.
+    for frames in args.frames or () if preset.video else ():
+        if (frames - 1) % 4:
+            below = frames - (frames - 1) % 4
+            raise BenchUsageError(f"--frames {frames}: {args.preset} takes 4k+1 frames (the VAE's 4x in time), "
+                                  f"so {frames} would run as {below}; give {below} or {below + 4}")
+    for blocks in args.blocks or ():
+        if (built := preset.built_blocks(blocks)) != blocks:
+            raise BenchUsageError(f"--blocks {blocks}: {args.preset} builds {built} blocks for it (a Flux model "
+                                  f"has at least one dual-stream and one single-stream block); give {built} or more")
     if preset.video and any(d % 16 for d in (args.height, args.width)):
         raise BenchUsageError(f"--height {args.height} --width {args.width}: both must be multiples "
                               "of 16 (VAE 8x, then 2x2 patches)")
@@ -1474,7 +1557,8 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int,
     bandwidth = h2d_bandwidth(device)
     meta = _meta(args, device, world, bandwidth, argv)
     if args.transfer_mib is not None:
-        results: list[Any] = transfer_case(args.transfer_mib, args.chunk_mib, device=device,
+        chunks = args.chunk_mib if args.chunk_mib is not None else list(DEFAULT_CHUNK_MIB)
+        results: list[Any] = transfer_case(args.transfer_mib, chunks, device=device,
                                            warmup=args.warmup, repeats=args.repeats)
         text = "\n".join(f"{r['variant']:<12}{r.get('gather') or '':<13}chunk {str(r['chunk_mib']):<12}"
                          f"{r['ms']:>9.2f} ms{r['ratio_to_rank_local']:>8.3f}x" for r in results)

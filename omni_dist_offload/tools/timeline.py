@@ -138,8 +138,9 @@ def draw_budget_sweep(results: Sequence[Any], path: str | Path, title: str = "")
         x = [100 * r.device_budget / (r.block_mib * 2**20) for r in rows]
         color = f"C{k}"
         ax.plot(x, [r.overhead for r in rows], "o-", color=color, label=f"{label}: measured")
-        pred = [(xi, (r.predicted_ms / resident[case]) if r.predicted_ms else 1.0)
-                for xi, r in zip(x, rows) if r.predicted_ms or r.resident_blocks == r.blocks]
+        # Only the planner's own predictions: a row without one (every block resident, so the
+        # planner measured nothing) has no predicted point rather than an assumed 1.0.
+        pred = [(xi, r.predicted_ms / resident[case]) for xi, r in zip(x, rows) if r.predicted_ms]
         if pred:
             ax.plot(*zip(*pred), "s--", color=color, alpha=0.7, label=f"{label}: predicted")
         ax.plot(x, [r.floor_overhead for r in rows], ":", color=color, alpha=0.6, label=f"{label}: floor")

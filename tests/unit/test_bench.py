@@ -623,6 +623,13 @@ def test_ctrl_c_during_a_run_is_one_line_and_exit_130(entry, monkeypatch, capsys
     (["--preset", "tiny-wan", "--px", "64"],
      "--px: tiny-wan is a video preset, sized by --frames, --height and --width; leave it out"),
     ([*TINY_WAN, "--variants", "peer", "--budget", "50"], "--budget 50: none of --variants peer holds a device budget"),
+    # Taken and run as something else: 10 frames ran as 9, one Flux block as two, a chunk size
+    # without --transfer-mib was ignored.
+    (["--preset", "tiny-wan", "--frames", "5", "10"], "--frames 10: tiny-wan takes 4k+1 frames (the VAE's 4x in "
+     "time), so 10 would run as 9; give 9 or 13"),
+    (["--preset", "tiny-flux", "--px", "32", "--blocks", "2", "1"], "--blocks 1: tiny-flux builds 2 blocks for it"),
+    (["--preset", "tiny-flux", "--chunk-mib", "8"], "--chunk-mib 8: chunk sizes are for --transfer-mib's copy "
+     "timing, which this run does not do; add --transfer-mib MIB or leave --chunk-mib out"),
     ([*TINY_WAN, "--variants", "peer", "compiled", "fp8-resident", "--budget", "auto"],
      "none of --variants peer compiled fp8-resident holds a device budget"),
 ])
@@ -674,5 +681,158 @@ def test_every_timed_forward_is_compared_not_only_the_last() -> None:
     outputs = iter([torch.ones(3), torch.zeros(3), torch.ones(3), torch.ones(3)])  # warm-up, 3 timed
     times, equal = bench._timed(lambda: next(outputs), torch.device("cpu"), 1, 3, reference)
     assert len(times) == 3 and equal is False
-    outputs = iter([torch.zeros(3), torch.ones(3), torch.ones(3), torch.ones(3)])  # a warm-up is not judged
-    assert bench._timed(lambda: next(outputs), torch.device("cpu"), 1, 3, reference)[1] is True
+    # A warm-up forward is judged too: a variant wrong only on its cold first forward (or up to
+    # its residency re-plan) is not equal; it is still left out of the times.
+    outputs = iter([torch.zeros(3), torch.ones(3), torch.ones(3), torch.ones(3)])
+    times, equal = bench._timed(lambda: next(outputs), torch.device("cpu"), 1, 3, reference)
+    assert len(times) == 3 and equal is False
+
+
+def _restored(model) -> bool:
+    """Whether ``model``'s blocks are ordinary per-parameter tensors (restored by an undo), not
+    bound into a ring's few storages."""
+    return len({p.untyped_storage().data_ptr() for n, p in model.named_parameters()
+                if "transformer_blocks" in n}) > 10
+
+
+def test_interleave_undoes_and_releases_one_copy_at_a_time(monkeypatch, capsys) -> None:
+    """The undos ran while every copy was still referenced: at the last undo the device held
+    one whole model per variant."""
+    import gc
+    import weakref
+    copies, most = [], []
+    apply_variant = bench._apply_variant
+
+    def spy(variant, model, device, device_budget=None, restore=True):
+        undo, info, handle = apply_variant(variant, model, device, device_budget, restore)
+        copies.append(weakref.ref(model))
+
+        def undo_and_count():
+            undo()
+            gc.collect()
+            most.append(sum(_restored(m) for m in (r() for r in copies) if m is not None))
+
+        return undo_and_count, info, handle
+
+    monkeypatch.setattr(bench, "_apply_variant", spy)
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "1", "--interleave",
+             "--variants", "rank-local", "--budget", "0", "50"]
+    assert bench.main(flags) == 0
+    # The copy just undone beside the resident model, never more.
+    assert len(most) == 3 and max(most) <= 2
+
+
+def test_an_interleave_undo_that_fails_still_reports_the_measured_rows(monkeypatch, tmp_path, capsys) -> None:
+    apply_variant = bench._apply_variant
+
+    def failing(variant, model, device, device_budget=None, restore=True):
+        undo, info, handle = apply_variant(variant, model, device, device_budget, restore)
+        if variant == "rank-local":
+            def undo():
+                raise RuntimeError("undo broke")
+        return undo, info, handle
+
+    monkeypatch.setattr(bench, "_apply_variant", failing)
+    out_json = tmp_path / "b.json"
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "1", "--interleave",
+             "--variants", "rank-local", "--json", str(out_json)]
+    bench.main(flags)
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert "undo broke" in rows["rank-local"]["note"] and len(rows["rank-local"]["timings_ms"]) == 1
+    assert "undo broke" in capsys.readouterr().err
+
+
+def _nudge_first_forwards(monkeypatch, count: int) -> None:
+    """rank-local's first ``count`` forwards after it is applied are off by 1e-3."""
+    apply = bench._apply_ours
+
+    def nudged(model, variant, device, **kw):
+        handle = apply(model, variant, device, **kw)
+        if variant.startswith("rank-local"):
+            n = [0]
+
+            def hook(m, a, out):
+                n[0] += 1
+                return (out[0] + 1e-3, *out[1:]) if n[0] <= count else out
+
+            h = model.register_forward_hook(hook)
+            remove = handle.remove
+
+            def undo():
+                h.remove()
+                remove()
+
+            handle.remove = undo
+        return handle
+
+    monkeypatch.setattr(bench, "_apply_ours", nudged)
+
+
+@pytest.mark.parametrize("extra", [[], ["--interleave"]], ids=["passes", "interleave"])
+def test_a_variant_wrong_only_on_its_untimed_forwards_is_not_equal(extra, monkeypatch, capsys) -> None:
+    _nudge_first_forwards(monkeypatch, 1)
+    flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "1",
+             "--variants", "rank-local", *extra]
+    assert bench.main(flags) != 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if " rank-local " in line]
+    assert rows and all(row[-1] == "NO" for row in rows)
+
+
+def test_a_budget_row_whose_passes_planned_differently_records_both_plans() -> None:
+    """The row pooled two passes that ran different plans but reported pass 1's plan, with
+    pass 1's predicted ratio beside a predicted_ms from both passes."""
+    opts = bench.BenchOptions(device=torch.device("cpu"), dtype=torch.float32)
+    plan = dict(device_budget=1000, resident_blocks=0, kept_blocks=9, streamed_bytes=100)
+    passes = {"resident": [bench._Pass([1.0, 1.0], True, 0.0)] * 2,
+              "rank-local@85%": [bench._Pass([3.0, 3.0], True, 0.0, slots=2, predicted_ms=100.0,
+                                              predicted_ratio=1.0, **plan),
+                                 bench._Pass([1.0, 1.0], True, 0.0, slots=3, predicted_ms=20.0,
+                                              predicted_ratio=2.0, **plan)]}
+    rows = {r.variant: r for r in bench._summarise(passes, "tiny-flux", 9, "64", [0.0] * 9, [1] * 9, opts, 1000)}
+    row = rows["rank-local@85%"]
+    assert row.plans_differ is True and [p["slots"] for p in row.plans] == [2, 3]
+    assert row.predicted_ms == 60.0 and row.predicted_ratio == 1.5
+    assert "passes ran different residency plans" in bench.format_table(list(rows.values()))
+    assert rows["resident"].plans is None and rows["resident"].plans_differ is False
+    same = {**passes, "rank-local@85%": [passes["rank-local@85%"][0]] * 2}
+    row = {r.variant: r for r in bench._summarise(same, "tiny-flux", 9, "64", [0.0] * 9, [1] * 9, opts, 1000)}
+    assert row["rank-local@85%"].plans_differ is False and len(row["rank-local@85%"].plans) == 2
+
+
+def test_a_variant_that_fell_back_says_so_in_its_row_and_the_table() -> None:
+    opts = bench.BenchOptions(device=torch.device("cpu"), dtype=torch.float32)
+    passes = {"resident": [bench._Pass([1.0], True, 0.0)],
+              "allgather": [bench._Pass([1.0], True, 0.0, transfer="rank-local", fell_back=True)],
+              "rank-local": [bench._Pass([1.0], True, 0.0, transfer="rank-local")]}
+    rows = {r.variant: r for r in bench._summarise(passes, "tiny-flux", 5, "32", [0.0] * 5, [1] * 5, opts, 5)}
+    assert rows["allgather"].fell_back is True and rows["allgather"].weight_transfer == "rank-local"
+    assert rows["rank-local"].fell_back is False
+    assert "allgather (fell back to rank-local)" in bench.format_table(list(rows.values()))
+    # What sets the flag: the ring's fallback reason, read where the variant is applied.
+    model = build_model(PRESETS["tiny-flux"], 2, torch.device("cpu"), torch.float32)
+    undo, info, _ = bench._apply_variant("rank-local", model, torch.device("cpu"))
+    undo()
+    assert info["fell_back"] is False
+
+
+def test_the_budget_sweep_draws_no_predicted_point_where_the_planner_predicted_nothing(monkeypatch, tmp_path) -> None:
+    """A row with every block resident and no predicted_ms was drawn at a made-up 1.0."""
+    from omni_dist_offload.tools import timeline
+
+    figures = []
+    make = timeline._figure
+    monkeypatch.setattr(timeline, "_figure", lambda *a, **k: figures.append(make(*a, **k)) or figures[-1])
+    block = 100 * 2**20
+
+    def row(variant, share, overhead, predicted_ms=None, resident_blocks=0):
+        return CaseResult(preset="flux-12b", blocks=4, shape="1024", variant=variant, forward_ms=10.0 * overhead,
+                          overhead=overhead, floor_ms=10.0, peak_device_mib=0, host_mib=0, setup_s=0,
+                          bitwise_equal=True, device_budget=int(share * block) if share else None,
+                          block_mib=block / 2**20, predicted_ms=predicted_ms, resident_blocks=resident_blocks)
+
+    rows = [row("resident", None, 1.0), row("rank-local@50%", 0.5, 1.5, predicted_ms=14.0),
+            row("rank-local@100%", 1.0, 0.9, resident_blocks=4)]
+    timeline.draw_budget_sweep(rows, tmp_path / "sweep.png")
+    (ax,) = figures[0].axes
+    (pred,) = [line for line in ax.get_lines() if line.get_label().endswith(": predicted")]
+    assert list(pred.get_xdata()) == [50.0] and list(pred.get_ydata()) == [1.4]
