@@ -121,11 +121,13 @@ class LayerOptions:
         object.__setattr__(self, "resident_blocks", _checked_resident(self.resident_blocks))
         _check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS, "layer_options.<component>")
         _check_choice("gather", self.gather, GATHERS, "layer_options.<component>")
-        if not _is_positive_number(self.chunk_mib) or self.chunk_mib > _MAX_CHUNK_MIB:
+        chunk_mib = _positive_number(self.chunk_mib, _MAX_CHUNK_MIB)
+        if chunk_mib is None:
             raise OffloadConfigError(
                 f"layer_options.<component> key 'chunk_mib' must be a positive number of MiB up to {_MAX_CHUNK_MIB}, "
-                f"found {self.chunk_mib!r}: use e.g. 64, or drop the key for the default."
+                f"found {_shown(self.chunk_mib)}: use e.g. 64, or drop the key for the default."
             )
+        object.__setattr__(self, "chunk_mib", chunk_mib)  # numpy's numbers too, as plain ones
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,7 +155,9 @@ class OffloadConfig:
 
     collective_timeout_s: float = 600.0
     """allgather only: a weight collective that cannot complete (a rank died or diverged)
-    raises after this many seconds instead of hanging."""
+    raises after this many seconds instead of hanging. At most ``10**9`` (about 31 years): larger
+    timeouts overflow torch.distributed's (gloo's near ``1e13``, ``datetime.timedelta`` near
+    ``8.6e13``) and Python's waits (``threading.TIMEOUT_MAX``, about ``9.2e9``)."""
 
     device_budget: int | str | None = None
     """Device memory the streamed components' block weights may take in total, resident blocks
@@ -219,12 +223,13 @@ class OffloadConfig:
                 f"config key 'pin_memory' must be true or false, found {self.pin_memory!r}."
             )
         _check_choice("pin_failure", self.pin_failure, PIN_FAILURES)
-        timeout = self.collective_timeout_s
-        if not _is_positive_number(timeout):
+        timeout = _positive_number(self.collective_timeout_s, _MAX_TIMEOUT_S)
+        if timeout is None:
             raise OffloadConfigError(
-                f"config key 'collective_timeout_s' must be a positive number of seconds, found "
-                f"{timeout!r}: use e.g. 600, or drop the key for the default."
+                f"config key 'collective_timeout_s' must be a positive number of seconds up to {_MAX_TIMEOUT_S} (about 31 years), "
+                f"found {_shown(self.collective_timeout_s)}: use e.g. 600, or drop the key for the default."
             )
+        object.__setattr__(self, "collective_timeout_s", timeout)  # numpy's numbers too, as plain ones
         if isinstance(self.device_budget, str) and self.device_budget.strip().lower() == "auto":
             object.__setattr__(self, "device_budget", "auto")
         if self.device_budget is not None and self.device_budget != "auto":
@@ -249,6 +254,12 @@ class OffloadConfig:
         if isinstance(config, (str, bytes)):
             try:
                 config = json.loads(config, object_pairs_hook=_reject_repeated_keys)
+            except UnicodeDecodeError as exc:  # bytes: json.loads decodes them as UTF-8 (or 16/32 by BOM)
+                raise OffloadConfigError(
+                    f"offload config is not UTF-8 JSON: byte {exc.object[exc.start:exc.start + 1]!r} at "
+                    f"offset {exc.start} is not valid {exc.encoding}: pass the JSON text as a str or as "
+                    'UTF-8 bytes, such as {"mode": "layer", "components": ["dit"]}.'
+                ) from None
             except json.JSONDecodeError as exc:
                 text = config.decode(errors="replace") if isinstance(config, bytes) else config
                 path = text.strip().endswith(".json") or (len(text) < 4096 and os.path.isfile(text.strip()))
@@ -358,13 +369,31 @@ def _reject_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _is_positive_number(value: Any) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            and value > 0)
+def _positive_number(value: Any, most: float) -> int | float | None:
+    """``value`` as a plain int or float when it is a real number (numpy's too, not a bool) in
+    ``(0, most]``, else None. Never raises: an int too large for a float is simply out of range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = int(value) if isinstance(value, numbers.Integral) else float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    if isinstance(number, float) and not math.isfinite(number):
+        return None
+    return number if 0 < number <= most else None
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a message, shortened when it is very long (an int of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 #: A chunk larger than this (1 TiB) is larger than any block: the bound keeps byte counts finite.
 _MAX_CHUNK_MIB = 2**20
+#: The longest ``collective_timeout_s`` (about 31 years): torch.distributed's and Python's waits
+#: overflow well before ``datetime.timedelta.max``; see the field's docstring.
+_MAX_TIMEOUT_S = 10**9
 
 
 def _is_index(value: Any) -> bool:

@@ -86,6 +86,19 @@ DIT_ONLY = {"mode": "layer", "components": ["dit"]}
     ({"mode": "layer", "collective_timeout_s": -1}, ["'collective_timeout_s'", "found -1", "use e.g. 600"]),
     ({"mode": "layer", "collective_timeout_s": True}, ["'collective_timeout_s'", "found True"]),
     ('{"mode": "layer", "collective_timeout_s": NaN}', ["'collective_timeout_s'", "found nan"]),
+    # Past torch.distributed's and datetime.timedelta's range: refused here, not in dist.new_group.
+    ({"mode": "layer", "collective_timeout_s": 1e14},
+     ["'collective_timeout_s'", "found 100000000000000.0", "up to 1000000000", "use e.g. 600"]),
+    ({"mode": "layer", "collective_timeout_s": 86399999999999.0},  # timedelta.max.total_seconds()
+     ["'collective_timeout_s'", "found 86399999999999.0", "up to 1000000000"]),
+    # Ints too large for a float: an OffloadConfigError, not an OverflowError.
+    ({"mode": "layer", "collective_timeout_s": 10**400},
+     ["'collective_timeout_s'", "found 10000000000", "(401 characters)", "up to 1000000000"]),
+    ({"mode": "layer", "layer_options": {"dit": {"chunk_mib": 10**400}}},
+     ["layer_options.dit key 'chunk_mib'", "found 10000000000", "up to 1048576", "use e.g. 64"]),
+    ({"mode": "layer", "layer_options": {"dit": {"chunk_mib": True}}},
+     ["layer_options.dit key 'chunk_mib'", "found True", "use e.g. 64"]),
+    (b'\xff{"mode": "layer"}', ["not UTF-8 JSON", "b'\\xff' at offset 0", "pass the JSON text"]),
 ])
 def test_bad_configs_name_the_problem_and_change_nothing(raw, needles):
     with pytest.raises(OffloadConfigError) as info:
@@ -127,3 +140,26 @@ def test_error_is_a_value_error():
     assert issubclass(OffloadConfigError, ValueError)
     with pytest.raises(ValueError):
         LayerOptions(weight_transfer="x")
+
+
+def test_seconds_and_mib_take_any_real_number_as_a_plain_one():
+    np = pytest.importorskip("numpy")
+    from datetime import timedelta
+    from fractions import Fraction
+    for timeout, chunk in ((np.float32(30.0), np.float32(8.0)), (np.float16(2.5), np.int64(16)),
+                           (Fraction(3, 2), Fraction(1, 4)), (np.int32(600), np.float64(0.5))):
+        config = OffloadConfig.parse({"mode": "layer", "collective_timeout_s": timeout,
+                                      "layer_options": {"dit": {"chunk_mib": chunk}}})
+        assert config.collective_timeout_s == float(timeout)
+        assert type(config.collective_timeout_s) in (int, float)
+        assert config.options_for("dit").chunk_mib == float(chunk)
+        assert type(config.options_for("dit").chunk_mib) in (int, float)
+        assert OffloadConfig.parse(json.loads(json.dumps(config.to_dict()))) == config
+    assert type(OffloadConfig.parse({"mode": "layer", "collective_timeout_s": np.int64(60)}).collective_timeout_s) is int
+    # The largest timeout is one torch.distributed and datetime.timedelta can take.
+    config = OffloadConfig.parse({"mode": "layer", "collective_timeout_s": 10**9})
+    assert timedelta(seconds=config.collective_timeout_s).total_seconds() == 10**9
+    with pytest.raises(OffloadConfigError, match="'collective_timeout_s' must be a positive number"):
+        OffloadConfig.parse({"mode": "layer", "collective_timeout_s": np.float32("inf")})
+    with pytest.raises(OffloadConfigError, match="'collective_timeout_s' must be a positive number"):
+        OffloadConfig.parse({"mode": "layer", "collective_timeout_s": np.bool_(True)})
