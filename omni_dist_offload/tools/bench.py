@@ -233,6 +233,12 @@ class CaseResult:
     medians, and ``overhead`` is ``forward_ms`` over the resident row's (``--interleave``: the
     largest over ranks of the median per-round ratio to the resident timings of the same rank).
     The JSON's ``meta["figures"]`` says the same."""
+    block_compute_ms: list[float] = dataclasses.field(default_factory=list)
+    """The case's blocks' compute in the resident model, per block (median of up to 3
+    forwards, marks around each block; zeros with ``--steps`` above 1): with ``block_bytes``,
+    what ``floor_ms`` is made of (``meta["figures"]["floor_ms"]``)."""
+    block_bytes: list[int] = dataclasses.field(default_factory=list)
+    """The case's blocks' bytes as streamed (the compute dtype's), per block."""
     predicted_ratio: float | None = None
     """Budget variants: the residency plan's predicted forward / its resident forward (both
     from the ring's own measurements)."""
@@ -1032,7 +1038,8 @@ def _summarise(passes: dict[str, list[_Pass]], preset: str, blocks: int, label: 
                  for p in ps] if ps[0].device_budget is not None else None
         out.append(CaseResult(
             preset=preset, blocks=blocks, shape=label, variant=variant, forward_ms=ms,
-            overhead=ratio(variant, RESIDENT), floor_ms=floor, peak_device_mib=max(p.peak_mib for p in ps),
+            overhead=ratio(variant, RESIDENT), floor_ms=floor, block_compute_ms=list(compute),
+            block_bytes=list(block_bytes), peak_device_mib=max(p.peak_mib for p in ps),
             host_mib=ps[0].host_bytes / 2**20, setup_s=statistics.median(p.setup_s for p in ps),
             bitwise_equal=all(p.equal for p in ps) and all(m[variant][2] for m in memory or ()),
             # The floor as a ratio to resident in the overhead's own terms, so that the chart's
@@ -1655,8 +1662,12 @@ def _meta(args: argparse.Namespace, device: torch.device, world: int, bandwidth:
             "diffusers": diffusers.__version__,
             "nccl_max_ctas": os.environ.get("OMNI_OFFLOAD_NCCL_MAX_CTAS"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "h2d_bytes_per_s": bandwidth, "schedule": schedule(args.variants, world, args.budgets),
+            "h2d_bytes_per_s": bandwidth,
+            # --interleave runs no passes: every variant held at once, one forward of each per round.
+            "schedule": None if args.interleave else schedule(args.variants, world, args.budgets),
             "interleave": args.interleave, "warmup_per_pass": args.warmup, "repeats_per_pass": args.repeats,
+            # A budget variant warms up past its planner's measured forward (the plan is then in force).
+            "extra_warmup_under_a_budget": MEASURED_FORWARD if args.budgets else 0,
             "context_parallel": None if args.context_parallel is None else {
                 **args.context_parallel.to_dict(), "groups": world // args.context_parallel.size},
             "lora": None if args.lora is None else {"rank": args.lora, "fused": args.lora_fused,
@@ -1686,6 +1697,14 @@ def _figures(interleave: bool, stagger: bool) -> dict[str, str]:
             "overhead": f"{ratio}; baseline: the resident row of the same case",
             "vs_compiled": "the same as overhead, with the compiled row as the baseline",
             "vs_fp8": "the same as overhead, with the fp8-resident row as the baseline",
+            "floor_ms": "the resident row: its forward_ms. Every block streamed (peer, rank-local, shared, "
+                        "allgather): the resident row's forward_ms + the sum over blocks i of max(c_i, l_i) - c_i, "
+                        "c_i = block_compute_ms[i], l_i = block_bytes[i] / share / meta['h2d_bytes_per_s'] in ms "
+                        "(share: the world size for allgather, else 1). Under a budget ('@'), compiled-streamed "
+                        "and fp8 streamed variants: max(the baseline's forward_ms, streamed_mib * 2**20 / share / "
+                        "meta['h2d_bytes_per_s'] in ms). compiled, fp8-resident, and any variant with --steps above "
+                        "1: the baseline's forward_ms (baseline: the compiled, fp8-resident or resident row). "
+                        "Without a measured link (the CPU), the baseline's forward_ms",
             "to_floor": "forward_ms / floor_ms",
             "floor_overhead": "overhead * floor_ms / forward_ms: the floor in the overhead's terms (overhead / "
                               "floor_overhead = to_floor)"}

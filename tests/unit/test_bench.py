@@ -196,6 +196,8 @@ def test_interleaved_variants_run_side_by_side_and_ratios_pair_rounds(tmp_path, 
     assert cli_main(["bench", *flags]) == 0
     doc = json.loads(out_json.read_text())
     assert doc["meta"]["interleave"] is True
+    # No passes ran, so no schedule of them; the budget variants' extra warm-up is said.
+    assert doc["meta"]["schedule"] is None and doc["meta"]["extra_warmup_under_a_budget"] == 2
     rows = {r["variant"]: r for r in doc["results"]}
     assert list(rows) == ["resident", "peer", "rank-local@0%", "rank-local@100%", "fp8-resident",
                           "fp8-streamed@0%", "fp8-streamed@100%"]
@@ -836,3 +838,21 @@ def test_the_budget_sweep_draws_no_predicted_point_where_the_planner_predicted_n
     (ax,) = figures[0].axes
     (pred,) = [line for line in ax.get_lines() if line.get_label().endswith(": predicted")]
     assert list(pred.get_xdata()) == [50.0] and list(pred.get_ydata()) == [1.4]
+
+
+def test_floor_ms_is_recomputed_from_the_figures_in_the_file(tmp_path, monkeypatch) -> None:
+    # A slow link stands in for the GPU's, so that the floor is more than the resident forward:
+    # the per-block compute and bytes it is made of are in the file, as meta["figures"] says.
+    monkeypatch.setattr(bench, "h2d_bandwidth", lambda device, nbytes=0: 1e5)
+    out_json = tmp_path / "bench.json"
+    assert bench.main([*TINY_WAN, "--variants", "rank-local", "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in data["results"]}
+    bandwidth = data["meta"]["h2d_bytes_per_s"]
+    assert bandwidth == 1e5 and "block_compute_ms" in data["meta"]["figures"]["floor_ms"]
+    row, resident = rows["rank-local"], rows["resident"]
+    assert len(row["block_compute_ms"]) == len(row["block_bytes"]) == row["blocks"] > 0
+    link = [b / bandwidth * 1e3 for b in row["block_bytes"]]
+    want = resident["forward_ms"] + sum(max(c, l) - c for c, l in zip(row["block_compute_ms"], link))
+    assert row["floor_ms"] == pytest.approx(want) and row["floor_ms"] > resident["forward_ms"]
+    assert resident["floor_ms"] == resident["forward_ms"]
