@@ -971,22 +971,25 @@ def checked_device(device: torch.device | str | None) -> torch.device:
 
 
 def _fresh_modules(target: Any) -> dict[str, nn.Module]:
-    """The target's modules by attribute name; none may be offloaded already."""
+    """The target's modules by attribute name; none may be offloaded already, nor hold a module
+    that is (a wrapper around an offloaded model would stream its blocks a second time)."""
     modules = {"transformer": target} if is_bare_module(target) else pipeline_modules(target)
-    for name, mod in modules.items():
-        if mod.__dict__.get(_DISCARDED_ATTR):
-            raise OffloadConfigError(
-                f"{name} ({type(mod).__name__}) was emptied by OffloadHandle.discard() (Omni.close() calls it): "
-                "its streamed weights are gone. Load the model again; to keep a model after offloading, "
-                "end the offload with remove() instead.")
-        handle = getattr(mod, _STATE_ATTR, None)
-        if handle is not None:
-            streamed = sorted({ring.component.name for ring in handle.rings})
-            raise OffloadConfigError(
-                f"{name} ({type(mod).__name__}) belongs to an earlier apply_offload (streaming "
-                f"{streamed or 'nothing'}; the rest it placed on the device): call remove() on the handle "
-                "that apply_offload returned before applying again."
-            )
+    for name, root in modules.items():
+        for sub, mod in root.named_modules():
+            where = f"{name}.{sub}" if sub else name
+            if mod.__dict__.get(_DISCARDED_ATTR):
+                raise OffloadConfigError(
+                    f"{where} ({type(mod).__name__}) was emptied by OffloadHandle.discard() (Omni.close() calls "
+                    "it): its streamed weights are gone. Load the model again; to keep a model after offloading, "
+                    "end the offload with remove() instead.")
+            handle = mod.__dict__.get(_STATE_ATTR)
+            if handle is not None:
+                streamed = sorted({ring.component.name for ring in handle.rings})
+                raise OffloadConfigError(
+                    f"{where} ({type(mod).__name__}) belongs to an earlier apply_offload (streaming "
+                    f"{streamed or 'nothing'}; the rest it placed on the device): call remove() on the handle "
+                    "that apply_offload returned before applying again."
+                )
     return modules
 
 

@@ -240,6 +240,32 @@ def test_apply_twice_is_an_error():
     apply_offload(model, DIT).remove()  # after remove() it can be applied again
 
 
+class _Wrapper(torch.nn.Module):
+    """A model around another, declaring the inner model's blocks as its own."""
+
+    _layerwise_offload_blocks_attrs = ["inner.blocks"]
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@torch.no_grad()
+def test_a_wrapper_around_an_offloaded_model_is_refused():
+    # It used to be accepted: a second host copy of every block and a second ring's hooks on it.
+    model = ToyDiT(2)
+    handle = apply_offload(model, DIT)
+    hooks = sum(len(b._forward_pre_hooks) for b in model.blocks)
+    with pytest.raises(OffloadConfigError, match=r"transformer\.inner \(ToyDiT\) belongs to an earlier apply_offload"):
+        apply_offload(_Wrapper(model), DIT)
+    assert sum(len(b._forward_pre_hooks) for b in model.blocks) == hooks
+    handle.remove()
+    apply_offload(_Wrapper(model), DIT).remove()  # after remove() it can be
+
+
 @pytest.mark.parametrize("fail_at", [0, 2])
 def test_failure_during_setup_leaves_model_as_it_was(monkeypatch, fail_at):
     model = OddDiT(4)
