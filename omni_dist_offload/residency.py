@@ -444,20 +444,29 @@ def _greedy(costs: RingCosts, forced: frozenset[int], cap: int, slots: int, room
     # More streamed blocks than slots, or they would sit in their slots for good: resident
     # blocks with extra steps.
     while len(costs.nbytes) - len(resident) - 1 > slots:
-        choice = None
-        for i in candidates:
-            if i in resident or costs.nbytes[i] > room:
-                continue
-            trial = _simulate(costs, frozenset(resident | {i}), slots)
-            key = (_rounded(trial.forward_ms), -_rounded(trial.slack_ms), costs.nbytes[i])
-            if choice is None or key < choice[0]:
-                choice = (key, i, trial)
+        choice = _next_resident(costs, resident, [i for i in candidates if costs.nbytes[i] <= room], slots)
         if choice is None:
             return
-        _, i, outcome = choice
+        i, outcome = choice
         resident.add(i)
         room -= costs.nbytes[i]
         yield _plan(costs, resident, slots, cap, outcome), outcome
+
+
+def _next_resident(costs: RingCosts, resident: set[int], candidates: Iterable[int], slots: int
+                   ) -> tuple[int, _Outcome] | None:
+    """The candidate whose residency, beside ``resident``, shortens the predicted forward most
+    (then: raises the smallest arrival margin most, then: costs fewest bytes), with its outcome;
+    None when there is none."""
+    choice = None
+    for i in candidates:
+        if i in resident:
+            continue
+        trial = _simulate(costs, frozenset(resident | {i}), slots)
+        key = (_rounded(trial.forward_ms), -_rounded(trial.slack_ms), costs.nbytes[i])
+        if choice is None or key < choice[0]:
+            choice = (key, i, trial)
+    return None if choice is None else choice[1:]
 
 
 def _plan(costs: RingCosts, resident: set[int], slots: int, cap: int, outcome: _Outcome) -> ResidencyPlan:
@@ -504,15 +513,7 @@ def pick_resident(nbytes: Sequence[int], slot_bytes: Sequence[int], count: int,
     slots = SLOT_CHOICES[0]
     picked: set[int] = set()
     for _ in range(count):
-        choice = None
-        for i in range(n):
-            if i in picked:
-                continue
-            trial = _simulate(costs, frozenset(picked | {i}), slots)
-            key = (_rounded(trial.forward_ms), -_rounded(trial.slack_ms), nbytes[i])
-            if choice is None or key < choice[0]:
-                choice = (key, i)
-        picked.add(choice[1])
+        picked.add(_next_resident(costs, picked, range(n), slots)[0])
     # The greedy pick only where it predicts clearly better (0.1%) than the even spread.
     if simulate(costs, picked, slots) < simulate(costs, even, slots) * (1 - 1e-3):
         return tuple(sorted(picked))

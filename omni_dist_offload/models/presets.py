@@ -35,10 +35,10 @@ class Preset:
     def built_blocks(self, blocks: int) -> int:
         """How many blocks :meth:`block_config` builds when asked for ``blocks``: a Flux model
         has at least one block of each kind, so asked for 1 it builds 2."""
+        config = self.block_config(blocks)
         if self.blocks_key == "flux":
-            double = max(1, round(blocks / 3))
-            return double + max(1, blocks - double)
-        return blocks
+            return config["num_layers"] + config["num_single_layers"]
+        return config[self.blocks_key]
 
     def block_config(self, blocks: int) -> dict[str, Any]:
         if self.blocks_key == "flux":  # dual-stream then single-stream blocks, 1:2 as in Flux

@@ -735,7 +735,6 @@ def _interleaved(model: nn.Module, forward_of: Callable[[nn.Module], Callable[[]
         equal[variant] = bool(torch.equal(out, reference_of(variant))) and equal[variant]
 
     undo_failures: dict[str, str] = {}
-    copy_ = fn = undo = handle = None
     try:
         for variant in variants:
             before = allocated()

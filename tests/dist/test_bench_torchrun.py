@@ -89,24 +89,12 @@ def test_interleaved_variants_on_two_ranks_pair_rounds_on_every_rank(tmp_path) -
 def _bench_with_rank_1_off(rank, out_json: str) -> int:
     """The bench on two ranks, rank 1's rank-local output nudged after the model ran."""
     import torch
+    from faults import nudged_outputs
 
     from omni_dist_offload.tools import bench
 
-    apply = bench._apply_ours
-
-    def nudged(model, variant, device, **kwargs):
-        handle = apply(model, variant, device, **kwargs)
-        if rank.rank == 1 and variant == "rank-local":
-            hook = model.register_forward_hook(lambda m, a, out: (out[0] + 1e-3, *out[1:]))
-            remove = handle.remove
-
-            def undo():
-                hook.remove()
-                remove()
-            handle.remove = undo
-        return handle
-
-    bench._apply_ours = nudged
+    if rank.rank == 1:
+        bench._apply_ours = nudged_outputs(bench._apply_ours)
     with torch.no_grad():
         return bench.main(["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32", "--warmup",
                            "1", "--repeats", "1", "--variants", "rank-local", "--json", out_json])

@@ -17,6 +17,7 @@ from omni_dist_offload.tools.bench import CaseResult, PeerOffload, floor_ms, sch
 from omni_dist_offload.models import PRESETS, build_model, flux_inputs
 from omni_dist_offload.plan import module_bytes
 from omni_dist_offload.app.cli import main as cli_main
+from faults import nudged_outputs
 from media import png_size
 
 TINY_WAN = ["--preset", "tiny-wan", "--frames", "5", "--height", "32", "--width", "32",
@@ -744,35 +745,10 @@ def test_an_interleave_undo_that_fails_still_reports_the_measured_rows(monkeypat
     assert "undo broke" in capsys.readouterr().err
 
 
-def _nudge_first_forwards(monkeypatch, count: int) -> None:
-    """rank-local's first ``count`` forwards after it is applied are off by 1e-3."""
-    apply = bench._apply_ours
-
-    def nudged(model, variant, device, **kw):
-        handle = apply(model, variant, device, **kw)
-        if variant.startswith("rank-local"):
-            n = [0]
-
-            def hook(m, a, out):
-                n[0] += 1
-                return (out[0] + 1e-3, *out[1:]) if n[0] <= count else out
-
-            h = model.register_forward_hook(hook)
-            remove = handle.remove
-
-            def undo():
-                h.remove()
-                remove()
-
-            handle.remove = undo
-        return handle
-
-    monkeypatch.setattr(bench, "_apply_ours", nudged)
-
-
 @pytest.mark.parametrize("extra", [[], ["--interleave"]], ids=["passes", "interleave"])
 def test_a_variant_wrong_only_on_its_untimed_forwards_is_not_equal(extra, monkeypatch, capsys) -> None:
-    _nudge_first_forwards(monkeypatch, 1)
+    # rank-local's first forward after it is applied (a warm-up) is off by 1e-3.
+    monkeypatch.setattr(bench, "_apply_ours", nudged_outputs(bench._apply_ours, forwards=1))
     flags = ["--preset", "tiny-flux", "--px", "32", "--warmup", "1", "--repeats", "1",
              "--variants", "rank-local", *extra]
     assert bench.main(flags) != 0
